@@ -1,0 +1,1 @@
+"""The core runtime: cluster model, wire format, transport contract, collectives, launcher."""

@@ -1,0 +1,367 @@
+"""The cluster model: jobs, tasks, and where this process sits in them.
+
+A *cluster* is a set of named *jobs* (``chief``, ``worker``, ``ps``, ...), each a list of *tasks*, one
+process each, addressed ``/job:worker/task:1``. This is the shape of TensorFlow's ``TF_CONFIG``, so a
+Kubernetes TFJob works unchanged, and of what ``stratagem launch`` writes into ``STRATAGEM_CONFIG``.
+
+Example::
+
+    >>> spec = ClusterSpec({"worker": ["127.0.0.1:2222", "127.0.0.1:2223"], "ps": ["127.0.0.1:2224"]})
+    >>> spec.num_tasks("worker")
+    2
+    >>> str(spec.chief)
+    '/job:worker/task:0'
+    >>> TaskId.parse("/job:ps/task:0") in spec
+    True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping
+
+from .errors import ConfigurationError
+
+#: Jobs whose tasks compute on replicas of the model, in rank order.
+REPLICA_JOBS = ("chief", "worker")
+#: TF_CONFIG spells the chief ``master`` in older TFJobs; we accept it as an alias.
+JOB_ALIASES = {"master": "chief"}
+
+_JOB_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+_TASK_PATTERN = re.compile(r"^/job:(?P<job>[^/]+)/(?:replica:\d+/)?task:(?P<index>\d+)$")
+_SHORT_PATTERN = re.compile(r"^(?P<job>[A-Za-z_][A-Za-z0-9_\-]*):(?P<index>\d+)$")
+
+
+@dataclass(frozen=True, order=True)
+class TaskId:
+    """One task of a cluster: a job name and an index, printed as ``/job:worker/task:1``.
+
+    >>> TaskId("worker", 1)
+    TaskId('/job:worker/task:1')
+    >>> TaskId.parse("worker:1") == TaskId.parse("/job:worker/task:1")
+    True
+    """
+
+    job: str
+    index: int
+
+    def __post_init__(self):
+        job = JOB_ALIASES.get(self.job, self.job)
+        if not isinstance(job, str) or not _JOB_NAME.match(job):
+            raise ConfigurationError(
+                f"invalid job name {self.job!r}: use letters, digits, '_' or '-' (e.g. 'worker')"
+            )
+        if not isinstance(self.index, int) or isinstance(self.index, bool) or self.index < 0:
+            raise ConfigurationError(
+                f"invalid task index {self.index!r} for job {job!r}: it must be an integer >= 0"
+            )
+        object.__setattr__(self, "job", job)
+
+    @classmethod
+    def parse(cls, text: "str | TaskId") -> "TaskId":
+        """Parse ``/job:worker/task:1`` (or the short form ``worker:1``)."""
+        if isinstance(text, TaskId):
+            return text
+        if not isinstance(text, str):
+            raise ConfigurationError(f"a task must be given as '/job:NAME/task:INDEX', not {text!r}")
+        match = _TASK_PATTERN.match(text) or _SHORT_PATTERN.match(text)
+        if not match:
+            raise ConfigurationError(
+                f"cannot parse task {text!r}: write it as '/job:worker/task:1' or 'worker:1'"
+            )
+        return cls(match["job"], int(match["index"]))
+
+    @property
+    def short(self) -> str:
+        """``worker:1`` -- the form used in log prefixes and on the wire."""
+        return f"{self.job}:{self.index}"
+
+    def __str__(self) -> str:
+        return f"/job:{self.job}/task:{self.index}"
+
+    def __repr__(self) -> str:
+        return f"TaskId({str(self)!r})"
+
+
+def _check_address(job: str, index: int, address) -> str | None:
+    if address is None:
+        return None  # clusters derived from an MPI world have no socket addresses
+    if not isinstance(address, str):
+        raise ConfigurationError(
+            f"job {job!r} task {index}: address must be a 'host:port' string, got {address!r}"
+        )
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigurationError(
+            f"job {job!r} task {index}: address {address!r} is not 'host:port' "
+            f"(e.g. '127.0.0.1:2222' or 'worker-1.svc:2222')"
+        )
+    return address
+
+
+class ClusterSpec:
+    """The jobs of a cluster and the address of each task.
+
+    Built from a mapping ``{"job": ["host:port", ...]}`` (TF_CONFIG's ``cluster``), or from a mapping
+    ``{"job": {index: "host:port"}}`` for sparse jobs. ``master`` is read as ``chief``.
+    """
+
+    __slots__ = ("jobs",)
+
+    def __init__(self, jobs: "Mapping[str, Iterable[str] | Mapping[int, str]] | ClusterSpec"):
+        if isinstance(jobs, ClusterSpec):
+            jobs = jobs.jobs
+        if not isinstance(jobs, Mapping):
+            raise ConfigurationError(
+                f"a cluster must be a mapping of job name to a list of 'host:port', got {type(jobs).__name__}"
+            )
+        normalized: dict[str, tuple] = {}
+        for raw_job, tasks in jobs.items():
+            job = TaskId(raw_job, 0).job  # validates and applies the alias
+            if job in normalized:
+                raise ConfigurationError(f"job {job!r} is given twice (note: 'master' is an alias of 'chief')")
+            if isinstance(tasks, Mapping):
+                indices = sorted(int(i) for i in tasks)
+                if indices != list(range(len(indices))):
+                    raise ConfigurationError(
+                        f"job {job!r} has task indices {indices}: they must be 0..N-1 with no gaps"
+                    )
+                tasks = [tasks[i] if i in tasks else tasks[str(i)] for i in indices]
+            if isinstance(tasks, (str, bytes)) or not isinstance(tasks, Iterable):
+                raise ConfigurationError(f"job {job!r}: tasks must be a list of 'host:port', got {tasks!r}")
+            normalized[job] = tuple(_check_address(job, i, a) for i, a in enumerate(tasks))
+            if not normalized[job]:
+                raise ConfigurationError(f"job {job!r} has no tasks: remove it or give it at least one")
+        if "chief" in normalized and len(normalized["chief"]) != 1:
+            raise ConfigurationError(
+                f"job 'chief' must have exactly one task, it has {len(normalized['chief'])}"
+            )
+        seen: dict[str, TaskId] = {}
+        for job, addresses in normalized.items():
+            for index, address in enumerate(addresses):
+                if address is None:
+                    continue
+                if address in seen and not address.endswith(":0"):
+                    raise ConfigurationError(
+                        f"{TaskId(job, index)} and {seen[address]} share the address {address}: "
+                        f"every task needs its own port"
+                    )
+                seen[address] = TaskId(job, index)
+        object.__setattr__(self, "jobs", normalized)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("ClusterSpec is immutable")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ClusterSpec) and self.jobs == other.jobs
+
+    def __hash__(self) -> int:
+        return hash(self.to_json())
+
+    def __repr__(self) -> str:
+        return f"ClusterSpec({self.as_dict()!r})"
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def job_names(self) -> list[str]:
+        return list(self.jobs)
+
+    def num_tasks(self, job: str) -> int:
+        return len(self.jobs.get(JOB_ALIASES.get(job, job), ()))
+
+    def address(self, task: "TaskId | str") -> str | None:
+        task = TaskId.parse(task)
+        self.check(task)
+        return self.jobs[task.job][task.index]
+
+    def check(self, task: "TaskId | str") -> TaskId:
+        """Return ``task`` if it is part of this cluster, else raise an error naming what exists."""
+        task = TaskId.parse(task)
+        if task.job not in self.jobs:
+            raise ConfigurationError(
+                f"job {task.job!r} is not in the cluster (jobs: {', '.join(self.jobs) or 'none'}); "
+                f"fix the task type in your config or add the job to the cluster"
+            )
+        count = len(self.jobs[task.job])
+        if task.index >= count:
+            raise ConfigurationError(
+                f"task index {task.index} is out of range for job {task.job!r}, which has {count} "
+                f"task(s) (indices 0..{count - 1}); fix the task index or add tasks to the job"
+            )
+        return task
+
+    def __contains__(self, task) -> bool:
+        try:
+            self.check(task)
+        except ConfigurationError:
+            return False
+        return True
+
+    def tasks(self, job: str | None = None) -> list[TaskId]:
+        """Tasks of one job, or of all jobs (replica jobs first, then the others by name)."""
+        if job is not None:
+            job = JOB_ALIASES.get(job, job)
+            return [TaskId(job, i) for i in range(self.num_tasks(job))]
+        ordered = [j for j in REPLICA_JOBS if j in self.jobs] + sorted(
+            j for j in self.jobs if j not in REPLICA_JOBS
+        )
+        return [t for j in ordered for t in self.tasks(j)]
+
+    def __iter__(self) -> Iterator[TaskId]:
+        return iter(self.tasks())
+
+    def __len__(self) -> int:
+        return sum(len(a) for a in self.jobs.values())
+
+    def replicas(self) -> list[TaskId]:
+        """The tasks that compute (``chief`` then ``worker``), in rank order."""
+        return [t for j in REPLICA_JOBS for t in self.tasks(j)]
+
+    @property
+    def chief(self) -> TaskId:
+        """``chief:0`` if the cluster has a chief, else ``worker:0``."""
+        if "chief" in self.jobs:
+            return TaskId("chief", 0)
+        if "worker" in self.jobs:
+            return TaskId("worker", 0)
+        raise ConfigurationError("the cluster has neither a 'chief' nor a 'worker' job, so it has no chief")
+
+    # -- serialisation ---------------------------------------------------------------------------
+    def as_dict(self) -> dict[str, list]:
+        return {job: list(addresses) for job, addresses in self.jobs.items()}
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "ClusterSpec":
+        try:
+            return cls(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise ConfigurationError(f"cluster JSON is not valid JSON: {exc}") from None
+
+    @property
+    def cluster_id(self) -> str:
+        """A stable id of this cluster's shape, so that two clusters never talk to each other by accident."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class ResolvedCluster:
+    """What ``ClusterResolver`` found: the cluster, this process's task, the secret and the source."""
+
+    cluster: ClusterSpec
+    task: TaskId
+    secret: bytes | None = None
+    source: str = "default"
+    rpc_layer: str | None = None
+
+    @property
+    def is_chief(self) -> bool:
+        return self.task == self.cluster.chief
+
+
+#: MPI launchers' rank/size variables, in the order we look for them.
+MPI_RANK_VARS = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMIX_RANK", "PMIX_SIZE"),
+    ("PMI_RANK", "PMI_SIZE"),
+    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
+    ("SLURM_PROCID", "SLURM_NTASKS"),
+)
+
+
+class ClusterResolver:
+    """Finds the cluster and this process's task from the environment.
+
+    In order: ``STRATAGEM_CONFIG`` (written by ``stratagem launch``), ``TF_CONFIG`` (Kubernetes TFJob),
+    then MPI launch variables (``mpiexec``); with none of them, a one-task cluster (``worker:0``) so a
+    script also runs as a plain ``python train.py``.
+
+    >>> import json
+    >>> env = {"TF_CONFIG": json.dumps({"cluster": {"master": ["a:1"], "worker": ["b:2"]},
+    ...                                 "task": {"type": "worker", "index": 0}})}
+    >>> ClusterResolver.from_env(env).task
+    TaskId('/job:worker/task:0')
+    """
+
+    @staticmethod
+    def from_env(environ: Mapping[str, str] | None = None) -> ResolvedCluster:
+        env = os.environ if environ is None else environ
+        secret = env.get("STRATAGEM_SECRET") or None
+        secret_bytes = secret.encode() if secret else None
+        for var in ("STRATAGEM_CONFIG", "TF_CONFIG"):
+            if env.get(var):
+                return ClusterResolver.from_config(env[var], source=var, secret=secret_bytes)
+        for rank_var, size_var in MPI_RANK_VARS:
+            if rank_var in env and size_var in env:
+                return ClusterResolver.from_mpi(
+                    _int_var(env, rank_var), _int_var(env, size_var),
+                    num_ps=_int_var(env, "STRATAGEM_NUM_PS", default=0),
+                    secret=secret_bytes, source=f"mpi ({rank_var})",
+                )
+        cluster = ClusterSpec({"worker": ["127.0.0.1:0"]})
+        return ResolvedCluster(cluster, TaskId("worker", 0), secret_bytes, "default (single process)")
+
+    @staticmethod
+    def from_config(text: str, *, source: str = "config", secret: bytes | None = None) -> ResolvedCluster:
+        """Parse the TF_CONFIG-shaped JSON: ``{"cluster": {...}, "task": {"type": ..., "index": ...}}``."""
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigurationError(f"{source} is not valid JSON ({exc}); it must look like "
+                                     '{"cluster": {"worker": ["host:port"]}, "task": {"type": "worker", "index": 0}}') from None
+        if not isinstance(config, dict) or "cluster" not in config:
+            raise ConfigurationError(f"{source} has no 'cluster' entry; it must look like "
+                                     '{"cluster": {"worker": ["host:port"]}, "task": {"type": "worker", "index": 0}}')
+        cluster = ClusterSpec(config["cluster"])
+        task_entry = config.get("task") or {}
+        if not isinstance(task_entry, dict) or "type" not in task_entry:
+            raise ConfigurationError(f"{source} has no 'task' entry with a 'type' (e.g. "
+                                     '"task": {"type": "worker", "index": 0})')
+        index = task_entry.get("index", 0)
+        if isinstance(index, str) and index.isdigit():
+            index = int(index)
+        task = TaskId(task_entry["type"], index)
+        if task.job not in cluster.jobs:
+            raise ConfigurationError(
+                f"{source}: task type {task_entry['type']!r} is not a job of the cluster "
+                f"(jobs: {', '.join(cluster.jobs)}); fix 'task.type'"
+            )
+        cluster.check(task)
+        return ResolvedCluster(cluster, task, secret, source, config.get("rpc_layer"))
+
+    @staticmethod
+    def from_mpi(rank: int, size: int, *, num_ps: int = 0, secret: bytes | None = None,
+                 source: str = "mpi") -> ResolvedCluster:
+        """Map an MPI world onto jobs: ranks ``0..size-num_ps-1`` are workers (rank 0 the chief),
+        the last ``num_ps`` ranks are ``ps`` tasks. Tasks have no socket addresses (MPI moves the data)."""
+        if not 0 <= rank < size:
+            raise ConfigurationError(f"MPI rank {rank} is outside the world of size {size}")
+        if not 0 <= num_ps < size:
+            raise ConfigurationError(
+                f"STRATAGEM_NUM_PS={num_ps} leaves no worker in an MPI world of {size} ranks; "
+                f"use fewer ps tasks or more ranks"
+            )
+        workers = size - num_ps
+        jobs = {"worker": [None] * workers}
+        if num_ps:
+            jobs["ps"] = [None] * num_ps
+        task = TaskId("worker", rank) if rank < workers else TaskId("ps", rank - workers)
+        return ResolvedCluster(ClusterSpec(jobs), task, secret, source)
+
+
+def _int_var(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = env.get(name)
+    if value is None or value == "":
+        if default is None:
+            raise ConfigurationError(f"environment variable {name} is not set")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigurationError(f"environment variable {name}={value!r} is not an integer") from None

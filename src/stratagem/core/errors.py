@@ -1,0 +1,61 @@
+"""Every error Stratagem raises on purpose, in one place.
+
+Each message names the problem and how to fix it; the classes let callers tell the failure kinds
+apart (a lost peer is not a bad configuration).
+"""
+
+from __future__ import annotations
+
+
+class StratagemError(Exception):
+    """Base class of every error Stratagem raises on purpose."""
+
+
+class ConfigurationError(StratagemError, ValueError):
+    """The cluster, task, options or environment are wrong; the message says what and how to fix it."""
+
+
+class PluginError(StratagemError, LookupError):
+    """A strategy or transport name is unknown, or the plugin cannot be used on this machine."""
+
+
+class IncompatibleError(StratagemError):
+    """A strategy cannot run over the chosen transport (or another combination that cannot work)."""
+
+
+class ProtocolError(StratagemError):
+    """A frame is malformed, oversized, of another protocol version, or fails authentication."""
+
+
+class AuthenticationError(ProtocolError):
+    """A peer failed the cluster-secret challenge, or the secrets differ."""
+
+
+class CommunicationError(StratagemError):
+    """Base class of failures to move data between tasks."""
+
+
+class TransportTimeout(CommunicationError, TimeoutError):
+    """A blocking call did not complete within its timeout."""
+
+
+class TransportClosed(CommunicationError):
+    """The transport was closed while a call was waiting on it."""
+
+
+class PeerLostError(CommunicationError):
+    """A peer task died or became unreachable; ``task`` names it."""
+
+    def __init__(self, task, detail: str = ""):
+        self.task = task
+        message = f"lost peer {task}"
+        if detail:
+            message += f": {detail}"
+        super().__init__(message)
+
+    def __reduce__(self):  # keep the error picklable for multiprocessing-based callers
+        return (type(self), (self.task, ""))
+
+
+class CollectiveMismatchError(CommunicationError):
+    """Ranks called different collectives (or with different dtypes/shapes) at the same step."""

@@ -1,0 +1,107 @@
+"""The receive side of the transport contract, shared by every transport.
+
+Incoming messages are filed by ``(source, tag)``; ``get`` waits for the next one from a given source
+(or any source) under a tag. A source marked lost wakes its waiters with ``PeerLostError`` once
+nothing from it is pending, so a dead peer is an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import defaultdict, deque
+
+from .cluster import TaskId
+from .errors import PeerLostError, TransportClosed, TransportTimeout
+
+
+class Mailbox:
+    """Thread-safe store of delivered messages, keyed by (source, tag)."""
+
+    def __init__(self, owner: TaskId):
+        self.owner = owner
+        self._cond = threading.Condition()
+        self._queues: dict[tuple[TaskId, str], deque] = {}
+        self._sources_by_tag: dict[str, set[TaskId]] = defaultdict(set)
+        self._arrival = itertools.count()
+        self._lost: dict[TaskId, str] = {}
+        self._closed: str | None = None
+
+    def put(self, src: TaskId, tag: str, message) -> None:
+        """File a delivered message (called by the transport's receive path)."""
+        with self._cond:
+            if self._closed is not None:
+                return
+            queue = self._queues.get((src, tag))
+            if queue is None:
+                queue = self._queues[(src, tag)] = deque()
+            queue.append((next(self._arrival), message))
+            self._sources_by_tag[tag].add(src)
+            self._cond.notify_all()
+
+    def get(self, src: TaskId | None, tag: str, timeout: float | None):
+        """The next message under ``tag`` from ``src`` (any source if ``None``); see Transport.recv."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                message = self._pop(src, tag)
+                if message is not None:
+                    return message
+                if self._closed is not None:
+                    raise TransportClosed(f"{self.owner}: transport closed while waiting for {tag!r} ({self._closed})")
+                if src is not None and src in self._lost:
+                    raise PeerLostError(src, f"{self._lost[src]} (while {self.owner} waited for {tag!r})")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    who = "any peer" if src is None else str(src)
+                    raise TransportTimeout(
+                        f"{self.owner}: no message {tag!r} from {who} within {timeout:g} s "
+                        f"(is that task running and calling the same operation?)"
+                    )
+                self._cond.wait(remaining)
+
+    def _pop(self, src: TaskId | None, tag: str):
+        if src is None:
+            sources = self._sources_by_tag.get(tag)
+            if not sources:
+                return None
+            src = min(sources, key=lambda s: self._queues[(s, tag)][0][0])
+        queue = self._queues.get((src, tag))
+        if not queue:
+            return None
+        _, message = queue.popleft()
+        if not queue:
+            del self._queues[(src, tag)]
+            sources = self._sources_by_tag[tag]
+            sources.discard(src)
+            if not sources:
+                del self._sources_by_tag[tag]
+        return message
+
+    def mark_lost(self, task: TaskId, reason: str) -> None:
+        """Declare ``task`` gone; its waiters raise once its pending messages are consumed."""
+        with self._cond:
+            self._lost[task] = reason
+            self._cond.notify_all()
+
+    def mark_alive(self, task: TaskId) -> None:
+        """A new incarnation of ``task`` connected: stop reporting it lost."""
+        with self._cond:
+            self._lost.pop(task, None)
+
+    def lost(self) -> dict[TaskId, str]:
+        with self._cond:
+            return dict(self._lost)
+
+    def is_lost(self, task: TaskId) -> str | None:
+        with self._cond:
+            return self._lost.get(task)
+
+    def close(self, reason: str = "closed") -> None:
+        """Wake every waiter with ``TransportClosed`` and drop what is pending."""
+        with self._cond:
+            self._closed = reason
+            self._queues.clear()
+            self._sources_by_tag.clear()
+            self._cond.notify_all()

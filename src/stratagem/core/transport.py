@@ -1,0 +1,181 @@
+"""The transport contract: the smallest thing every transport can provide well (DESIGN §3).
+
+Mailbox semantics. A task sends a :class:`Message` to a peer under a string *tag*; the peer receives
+it with ``recv(src, tag)``. Delivery is reliable and ordered per ``(src, dst, tag)``; ``src=None``
+receives from any peer, in arrival order. Every blocking call takes a timeout, and a peer that is
+gone raises :class:`~stratagem.core.errors.PeerLostError` naming it, never a hang.
+
+Collectives, strategies and the parameter-server service are written once over this contract;
+a transport only moves messages (and may offer faster native collectives).
+
+Example (two endpoints of the in-process transport)::
+
+    >>> import numpy as np
+    >>> from stratagem.core.cluster import ClusterSpec, TaskId
+    >>> from stratagem.transports.local import LocalTransport
+    >>> cluster = ClusterSpec({"worker": ["local:1", "local:2"]})
+    >>> opts = LocalTransport.world_options()
+    >>> a = LocalTransport(cluster, TaskId("worker", 0), **opts); a.start()
+    >>> b = LocalTransport(cluster, TaskId("worker", 1), **opts); b.start()
+    >>> a.send(TaskId("worker", 1), "greeting", Message({"step": 1}, [np.arange(3)]))
+    >>> m = b.recv(TaskId("worker", 0), "greeting", timeout=5)
+    >>> m.meta["step"], m.buffers[0].tolist(), str(m.src)
+    (1, [0, 1, 2], '/job:worker/task:0')
+    >>> a.close(); b.close()
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping
+
+from .cluster import ClusterSpec, TaskId
+from .errors import ConfigurationError
+from .wire import Limits
+
+log = logging.getLogger(__name__)
+
+#: Default seconds a blocking call waits before raising ``TransportTimeout``.
+DEFAULT_TIMEOUT = 300.0
+#: Default seconds of silence after which a connected peer is declared lost.
+DEFAULT_PEER_TIMEOUT = 30.0
+
+
+@dataclass
+class Message:
+    """Small metadata (a dict of plain values: str, int, float, bool, None, bytes, lists, dicts)
+    plus a list of array buffers (numpy, or cupy where the transport carries device memory).
+
+    ``src`` is filled in by ``recv`` with the task the message came from. Lists come back as lists
+    (tuples in ``meta`` arrive as lists).
+    """
+
+    meta: dict = field(default_factory=dict)
+    buffers: list = field(default_factory=list)
+    src: TaskId | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(b.nbytes) for b in self.buffers)
+
+
+class Transport(abc.ABC):
+    """Base class of every transport plugin.
+
+    Subclasses implement :meth:`start`, :meth:`close`, :meth:`send` and :meth:`recv`; they may
+    override :meth:`native_collectives`. Construct with the cluster and this task; options that a
+    transport does not know are refused with the list of those it does.
+
+    Args:
+        cluster: the cluster this task belongs to.
+        task: this process's task.
+        secret: the cluster secret (bytes). When set, every connection is authenticated with an
+            HMAC challenge-response and a peer that fails it is refused.
+        timeout: default seconds a blocking call waits (``send``/``recv`` take their own too).
+        peer_timeout: seconds of silence after which a connected peer is declared lost.
+        limits: the wire limits (frame and metadata sizes) enforced on received frames.
+    """
+
+    #: Registered short name (``zmq``, ``local``...).
+    name: ClassVar[str] = "abstract"
+    #: True if buffers may be device (cupy) arrays that stay on the device.
+    device_buffers: ClassVar[bool] = False
+    #: True if all endpoints of a world must live in one process (the ``local`` transport).
+    in_process: ClassVar[bool] = False
+
+    def __init__(self, cluster: ClusterSpec, task: TaskId | str, *, secret: bytes | str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT, peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+                 limits: Limits | None = None):
+        self.cluster = ClusterSpec(cluster)
+        self.task = self.cluster.check(TaskId.parse(task))
+        if isinstance(secret, str):
+            secret = secret.encode()
+        self.secret: bytes | None = secret or None
+        if timeout is not None and timeout <= 0:
+            raise ConfigurationError(f"timeout must be > 0 seconds, got {timeout}")
+        if peer_timeout <= 0:
+            raise ConfigurationError(f"peer_timeout must be > 0 seconds, got {peer_timeout}")
+        self.timeout = timeout
+        self.peer_timeout = float(peer_timeout)
+        self.limits = limits or Limits()
+
+    # -- construction helpers ----------------------------------------------------------------------
+    @classmethod
+    def world_options(cls) -> dict[str, Any]:
+        """Extra constructor options that make several endpoints in one process form one world.
+
+        Socket transports need none (each endpoint binds its own address); the in-process transport
+        returns a fresh shared fabric. Used by tests and by single-process multi-replica runs.
+        """
+        return {}
+
+    @classmethod
+    def check_usable(cls) -> None:
+        """Raise ``PluginError`` with the reason and the install hint if this transport cannot run here."""
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Bind this task's address and start serving. Idempotent."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Tell peers we are leaving, release every resource, and wake blocked callers. Idempotent."""
+
+    def abort(self) -> None:
+        """Stop abruptly, as a crash would (no goodbye to peers). Used by failure tests."""
+        self.close()
+
+    def __enter__(self) -> "Transport":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- messaging ---------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def send(self, dst: TaskId, tag: str, msg: Message, timeout: float | None = None) -> None:
+        """Queue ``msg`` for ``dst`` under ``tag``.
+
+        Returns once the message's buffers may be reused by the caller (not necessarily delivered).
+        Raises ``PeerLostError(dst)`` if ``dst`` is known to be gone, ``TransportTimeout`` if the
+        message cannot be queued within ``timeout``.
+        """
+
+    @abc.abstractmethod
+    def recv(self, src: TaskId | None, tag: str, timeout: float | None = None) -> Message:
+        """Wait for the next message under ``tag`` from ``src`` (any peer if ``None``).
+
+        Messages already delivered are returned even if their sender has died since. Raises
+        ``PeerLostError(src)`` when ``src`` is gone and nothing from it is pending,
+        ``TransportTimeout`` after ``timeout`` seconds (default: the transport's), ``TransportClosed``
+        if the transport is closed while waiting.
+        """
+
+    def native_collectives(self) -> Mapping[str, Callable]:
+        """Faster collective implementations this transport has natively (MPI, NCCL).
+
+        Maps a collective name (``allreduce``, ``broadcast``, ``allgather``, ``reduce_scatter``,
+        ``barrier``) to a callable with the signature of the core algorithm it replaces. Core's
+        algorithms cover whatever is missing.
+        """
+        return {}
+
+    def lost_peers(self) -> dict[TaskId, str]:
+        """Peers known to be gone, with the reason."""
+        return {}
+
+    # -- helpers for subclasses --------------------------------------------------------------------
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def _check_peer(self, task: TaskId | str) -> TaskId:
+        task = TaskId.parse(task)
+        self.cluster.check(task)
+        return task
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.task}>"

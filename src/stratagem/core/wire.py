@@ -1,0 +1,326 @@
+"""The wire format every byte-moving transport speaks (DESIGN §4).
+
+A frame is a fixed header, an *envelope* (msgpack: the tag, the user's metadata, and the dtype and
+shape of each buffer), then the raw array buffers. Nothing is pickled, so a frame from the network
+can never run code. Every length is checked against :class:`Limits` *before* anything is allocated,
+every dtype against a whitelist, and ``shape x itemsize`` against the buffer's real length; anything
+else raises :class:`~stratagem.core.errors.ProtocolError` and nothing but that.
+
+Layout (little-endian)::
+
+    magic "STRG" | version u8 | kind u8 | flags u16 | envelope_len u32 | payload_len u64
+    envelope (envelope_len bytes of msgpack)
+    buffer 0 | buffer 1 | ...                      (payload_len bytes in all)
+
+Multipart transports (zmq) send ``head = header + envelope`` and each buffer as its own part, so
+array memory goes to the socket without a copy; stream transports concatenate the same pieces.
+
+    >>> import numpy as np
+    >>> data = encode_bytes(Kind.DATA, "grads", {"step": 3}, [np.arange(4, dtype=np.float16)])
+    >>> frame = decode(data)
+    >>> frame.tag, frame.meta, frame.buffers[0].dtype.name, frame.buffers[0].tolist()
+    ('grads', {'step': 3}, 'float16', [0.0, 1.0, 2.0, 3.0])
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import ml_dtypes
+import msgpack
+import numpy as np
+
+from .errors import ProtocolError
+
+MAGIC = b"STRG"
+#: Protocol version; peers of another version are refused at the handshake.
+VERSION = 1
+HEADER = struct.Struct("<4sBBHIQ")
+HEADER_SIZE = HEADER.size  # 20 bytes
+
+
+class Kind(enum.IntEnum):
+    """What a frame is: data, or one of the connection-control frames."""
+
+    DATA = 1
+    HELLO = 2       # connector -> acceptor: version, cluster id, task, nonce
+    CHALLENGE = 3   # acceptor -> connector: its nonce and proof that it knows the secret
+    AUTH = 4        # connector -> acceptor: proof that the connector knows the secret
+    WELCOME = 5     # acceptor -> connector: the connection is accepted
+    REJECT = 6      # either way: refused, with the reason
+    GOODBYE = 7     # the sender is shutting down cleanly
+
+
+#: The dtypes allowed on the wire, by the name carried in the envelope.
+DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name)
+    for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                 "float16", "float32", "float64", "complex64", "complex128")
+}
+DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what a peer may make us allocate. Checked before allocating.
+
+    Args:
+        max_envelope_bytes: largest envelope (tag + metadata + buffer descriptions).
+        max_payload_bytes: largest total of buffer bytes in one frame.
+        max_buffers: most buffers in one frame.
+        max_ndim: most dimensions of one buffer.
+        max_tag_chars: longest tag.
+    """
+
+    max_envelope_bytes: int = 1 << 20
+    max_payload_bytes: int = 1 << 34
+    max_buffers: int = 4096
+    max_ndim: int = 32
+    max_tag_chars: int = 256
+
+    @property
+    def max_frame_bytes(self) -> int:
+        return HEADER_SIZE + self.max_envelope_bytes + self.max_payload_bytes
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass
+class Frame:
+    """A decoded frame."""
+
+    kind: Kind
+    tag: str
+    meta: dict = field(default_factory=dict)
+    buffers: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: Kind
+    flags: int
+    envelope_len: int
+    payload_len: int
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """What the envelope says of one buffer."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+# -- encoding ---------------------------------------------------------------------------------------
+
+def dtype_name(dtype) -> str:
+    """The wire name of a dtype, or a ``ProtocolError`` listing the allowed ones."""
+    dtype = np.dtype(dtype)
+    if dtype.byteorder == ">":
+        dtype = dtype.newbyteorder("<")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise ProtocolError(
+            f"dtype {dtype} cannot be sent; allowed: {', '.join(DTYPES)} (convert with .astype())"
+        )
+    return name
+
+
+def as_wire_array(array) -> np.ndarray:
+    """A C-contiguous, little-endian numpy view (or copy) of ``array`` that can go on the wire."""
+    if type(array).__module__.split(".")[0] == "cupy":  # device arrays are staged through the host
+        array = array.get()
+    array = np.asarray(array)
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    # np.ascontiguousarray would turn a 0-d array into 1-d, so only copy what needs it.
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+
+
+def _check_plain(value: Any, path: str, depth: int = 0) -> None:
+    """Metadata must be plain data: msgpack would otherwise refuse it later, with a worse message."""
+    if depth > 32:
+        raise ProtocolError(f"metadata nests deeper than 32 levels at {path}")
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        if isinstance(value, int) and not isinstance(value, bool) and not -(1 << 63) <= value < (1 << 64):
+            raise ProtocolError(f"metadata integer at {path} does not fit in 64 bits")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{path}[{i}]", depth + 1)
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ProtocolError(f"metadata key {key!r} at {path} is not a string")
+            _check_plain(item, f"{path}.{key}", depth + 1)
+        return
+    raise ProtocolError(
+        f"metadata value at {path} has type {type(value).__name__}; only None, bool, int, float, "
+        f"str, bytes, lists and dicts with string keys can be sent"
+    )
+
+
+def encode(kind: Kind, tag: str, meta: dict | None = None, buffers: Sequence = (),
+           limits: Limits = DEFAULT_LIMITS) -> list:
+    """Encode a frame as parts: ``[head, buffer0, buffer1, ...]``.
+
+    ``head`` is bytes (header + envelope); each buffer part is a zero-copy ``memoryview`` of a
+    contiguous array (arrays that are not contiguous or not little-endian are copied first).
+    """
+    meta = {} if meta is None else meta
+    if not isinstance(tag, str):
+        raise ProtocolError(f"tag must be a string, got {type(tag).__name__}")
+    if len(tag) > limits.max_tag_chars:
+        raise ProtocolError(f"tag of {len(tag)} characters exceeds the limit of {limits.max_tag_chars}")
+    if not isinstance(meta, dict):
+        raise ProtocolError(f"metadata must be a dict, got {type(meta).__name__}")
+    _check_plain(meta, "meta")
+    if len(buffers) > limits.max_buffers:
+        raise ProtocolError(f"{len(buffers)} buffers exceed the limit of {limits.max_buffers} per message")
+    arrays = [as_wire_array(b) for b in buffers]
+    specs = []
+    for array in arrays:
+        if array.ndim > limits.max_ndim:
+            raise ProtocolError(f"an array of {array.ndim} dimensions exceeds the limit of {limits.max_ndim}")
+        specs.append([dtype_name(array.dtype), list(array.shape)])
+    envelope = msgpack.packb({"t": tag, "m": meta, "b": specs}, use_bin_type=True)
+    if len(envelope) > limits.max_envelope_bytes:
+        raise ProtocolError(
+            f"metadata of {len(envelope)} bytes exceeds the limit of {limits.max_envelope_bytes}; "
+            f"send large data as array buffers, not metadata"
+        )
+    payload = sum(a.nbytes for a in arrays)
+    if payload > limits.max_payload_bytes:
+        raise ProtocolError(
+            f"a message of {payload} bytes exceeds max_payload_bytes={limits.max_payload_bytes}; "
+            f"split it, or raise the limit on both ends"
+        )
+    head = HEADER.pack(MAGIC, VERSION, int(kind), 0, len(envelope), payload) + envelope
+    return [head, *(_byte_view(a) for a in arrays)]
+
+
+def encode_bytes(kind: Kind, tag: str, meta: dict | None = None, buffers: Sequence = (),
+                 limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Encode a frame as one contiguous ``bytes`` (for stream transports and tests)."""
+    return b"".join(bytes(p) if isinstance(p, memoryview) else p for p in encode(kind, tag, meta, buffers, limits))
+
+
+def _byte_view(array: np.ndarray) -> memoryview:
+    # A uint8 view works for every dtype, including bfloat16, which the buffer protocol cannot name.
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+# -- decoding ---------------------------------------------------------------------------------------
+
+def read_header(head, limits: Limits = DEFAULT_LIMITS) -> Header:
+    """Parse and check the fixed header (the first ``HEADER_SIZE`` bytes of ``head``)."""
+    if len(head) < HEADER_SIZE:
+        raise ProtocolError(f"frame of {len(head)} bytes is shorter than the {HEADER_SIZE}-byte header")
+    magic, version, kind, flags, envelope_len, payload_len = HEADER.unpack_from(head, 0)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}: the peer does not speak the Stratagem protocol")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION}); "
+                            f"run the same Stratagem version on every task")
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown frame kind {kind}") from None
+    if flags != 0:
+        raise ProtocolError(f"unknown frame flags {flags:#x}")
+    if envelope_len > limits.max_envelope_bytes:
+        raise ProtocolError(f"envelope of {envelope_len} bytes exceeds the limit of {limits.max_envelope_bytes}")
+    if payload_len > limits.max_payload_bytes:
+        raise ProtocolError(f"payload of {payload_len} bytes exceeds the limit of {limits.max_payload_bytes}")
+    return Header(kind, flags, envelope_len, payload_len)
+
+
+def read_envelope(header: Header, envelope, limits: Limits = DEFAULT_LIMITS) -> tuple[str, dict, list[BufferSpec]]:
+    """Decode and check the envelope; returns ``(tag, meta, buffer specs)``."""
+    if len(envelope) != header.envelope_len:
+        raise ProtocolError(f"envelope is {len(envelope)} bytes, the header says {header.envelope_len}")
+    try:
+        body = msgpack.unpackb(bytes(envelope), raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises many types on garbage; all mean the same to us
+        raise ProtocolError(f"envelope is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(body, dict) or set(body) != {"t", "m", "b"}:
+        raise ProtocolError("envelope must be a map with exactly the keys 't', 'm', 'b'")
+    tag, meta, raw_specs = body["t"], body["m"], body["b"]
+    if not isinstance(tag, str) or len(tag) > limits.max_tag_chars:
+        raise ProtocolError("envelope tag must be a string of at most "
+                            f"{limits.max_tag_chars} characters")
+    if not isinstance(meta, dict):
+        raise ProtocolError("envelope metadata must be a map")
+    _check_plain(meta, "meta")
+    if not isinstance(raw_specs, list) or len(raw_specs) > limits.max_buffers:
+        raise ProtocolError(f"envelope buffer list must be a list of at most {limits.max_buffers} entries")
+    specs = [_buffer_spec(i, raw, limits) for i, raw in enumerate(raw_specs)]
+    total = sum(s.nbytes for s in specs)
+    if total != header.payload_len:
+        raise ProtocolError(f"buffers add up to {total} bytes, the header says {header.payload_len}")
+    return tag, meta, specs
+
+
+def _buffer_spec(index: int, raw, limits: Limits) -> BufferSpec:
+    if not (isinstance(raw, list) and len(raw) == 2 and isinstance(raw[0], str) and isinstance(raw[1], list)):
+        raise ProtocolError(f"buffer {index}: description must be [dtype, shape]")
+    dtype = DTYPES.get(raw[0])
+    if dtype is None:
+        raise ProtocolError(f"buffer {index}: dtype {raw[0]!r} is not allowed on the wire")
+    shape = raw[1]
+    if len(shape) > limits.max_ndim:
+        raise ProtocolError(f"buffer {index}: {len(shape)} dimensions exceed the limit of {limits.max_ndim}")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d for d in shape):
+        raise ProtocolError(f"buffer {index}: shape {shape!r} must be non-negative integers")
+    spec = BufferSpec(dtype, tuple(shape))
+    if spec.nbytes > limits.max_payload_bytes:
+        raise ProtocolError(f"buffer {index}: {spec.nbytes} bytes exceed the limit of {limits.max_payload_bytes}")
+    return spec
+
+
+def array_from(spec: BufferSpec, data) -> np.ndarray:
+    """Wrap ``data`` (a buffer of exactly ``spec.nbytes`` bytes) as an array without copying."""
+    if len(data) != spec.nbytes:
+        raise ProtocolError(f"buffer is {len(data)} bytes, its description says {spec.nbytes}")
+    return np.frombuffer(data, dtype=np.uint8).view(spec.dtype).reshape(spec.shape)
+
+
+def decode_parts(parts: Sequence, limits: Limits = DEFAULT_LIMITS) -> Frame:
+    """Decode a frame received as parts ``[head, buffer0, ...]`` (buffers wrapped, not copied)."""
+    if not parts:
+        raise ProtocolError("empty message")
+    head = memoryview(parts[0]).cast("B") if not isinstance(parts[0], bytes) else parts[0]
+    header = read_header(head, limits)
+    if len(head) != HEADER_SIZE + header.envelope_len:
+        raise ProtocolError(f"head part is {len(head)} bytes, the header says {HEADER_SIZE + header.envelope_len}")
+    tag, meta, specs = read_envelope(header, head[HEADER_SIZE:], limits)
+    if len(parts) - 1 != len(specs):
+        raise ProtocolError(f"{len(parts) - 1} buffer parts arrived, the envelope describes {len(specs)}")
+    buffers = [array_from(spec, memoryview(part).cast("B")) for spec, part in zip(specs, parts[1:])]
+    return Frame(header.kind, tag, meta, buffers)
+
+
+def decode(data, limits: Limits = DEFAULT_LIMITS) -> Frame:
+    """Decode one contiguous frame (as made by :func:`encode_bytes`)."""
+    view = memoryview(data).cast("B")
+    header = read_header(view, limits)
+    end_envelope = HEADER_SIZE + header.envelope_len
+    if len(view) != end_envelope + header.payload_len:
+        raise ProtocolError(f"frame is {len(view)} bytes, the header says {end_envelope + header.payload_len}")
+    tag, meta, specs = read_envelope(header, view[HEADER_SIZE:end_envelope], limits)
+    buffers, offset = [], end_envelope
+    for spec in specs:
+        buffers.append(array_from(spec, view[offset:offset + spec.nbytes]))
+        offset += spec.nbytes
+    return Frame(header.kind, tag, meta, buffers)
