@@ -1,0 +1,97 @@
+"""Build worlds of connected transports for tests: free ports, in-process worlds, rank threads.
+
+    >>> from stratagem.testing.world import transport_world, run_ranks
+    >>> with transport_world("local", 3) as world:
+    ...     run_ranks(world, lambda rank, t: (rank, str(t.task)))
+    [(0, '/job:worker/task:0'), (1, '/job:worker/task:1'), (2, '/job:worker/task:2')]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from typing import Callable, Iterator
+
+from ..core.cluster import ClusterSpec, TaskId
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct TCP ports that were free a moment ago on ``host``.
+
+    The sockets are held open together so the kernel cannot hand out the same port twice; another
+    process can still take one before it is bound again, a window the callers keep short.
+    """
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def local_cluster(jobs: dict[str, int] | int, host: str = "127.0.0.1") -> ClusterSpec:
+    """A cluster on this machine with a free port per task: ``local_cluster({"worker": 2, "ps": 1})``."""
+    if isinstance(jobs, int):
+        jobs = {"worker": jobs}
+    ports = iter(free_ports(sum(jobs.values()), host))
+    return ClusterSpec({job: [f"{host}:{next(ports)}" for _ in range(n)] for job, n in jobs.items()})
+
+
+@contextlib.contextmanager
+def transport_world(name: str, size: int | dict[str, int], **options) -> Iterator[list]:
+    """Start one endpoint of transport ``name`` per task of a fresh local cluster, in this process.
+
+    Yields the started transports (ordered as ``cluster.tasks()``) and closes them all on exit.
+    """
+    from ..plugins.manager import plugin_manager
+
+    manager = plugin_manager()
+    cls = manager.transport_class(name)
+    cluster = local_cluster(size)
+    shared = cls.world_options()
+    world = []
+    try:
+        for task in cluster.tasks():
+            world.append(manager.create_transport(name, cluster=cluster, task=task, **shared, **options))
+        for transport in world:
+            transport.start()
+        yield world
+    finally:
+        for transport in world:
+            with contextlib.suppress(Exception):
+                transport.close()
+
+
+def run_ranks(world: list, fn: Callable, timeout: float = 60.0, args_for=None) -> list:
+    """Run ``fn(rank, transport)`` on every endpoint in its own thread; return the results in rank
+    order, or raise the first error (by rank). Threads that outlive ``timeout`` raise ``TimeoutError``."""
+    results: list = [None] * len(world)
+    errors: list = [None] * len(world)
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, world[rank])
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"rank-{r}") for r in range(len(world))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    if stuck:
+        raise TimeoutError(f"ranks {stuck} did not finish within {timeout} s")
+    return results
+
+
+def task_of(rank: int, world: list) -> TaskId:
+    return world[rank].task

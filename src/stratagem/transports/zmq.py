@@ -1,0 +1,534 @@
+"""The ``zmq`` transport: ZeroMQ over TCP, array buffers sent without copies.
+
+Each task binds one ROUTER socket at its cluster address and receives everything there. To send to
+a peer it opens a DEALER socket to the peer's ROUTER (lazily, once). So every directed pair of tasks
+has its own connection, and ZeroMQ keeps messages on it in order, which gives the contract's
+per-(src, dst, tag) ordering.
+
+Threads: a background I/O thread owns the ROUTER and the connection monitors: it decodes frames,
+runs the handshake (``core/handshake.py``) and files data into the mailbox. User threads send on the
+DEALERs, one lock per peer. Large buffers are handed to ZeroMQ by reference (``copy=False``) and
+``send`` waits on ZeroMQ's tracker until the memory is released, so the caller may reuse its arrays
+as soon as ``send`` returns; small messages are copied, which is cheaper than tracking.
+
+Failure detection: a DEALER's monitor reports the connection dropping the moment a peer process dies
+(the kernel closes its sockets); ZeroMQ heartbeats (``peer_timeout``) catch a peer that went silent
+without closing (host down, cable cut). Either way the peer is marked lost and waiting ``recv`` calls
+raise ``PeerLostError`` naming it.
+
+Security: frames are decoded by ``core/wire.py`` (no pickle, limits checked first). Data is accepted
+only on connections that completed the handshake; with a cluster secret that includes the HMAC
+challenge-response. A malformed or unauthenticated frame is dropped with a logged reason and the
+connection's owner gets a REJECT when it can be told; the server keeps serving everyone else.
+Note that ZeroMQ allocates a frame part before we see it, bounded by ``MAXMSGSIZE`` (set from the
+limits), even for a peer that has not authenticated yet.
+
+    >>> import numpy as np
+    >>> from stratagem.core.cluster import ClusterSpec, TaskId
+    >>> from stratagem.core.transport import Message
+    >>> from stratagem.testing.world import free_ports
+    >>> p0, p1 = free_ports(2)
+    >>> cluster = ClusterSpec({"worker": [f"127.0.0.1:{p0}", f"127.0.0.1:{p1}"]})
+    >>> with ZmqTransport(cluster, "worker:0") as a, ZmqTransport(cluster, "worker:1") as b:
+    ...     a.send(b.task, "x", Message({"k": 1}, [np.arange(3.0)]))
+    ...     m = b.recv(a.task, "x", timeout=10)
+    >>> m.meta, m.buffers[0].tolist()
+    ({'k': 1}, [0.0, 1.0, 2.0])
+"""
+
+from __future__ import annotations
+
+import copy
+import ipaddress
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from ..core import handshake, wire
+from ..core.cluster import TaskId
+from ..core.errors import (
+    AuthenticationError,
+    ConfigurationError,
+    PeerLostError,
+    ProtocolError,
+    TransportClosed,
+    TransportTimeout,
+)
+from ..core.mailbox import Mailbox
+from ..core.transport import Message, Transport
+from ..core.wire import Kind
+
+log = logging.getLogger(__name__)
+
+_MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                   | zmq.EVENT_MONITOR_STOPPED)
+_LOG_EVERY = 100  # after the first few, log one rejected frame in this many per connection
+
+
+class _Peer:
+    """Our outgoing connection to one peer: a DEALER socket and its handshake state."""
+
+    def __init__(self, task: TaskId, sock: zmq.Socket, monitor: zmq.Socket, nonce: bytes, address: str):
+        self.task = task
+        self.sock = sock
+        self.monitor = monitor
+        self.nonce = nonce
+        self.address = address
+        self.lock = threading.Lock()      # a zmq socket is used by one thread at a time
+        self.ready = threading.Event()    # data may flow (set at once without a secret)
+        self.error: Exception | None = None
+        self.connected = False            # a connection came up, so a later drop means lost
+        self.closed = False
+
+    def fail(self, error: Exception) -> None:
+        self.error = error
+        self.ready.set()
+
+
+@dataclass
+class _Incoming:
+    """The state of one connection into our ROUTER, keyed by ZeroMQ's routing id."""
+
+    task: TaskId
+    authenticated: bool = False
+    nonce_c: bytes = b""
+    nonce_s: bytes = b""
+
+
+def _bind_host(address_host: str) -> str:
+    """Bind where the cluster says, if that is an IP of this machine; else on every interface
+    (a Kubernetes service name resolves to a virtual IP that no pod can bind)."""
+    if address_host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1" if address_host != "::1" else "::1"
+    try:
+        ipaddress.ip_address(address_host)
+        return address_host
+    except ValueError:
+        return "0.0.0.0"
+
+
+class ZmqTransport(Transport):
+    """ZeroMQ transport (see the module docstring for the design).
+
+    Options:
+        bind_host: interface to bind (default: the host of this task's address if it is an IP
+            literal or localhost, else all interfaces; ``STRATAGEM_BIND_HOST`` overrides).
+        io_threads: ZeroMQ I/O threads (1 moves over 1 GB/s).
+        zero_copy_bytes: messages with at least this many buffer bytes are sent without copying.
+        linger: seconds ``close()`` waits to flush queued messages.
+    """
+
+    name = "zmq"
+
+    def __init__(self, cluster, task, *, bind_host: str | None = None, io_threads: int = 1,
+                 zero_copy_bytes: int = 256 * 1024, linger: float = 5.0, **common):
+        super().__init__(cluster, task, **common)
+        address = self.cluster.address(self.task)
+        if address is None:
+            raise ConfigurationError(
+                f"{self.task} has no network address (the cluster came from an MPI world): use "
+                f"transport='mpi' under mpiexec, or give addresses through STRATAGEM_CONFIG/TF_CONFIG"
+            )
+        host, _, port = address.rpartition(":")
+        self._host, self._port = host, int(port)
+        self._bind_host = bind_host or os.environ.get("STRATAGEM_BIND_HOST") or _bind_host(host)
+        if io_threads < 1:
+            raise ConfigurationError(f"io_threads must be >= 1, got {io_threads}")
+        self._io_threads = io_threads
+        self.zero_copy_bytes = int(zero_copy_bytes)
+        self._linger_ms = int(linger * 1000)
+        self._cluster_id = self.cluster.cluster_id
+        self._ctx: zmq.Context | None = None
+        self._mailbox = Mailbox(self.task)
+        self._peers: dict[TaskId, _Peer] = {}
+        self._peers_lock = threading.Lock()
+        self._incoming: dict[bytes, _Incoming] = {}
+        self._rejected: dict[bytes, int] = {}
+        self._new_monitors: queue.SimpleQueue = queue.SimpleQueue()
+        self._control_lock = threading.Lock()
+        self._io_thread: threading.Thread | None = None
+        self._closed = False
+        self.address: str | None = None
+        #: Counters a test or an operator can read: frames dropped and why.
+        self.stats = {"rejected_frames": 0, "data_frames": 0}
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._ctx is not None:
+            return
+        if self._closed:
+            raise TransportClosed(f"{self.task}: a closed transport cannot be started again")
+        ctx = zmq.Context(self._io_threads)
+        try:
+            router = ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.RCVHWM, 0)  # never drop: the mailbox is the queue
+            router.setsockopt(zmq.LINGER, 0)
+            # ZeroMQ refuses (and disconnects) a part larger than this before allocating it.
+            router.setsockopt(zmq.MAXMSGSIZE, max(self.limits.max_payload_bytes,
+                                                  wire.HEADER_SIZE + self.limits.max_envelope_bytes))
+            endpoint = f"tcp://{self._bind_host}"
+            if self._port == 0:
+                self._port = router.bind_to_random_port(endpoint)
+            else:
+                try:
+                    router.bind(f"{endpoint}:{self._port}")
+                except zmq.ZMQError as exc:
+                    raise ConfigurationError(
+                        f"{self.task} cannot bind {self._bind_host}:{self._port}: {exc} "
+                        f"(is another process using the port?)"
+                    ) from None
+            control_in = ctx.socket(zmq.PAIR)
+            control_addr = f"inproc://stratagem-control-{id(self)}"
+            control_in.bind(control_addr)
+            control_out = ctx.socket(zmq.PAIR)
+            control_out.connect(control_addr)
+        except Exception:
+            ctx.destroy(linger=0)
+            raise
+        self._ctx, self._router, self._control_in, self._control_out = ctx, router, control_in, control_out
+        self.address = f"{self._host}:{self._port}"
+        self._io_thread = threading.Thread(target=self._io_loop, name=f"stratagem-zmq-{self.task.short}",
+                                           daemon=True)
+        self._io_thread.start()
+
+    def close(self) -> None:
+        self._shutdown(graceful=True)
+
+    def abort(self) -> None:
+        self._shutdown(graceful=False)
+
+    def _shutdown(self, graceful: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._ctx is None:
+            self._mailbox.close("closed before it started")
+            return
+        with self._peers_lock:
+            peers = list(self._peers.values())
+            self._peers.clear()
+        for peer in peers:
+            with peer.lock:
+                if graceful and not peer.closed and peer.ready.is_set() and peer.error is None:
+                    try:
+                        peer.sock.send_multipart(wire.encode(Kind.GOODBYE, ""), flags=zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass
+                peer.closed = True
+                peer.sock.close(linger=self._linger_ms if graceful else 0)
+            peer.fail(TransportClosed(f"{self.task}: transport closed"))
+        self._poke(b"stop")
+        if self._io_thread is not None:
+            self._io_thread.join(timeout=10)
+        self._control_out.close(linger=0)
+        self._mailbox.close(f"{self.task} closed its transport")
+        # term() waits for lingering DEALERs to flush; destroy() would cut them off.
+        if graceful:
+            self._ctx.term()
+        else:
+            self._ctx.destroy(linger=0)
+
+    # -- messaging ---------------------------------------------------------------------------------
+    def send(self, dst, tag, msg, timeout=None) -> None:
+        self._require_started()
+        dst = self._check_peer(dst)
+        if dst == self.task:
+            self._mailbox.put(self.task, tag, Message(copy.deepcopy(msg.meta),
+                                                      [np.array(b, copy=True) for b in msg.buffers], self.task))
+            return
+        reason = self._mailbox.is_lost(dst)
+        if reason is not None:
+            raise PeerLostError(dst, reason)
+        timeout = self._timeout(timeout)
+        peer = self._ensure_peer(dst)
+        if not peer.ready.wait(timeout):
+            raise TransportTimeout(
+                f"{self.task}: no handshake with {dst} at {peer.address} within {timeout:g} s "
+                f"(is it running, and do all tasks share the same STRATAGEM_SECRET?)"
+            )
+        if peer.error is not None:
+            raise _fresh(peer.error)
+        parts = wire.encode(Kind.DATA, tag, msg.meta, msg.buffers, self.limits)
+        payload = sum(len(p) for p in parts[1:])
+        with peer.lock:
+            if peer.closed:
+                raise _fresh(peer.error) if peer.error else PeerLostError(dst, "connection closed")
+            if payload >= self.zero_copy_bytes:
+                tracker = peer.sock.send_multipart(parts, copy=False, track=True)
+            else:
+                peer.sock.send_multipart(parts, copy=True)
+                return
+        # Wait until ZeroMQ lets go of our memory, so the caller may overwrite its arrays.
+        try:
+            tracker.wait(timeout)
+        except zmq.NotDone:
+            raise TransportTimeout(f"{self.task}: sending {payload} bytes to {dst} did not complete "
+                                   f"within {timeout:g} s") from None
+
+    def recv(self, src, tag, timeout=None) -> Message:
+        self._require_started()
+        if src is not None:
+            src = self._check_peer(src)
+            if src != self.task and self._mailbox.is_lost(src) is None:
+                # Connecting to the source lets us watch it, so its death wakes us.
+                self._ensure_peer(src)
+        return self._mailbox.get(src, tag, self._timeout(timeout))
+
+    def lost_peers(self):
+        return self._mailbox.lost()
+
+    # -- outgoing connections ----------------------------------------------------------------------
+    def _require_started(self) -> None:
+        if self._ctx is None or self._closed:
+            raise TransportClosed(f"{self.task}: the zmq transport is {'closed' if self._closed else 'not started (call start())'}")
+
+    def _ensure_peer(self, task: TaskId) -> _Peer:
+        peer = self._peers.get(task)
+        if peer is not None:
+            return peer
+        with self._peers_lock:
+            peer = self._peers.get(task)
+            if peer is not None:
+                return peer
+            if self._closed:
+                raise TransportClosed(f"{self.task}: transport closed")
+            address = self.cluster.address(task)
+            if address is None:
+                raise ConfigurationError(f"{task} has no network address in the cluster spec")
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, self._linger_ms)
+            interval_ms = max(100, int(self.peer_timeout * 1000 / 4))
+            sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.peer_timeout * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.peer_timeout * 1000))
+            monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+            sock.connect(f"tcp://{address}")
+            hello, nonce = handshake.make_hello(self.task, self._cluster_id, self.secret)
+            peer = _Peer(task, sock, monitor, nonce, address)
+            if self.secret is None:
+                peer.ready.set()  # data may follow HELLO at once; the acceptor reads them in order
+            sock.send_multipart(wire.encode(Kind.HELLO, "", hello))
+            self._peers[task] = peer
+        self._new_monitors.put(peer)
+        self._poke(b"watch")
+        return peer
+
+    def _poke(self, command: bytes) -> None:
+        with self._control_lock:
+            try:
+                self._control_out.send(command, flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def _send_control(self, peer: _Peer, kind: Kind, meta: dict) -> None:
+        with peer.lock:
+            if not peer.closed:
+                peer.sock.send_multipart(wire.encode(kind, "", meta), flags=zmq.NOBLOCK)
+
+    # -- the I/O thread ----------------------------------------------------------------------------
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._control_in, zmq.POLLIN)
+        monitors: dict[zmq.Socket, _Peer] = {}
+        try:
+            while True:
+                ready = dict(poller.poll(1000))
+                if self._control_in in ready:
+                    if self._control_in.recv() == b"stop":
+                        return
+                    while not self._new_monitors.empty():
+                        peer = self._new_monitors.get()
+                        monitors[peer.monitor] = peer
+                        poller.register(peer.monitor, zmq.POLLIN)
+                if self._router in ready:
+                    self._drain_router()
+                for sock in [s for s in ready if s in monitors]:
+                    peer = monitors[sock]
+                    if self._on_monitor(peer):
+                        poller.unregister(sock)
+                        del monitors[sock]
+                        sock.close(linger=0)
+        except zmq.ContextTerminated:
+            return
+        except Exception:  # the I/O thread must never die silently: every waiter would hang
+            log.exception("%s: zmq I/O thread crashed", self.task)
+            self._mailbox.close("the zmq I/O thread crashed (see the log)")
+        finally:
+            for sock in monitors:
+                sock.close(linger=0)
+            self._router.close(linger=0)
+            self._control_in.close(linger=0)
+
+    def _drain_router(self) -> None:
+        for _ in range(1000):  # bounded, so control messages are not starved
+            try:
+                parts = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            routing_id = parts[0].bytes
+            try:
+                self._on_frame(routing_id, parts[1:])
+            except Exception as exc:  # a bad frame must never take the server down
+                self._reject(routing_id, f"error while handling a frame: {type(exc).__name__}: {exc}")
+                log.debug("frame handler error", exc_info=True)
+
+    def _on_frame(self, routing_id: bytes, parts) -> None:
+        try:
+            frame = wire.decode_parts([p.bytes if i == 0 else p.buffer for i, p in enumerate(parts)],
+                                      self.limits)
+        except ProtocolError as exc:
+            self._reject(routing_id, f"malformed frame: {exc}")
+            return
+        conn = self._incoming.get(routing_id)
+        if frame.kind == Kind.DATA:
+            if conn is None or not conn.authenticated:
+                self._reject(routing_id, "data before the handshake completed (unauthenticated connection)")
+                return
+            self.stats["data_frames"] += 1
+            self._mailbox.put(conn.task, frame.tag, Message(frame.meta, frame.buffers, conn.task))
+        elif frame.kind == Kind.HELLO:
+            self._on_hello(routing_id, frame.meta)
+        elif frame.kind == Kind.CHALLENGE:
+            self._on_challenge(frame.meta)
+        elif frame.kind == Kind.AUTH:
+            self._on_auth(routing_id, conn, frame.meta)
+        elif frame.kind == Kind.REJECT:
+            self._on_reject(frame.meta)
+        elif frame.kind == Kind.GOODBYE:
+            if conn is not None and conn.authenticated:
+                del self._incoming[routing_id]
+                self._peer_gone(conn.task, f"{conn.task} closed its transport")
+        else:
+            self._reject(routing_id, f"unexpected {frame.kind.name} frame")
+
+    def _on_hello(self, routing_id: bytes, meta: dict) -> None:
+        try:
+            task = handshake.check_hello(meta, self._cluster_id, self.secret)
+            self.cluster.check(task)
+        except (ProtocolError, ConfigurationError) as exc:
+            self._reject(routing_id, f"handshake refused: {exc}")
+            self._tell_rejected(meta, str(exc))
+            return
+        if self._mailbox.is_lost(task) is not None:
+            self._forget_peer(task)  # a new incarnation: drop the connection to the old one
+        if self.secret is None:
+            self._incoming[routing_id] = _Incoming(task, authenticated=True)
+            self._mailbox.mark_alive(task)
+            self._ensure_peer(task)  # connect back, so that we notice if it dies
+            return
+        challenge, nonce_s = handshake.make_challenge(self.secret, self._cluster_id, task, self.task,
+                                                      meta["nonce"])
+        self._incoming[routing_id] = _Incoming(task, False, meta["nonce"], nonce_s)
+        self._send_control(self._ensure_peer(task), Kind.CHALLENGE, challenge)
+
+    def _on_challenge(self, meta: dict) -> None:
+        try:
+            acceptor = TaskId.parse(meta.get("task", ""))
+        except ConfigurationError:
+            log.warning("%s: CHALLENGE without a valid task; ignored", self.task)
+            return
+        peer = self._peers.get(acceptor)
+        if peer is None or peer.ready.is_set() or not handshake.answers_hello(meta, peer.nonce):
+            log.warning("%s: a CHALLENGE from %s that answers no HELLO of ours; ignored", self.task, acceptor)
+            return
+        try:
+            auth = handshake.answer_challenge(self.secret, self._cluster_id, self.task, acceptor,
+                                              peer.nonce, meta)
+        except ProtocolError as exc:
+            log.warning("%s: %s", self.task, exc)
+            peer.fail(exc)
+            return
+        self._send_control(peer, Kind.AUTH, auth)
+        peer.ready.set()
+
+    def _on_auth(self, routing_id: bytes, conn: _Incoming | None, meta: dict) -> None:
+        if conn is None or conn.authenticated or not conn.nonce_s:
+            self._reject(routing_id, "AUTH without a pending challenge")
+            return
+        try:
+            handshake.check_auth(self.secret, self._cluster_id, conn.task, self.task, conn.nonce_c,
+                                 conn.nonce_s, meta)
+        except ProtocolError as exc:
+            del self._incoming[routing_id]
+            self._reject(routing_id, str(exc))
+            return
+        conn.authenticated = True
+        self._mailbox.mark_alive(conn.task)
+
+    def _on_reject(self, meta: dict) -> None:
+        reason = meta.get("reason") if isinstance(meta.get("reason"), str) else "no reason given"
+        try:
+            by = TaskId.parse(meta.get("task", ""))
+        except ConfigurationError:
+            log.warning("%s: a peer refused our connection: %s", self.task, reason)
+            return
+        log.warning("%s: %s refused our connection: %s", self.task, by, reason)
+        peer = self._peers.get(by)
+        # Only a REJECT that answers our own HELLO (it echoes our nonce) may fail the connection,
+        # so nobody can break an honest connection by claiming to be refused in its name.
+        if peer is not None and meta.get("nonce") == peer.nonce:
+            error_type = AuthenticationError if "secret" in reason.lower() else ProtocolError
+            peer.fail(error_type(f"{by} refused the connection: {reason}"))
+
+    def _tell_rejected(self, hello: dict, reason: str) -> None:
+        """Send a REJECT to the task a refused HELLO claims to be, so it fails fast with the reason."""
+        try:
+            task = self.cluster.check(TaskId.parse(hello.get("task", "")))
+        except (ConfigurationError, AttributeError):
+            return
+        if task != self.task:
+            self._send_control(self._ensure_peer(task), Kind.REJECT,
+                               {"task": self.task.short, "reason": reason, "nonce": hello.get("nonce")})
+
+    def _reject(self, routing_id: bytes, reason: str) -> None:
+        self.stats["rejected_frames"] += 1
+        count = self._rejected[routing_id] = self._rejected.get(routing_id, 0) + 1
+        if count <= 3 or count % _LOG_EVERY == 0:
+            conn = self._incoming.get(routing_id)
+            who = str(conn.task) if conn else f"connection {routing_id.hex()}"
+            log.warning("%s: dropped a frame from %s (%d so far): %s", self.task, who, count, reason)
+
+    # -- failure detection -------------------------------------------------------------------------
+    def _on_monitor(self, peer: _Peer) -> bool:
+        """Handle one monitor event; True when the monitor is finished."""
+        event = recv_monitor_message(peer.monitor)["event"]
+        if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
+            peer.connected = True
+        elif event == zmq.EVENT_DISCONNECTED and peer.connected:
+            if self._peers.get(peer.task) is peer:
+                self._peer_gone(peer.task, f"connection to {peer.task} at {peer.address} was lost "
+                                           f"(the process died, or the network failed)")
+            return True
+        return event == zmq.EVENT_MONITOR_STOPPED
+
+    def _peer_gone(self, task: TaskId, reason: str) -> None:
+        self._mailbox.mark_lost(task, reason)
+        self._forget_peer(task, PeerLostError(task, reason))
+
+    def _forget_peer(self, task: TaskId, error: Exception | None = None) -> None:
+        with self._peers_lock:
+            peer = self._peers.pop(task, None)
+        if peer is None:
+            return
+        with peer.lock:
+            peer.closed = True
+            peer.sock.close(linger=0)
+        peer.fail(error or PeerLostError(task, "reconnected as a new process"))
+        for routing_id, conn in list(self._incoming.items()):
+            if conn.task == task:
+                del self._incoming[routing_id]
+
+
+def _fresh(error: Exception) -> Exception:
+    """A new instance of a stored error, so each raise gets its own traceback."""
+    if isinstance(error, PeerLostError):
+        return PeerLostError(error.task, str(error).split(": ", 1)[-1])
+    return type(error)(str(error))
