@@ -1,0 +1,31 @@
+"""The built-in strategies and transports, registered through the same hooks as third-party plugins.
+
+Targets are lazy import paths, so listing the built-ins imports none of their modules.
+
+    >>> [spec.name for spec in stratagem_add_transports()]
+    ['local', 'zmq']
+"""
+
+from __future__ import annotations
+
+from .hookspecs import PluginSpec, hookimpl
+
+
+@hookimpl
+def stratagem_add_transports() -> list[PluginSpec]:
+    return [
+        PluginSpec(
+            "local", "stratagem.transports.local:LocalTransport", "transport",
+            description="every task of the world in one process (tests, single-process multi-replica)",
+        ),
+        PluginSpec(
+            "zmq", "stratagem.transports.zmq:ZmqTransport", "transport",
+            requires=("zmq",), install_hint="pip install 'pyzmq>=25'",
+            description="ZeroMQ sockets over TCP: the default transport between processes and machines",
+        ),
+    ]
+
+
+@hookimpl
+def stratagem_add_strategies() -> list[PluginSpec]:
+    return []
