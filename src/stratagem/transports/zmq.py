@@ -127,7 +127,7 @@ class ZmqTransport(Transport):
     name = "zmq"
 
     def __init__(self, cluster, task, *, bind_host: str | None = None, io_threads: int = 1,
-                 zero_copy_bytes: int = 256 * 1024, linger: float = 5.0, **common):
+                 zero_copy_bytes: int = 256 * 1024, linger: float = 1.0, **common):
         super().__init__(cluster, task, **common)
         address = self.cluster.address(self.task)
         if address is None:
@@ -213,15 +213,18 @@ class ZmqTransport(Transport):
         with self._peers_lock:
             peers = list(self._peers.values())
             self._peers.clear()
+        lost = self._mailbox.lost()
         for peer in peers:
+            # A peer that already left gets nothing more, so waiting to flush to it is pointless.
+            linger = self._linger_ms if graceful and peer.task not in lost else 0
             with peer.lock:
-                if graceful and not peer.closed and peer.ready.is_set() and peer.error is None:
+                if linger and not peer.closed and peer.ready.is_set() and peer.error is None:
                     try:
                         peer.sock.send_multipart(wire.encode(Kind.GOODBYE, ""), flags=zmq.NOBLOCK)
                     except zmq.ZMQError:
                         pass
                 peer.closed = True
-                peer.sock.close(linger=self._linger_ms if graceful else 0)
+                peer.sock.close(linger=linger)
             peer.fail(TransportClosed(f"{self.task}: transport closed"))
         self._poke(b"stop")
         if self._io_thread is not None:
