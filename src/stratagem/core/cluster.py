@@ -31,9 +31,11 @@ REPLICA_JOBS = ("chief", "worker")
 #: TF_CONFIG spells the chief ``master`` in older TFJobs; we accept it as an alias.
 JOB_ALIASES = {"master": "chief"}
 
-_JOB_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
-_TASK_PATTERN = re.compile(r"^/job:(?P<job>[^/]+)/(?:replica:\d+/)?task:(?P<index>\d+)$")
-_SHORT_PATTERN = re.compile(r"^(?P<job>[A-Za-z_][A-Za-z0-9_\-]*):(?P<index>\d+)$")
+# \Z, not $ (which also matches before a trailing newline), and [0-9], not \d (which matches every
+# Unicode digit): "worker:1\n" and "worker:\u0661" are not task names.
+_JOB_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*\Z")
+_TASK_PATTERN = re.compile(r"/job:(?P<job>[^/]+)/(?:replica:[0-9]+/)?task:(?P<index>[0-9]+)\Z")
+_SHORT_PATTERN = re.compile(r"(?P<job>[A-Za-z_][A-Za-z0-9_\-]*):(?P<index>[0-9]+)\Z")
 
 
 @dataclass(frozen=True, order=True)
@@ -50,7 +52,7 @@ class TaskId:
     index: int
 
     def __post_init__(self):
-        job = JOB_ALIASES.get(self.job, self.job)
+        job = JOB_ALIASES.get(self.job, self.job) if isinstance(self.job, str) else self.job
         if not isinstance(job, str) or not _JOB_NAME.match(job):
             raise ConfigurationError(
                 f"invalid job name {self.job!r}: use letters, digits, '_' or '-' (e.g. 'worker')"
@@ -73,7 +75,10 @@ class TaskId:
             raise ConfigurationError(
                 f"cannot parse task {text!r}: write it as '/job:worker/task:1' or 'worker:1'"
             )
-        return cls(match["job"], int(match["index"]))
+        try:
+            return cls(match["job"], int(match["index"]))
+        except ConfigurationError as exc:  # a job name that is not valid: say which input it came from
+            raise ConfigurationError(f"cannot parse task {text!r}: {exc}") from None
 
     @property
     def short(self) -> str:
@@ -87,6 +92,27 @@ class TaskId:
         return f"TaskId({str(self)!r})"
 
 
+def _is_ascii_digits(text: str) -> bool:
+    # str.isdigit() is also true of '²' and of other scripts' digits, which int() refuses or misreads.
+    return text.isascii() and text.isdigit()
+
+
+def _task_indices(job: str, tasks: Mapping) -> list[int]:
+    """The indices of a sparse job ``{index: address}``; JSON gives them as strings ("0", "1")."""
+    indices = []
+    for key in tasks:
+        if isinstance(key, int) and not isinstance(key, bool):
+            indices.append(key)
+        elif isinstance(key, str) and _is_ascii_digits(key) and str(int(key)) == key:
+            indices.append(int(key))
+        else:
+            raise ConfigurationError(
+                f"job {job!r}: {key!r} is not a task index; write a sparse job as "
+                f"{{0: 'host:port', 1: 'host:port'}} (or with the keys \"0\", \"1\" in JSON)"
+            )
+    return sorted(indices)
+
+
 def _check_address(job: str, index: int, address) -> str | None:
     if address is None:
         return None  # clusters derived from an MPI world have no socket addresses
@@ -95,7 +121,7 @@ def _check_address(job: str, index: int, address) -> str | None:
             f"job {job!r} task {index}: address must be a 'host:port' string, got {address!r}"
         )
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not host or not _is_ascii_digits(port) or not 0 <= int(port) <= 65535:
         raise ConfigurationError(
             f"job {job!r} task {index}: address {address!r} is not 'host:port' "
             f"(e.g. '127.0.0.1:2222' or 'worker-1.svc:2222')"
@@ -125,7 +151,7 @@ class ClusterSpec:
             if job in normalized:
                 raise ConfigurationError(f"job {job!r} is given twice (note: 'master' is an alias of 'chief')")
             if isinstance(tasks, Mapping):
-                indices = sorted(int(i) for i in tasks)
+                indices = _task_indices(job, tasks)
                 if indices != list(range(len(indices))):
                     raise ConfigurationError(
                         f"job {job!r} has task indices {indices}: they must be 0..N-1 with no gaps"
@@ -324,7 +350,7 @@ class ClusterResolver:
             raise ConfigurationError(f"{source} has no 'task' entry with a 'type' (e.g. "
                                      '"task": {"type": "worker", "index": 0})')
         index = task_entry.get("index", 0)
-        if isinstance(index, str) and index.isdigit():
+        if isinstance(index, str) and _is_ascii_digits(index):
             index = int(index)
         task = TaskId(task_entry["type"], index)
         if task.job not in cluster.jobs:

@@ -6,7 +6,7 @@ per ``(src, dst, tag)``), so it runs over every transport. The public face is
 
 Entry points (also the signature a transport's ``native_collectives()`` callables must have)::
 
-    allreduce(session, x, op="sum", algorithm="auto") -> array of x's shape
+    allreduce(session, x, op="sum", algorithm="auto", out=None) -> array of x's shape (or out)
     broadcast(session, x, root=0, algorithm="auto")   -> array of the root's shape and dtype
     allgather(session, x)                              -> array of shape (size, *x.shape)
     reduce_scatter(session, x, op="sum")               -> this rank's segment of the reduced, flattened x
@@ -48,14 +48,14 @@ import numpy as np
 
 from .cluster import TaskId
 from .errors import CollectiveMismatchError, CommunicationError, ConfigurationError, PeerLostError
-from .transport import Message, Transport
+from .transport import Message, SendHandle, Transport
 from .wire import DTYPES, dtype_name
 
 log = logging.getLogger(__name__)
 
 #: Largest piece of a ring segment sent in one message; smaller pieces pipeline better, larger ones
 #: pay less per-message overhead.
-DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20
 #: All-reduces and broadcasts of at most this many bytes use the latency-optimal algorithms.
 DEFAULT_SMALL_BYTES = 64 << 10
 #: Abort notices are best-effort: never wait long on a peer that may itself be the problem.
@@ -149,6 +149,13 @@ def as_array(x):
 def _working_copy(x, dtype: np.dtype):
     """A fresh C-ordered flat copy of ``x``: the caller's array is never written to."""
     return x.astype(dtype, order="C", copy=True).reshape(-1)
+
+
+def _flat_view(x, dtype: np.dtype):
+    """``x`` flattened, as a view when it is already C-contiguous in ``dtype`` (read, never written)."""
+    if x.dtype == dtype and x.flags.c_contiguous:
+        return x.reshape(-1)
+    return _working_copy(x, dtype)
 
 
 def split_bounds(length: int, parts: int) -> list[int]:
@@ -342,8 +349,19 @@ class _Call:
         return self.chunk if self.chunk is not None else self.session.chunk_elems(itemsize)
 
     def send(self, dst: int, *buffers) -> None:
+        """Send and return once the buffers may be modified again."""
         s = self.session
         s.transport.send(s.members[dst], s.tag, Message({"fp": self.fp}, list(buffers)), timeout=s.timeout)
+
+    def send_async(self, dst: int, *buffers) -> SendHandle:
+        """Send, possibly still reading the buffers after returning: ``wait()`` before modifying them."""
+        s = self.session
+        return s.transport.send_async(s.members[dst], s.tag, Message({"fp": self.fp}, list(buffers)),
+                                      timeout=s.timeout)
+
+    def wait(self, handles) -> None:
+        for handle in handles:
+            handle.wait(self.session.timeout)
 
     def prime(self, src: int) -> None:
         """Receive ``src``'s next message now (to learn from its fingerprint); ``recv`` returns it later."""
@@ -425,33 +443,54 @@ def _finish_mean(work, op: str, size: int) -> None:
 # -- the building blocks ----------------------------------------------------------------------------
 
 def _ring(call: _Call, work, bounds: Sequence[int], position: int, *, shift: int, steps: int,
-          reduce_steps: int, ufunc: np.ufunc | None) -> None:
+          reduce_steps: int, ufunc: np.ufunc | None, src=None) -> None:
     """Pipelined ring over segments ``bounds`` of ``work``, this rank sitting at ``position``.
 
     At step ``s`` the rank receives segment ``position - shift - s - 1`` from its left neighbour and
     then owns what it will send at step ``s + 1``, so each chunk is sent on as soon as it is reduced
     (the first ``reduce_steps`` steps) or copied (the rest): the transfer of one chunk overlaps the
-    reduction of the next. Sends are views of ``work``; ``send`` returns once they may be reused.
+    reduction of the next.
+
+    ``src`` holds this rank's own contribution (default: ``work`` itself). With a separate ``src`` the
+    ring runs out of place: a reduction writes ``op(src, incoming)`` into ``work``, which every
+    segment gets exactly once per rank, so ``work`` needs no copy of the input first.
+
+    Sends are asynchronous views of ``src``/``work``; a chunk is only overwritten after its send
+    completed, and every send has completed when this returns.
     """
     size = call.size
+    src = work if src is None else src
     left, right = (call.rank - 1) % size, (call.rank + 1) % size
     chunk = call.chunk_elems(work.dtype.itemsize)
+    in_flight: dict[tuple[int, int], SendHandle] = {}
+    from_src: list[SendHandle] = []
 
     def segment(k: int) -> tuple[int, int]:
         k %= size
         return bounds[k], bounds[k + 1]
 
-    for a, b in _chunks(*segment(position - shift), chunk):
-        call.send(right, work[a:b])
-    for step in range(steps):
-        for a, b in _chunks(*segment(position - shift - step - 1), chunk):
-            incoming = call.recv(left, b - a, work.dtype)
-            if step < reduce_steps:
-                ufunc(work[a:b], incoming, out=work[a:b])
-            else:
-                work[a:b] = incoming
-            if step + 1 < steps:
-                call.send(right, work[a:b])
+    try:
+        for a, b in _chunks(*segment(position - shift), chunk):
+            from_src.append(call.send_async(right, src[a:b]))
+        for step in range(steps):
+            for a, b in _chunks(*segment(position - shift - step - 1), chunk):
+                incoming = call.recv(left, b - a, work.dtype)
+                pending = in_flight.pop((a, b), None)
+                if pending is not None:  # we sent this chunk before; it must be out before we overwrite
+                    pending.wait(call.session.timeout)
+                if step < reduce_steps:
+                    ufunc(src[a:b], incoming, out=work[a:b])
+                else:
+                    work[a:b] = incoming
+                if step + 1 < steps:
+                    in_flight[(a, b)] = call.send_async(right, work[a:b])
+    finally:
+        # Never return (or raise) while the transport may still read the caller's memory.
+        for handle in [*from_src, *in_flight.values()]:
+            try:
+                handle.wait(call.session.timeout)
+            except Exception:  # the original error, if any, is the one to report
+                log.debug("a send did not complete while the ring was unwinding", exc_info=True)
 
 
 def _recursive_doubling(call: _Call, work, ufunc: np.ufunc) -> None:
@@ -523,27 +562,58 @@ def choose_allreduce_algorithm(session: CollectiveSession, nbytes: int, length: 
     return "ring"
 
 
-def allreduce(session: CollectiveSession, x, op: str = "sum", algorithm: str = "auto"):
+def allreduce(session: CollectiveSession, x, op: str = "sum", algorithm: str = "auto", out=None):
     """Reduce ``x`` elementwise over all ranks; every rank gets the same (bitwise) result.
 
-    Returns a new array of ``x``'s shape, in ``x``'s dtype (float64 for ``mean`` of integers/bools).
+    Returns a new array of ``x``'s shape, in ``x``'s dtype (float64 for ``mean`` of integers/bools),
+    or writes into ``out`` (checked by :func:`check_out`; ``out=x`` reduces in place) and returns it.
+    Reusing ``out`` across calls saves allocating (and page-faulting) a result every call.
     """
     x = as_array(x)
     check_dtype(x.dtype, "allreduce")
     check_op(op, x.dtype, "allreduce")
     check_algorithm(algorithm, ALLREDUCE_ALGORITHMS, "allreduce")
-    work = _working_copy(x, working_dtype(op, x.dtype))
-    algo = choose_allreduce_algorithm(session, work.nbytes, work.size, algorithm)
-    chunk = session.chunk_elems(work.dtype.itemsize) if algo == "ring" else None
+    dtype = working_dtype(op, x.dtype)
+    if out is not None:
+        check_out(out, x, dtype, "allreduce")
+    algo = choose_allreduce_algorithm(session, x.size * dtype.itemsize, x.size, algorithm)
+    chunk = session.chunk_elems(dtype.itemsize) if algo == "ring" else None
     fp = _fingerprint("allreduce", op=op, dtype=dtype_name(x.dtype), shape=x.shape, algo=algo, chunk=chunk)
+    if algo == "ring":
+        # Out of place: the ring writes every element of ``work`` itself, so no copy of x first
+        # (and with out=x, src and work are the same memory: the classic in-place ring).
+        work = _array_module(x).empty(x.size, dtype=dtype) if out is None else out.reshape(-1)
+        src = work if out is x else _flat_view(x, dtype)
+    else:
+        work = _working_copy(x, dtype)
     with session.collective(fp) as call:
         if algo == "ring":
             _ring(call, work, split_bounds(work.size, call.size), call.rank, shift=0,
-                  steps=2 * (call.size - 1), reduce_steps=call.size - 1, ufunc=OPS[op])
+                  steps=2 * (call.size - 1), reduce_steps=call.size - 1, ufunc=OPS[op], src=src)
         elif algo == "recursive_doubling":
             _recursive_doubling(call, work, OPS[op])
     _finish_mean(work, op, session.size)
-    return work.reshape(x.shape)
+    if out is None:
+        return work.reshape(x.shape)
+    if algo != "ring":
+        out[...] = work.reshape(x.shape)
+    return out
+
+
+def check_out(out, x, dtype: np.dtype, collective: str) -> None:
+    """``out`` must be a writeable C-contiguous array of x's shape in the result dtype, and either
+    be ``x`` itself or share no memory with it."""
+    problems = []
+    if type(out) is not type(x) and not (isinstance(out, np.ndarray) and isinstance(x, np.ndarray)):
+        problems.append(f"it is a {type(out).__name__}, x is a {type(x).__name__}")
+    elif out.shape != x.shape or out.dtype != dtype:
+        problems.append(f"it is {out.dtype}{tuple(out.shape)}, the result is {dtype}{tuple(x.shape)}")
+    elif not out.flags.c_contiguous or not out.flags.writeable:
+        problems.append("it must be C-contiguous and writeable")
+    elif out is not x and isinstance(out, np.ndarray) and np.shares_memory(out, x):
+        problems.append("it overlaps x without being x (pass out=x to reduce in place)")
+    if problems:
+        raise ConfigurationError(f"{collective}: cannot write the result into out: {problems[0]}")
 
 
 def reduce_scatter(session: CollectiveSession, x, op: str = "sum"):
@@ -555,14 +625,17 @@ def reduce_scatter(session: CollectiveSession, x, op: str = "sum"):
     x = as_array(x)
     check_dtype(x.dtype, "reduce_scatter")
     check_op(op, x.dtype, "reduce_scatter")
-    work = _working_copy(x, working_dtype(op, x.dtype))
+    dtype = working_dtype(op, x.dtype)
+    src = _flat_view(x, dtype)
+    # A world of one has nothing to reduce: its segment is its own input.
+    work = _working_copy(x, dtype) if session.size == 1 else _array_module(x).empty(src.size, dtype=dtype)
     bounds = split_bounds(work.size, session.size)
     chunk = session.chunk_elems(work.dtype.itemsize)
     fp = _fingerprint("reduce_scatter", op=op, dtype=dtype_name(x.dtype), shape=x.shape, algo="ring", chunk=chunk)
     with session.collective(fp) as call:
         if call.size > 1:
             _ring(call, work, bounds, call.rank, shift=1, steps=call.size - 1,
-                  reduce_steps=call.size - 1, ufunc=OPS[op])
+                  reduce_steps=call.size - 1, ufunc=OPS[op], src=src)
     # A copy, so the result does not keep the whole working buffer alive.
     mine = work[bounds[session.rank]:bounds[session.rank + 1]].copy()
     _finish_mean(mine, op, session.size)

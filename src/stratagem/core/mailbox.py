@@ -11,9 +11,14 @@ import itertools
 import threading
 import time
 from collections import defaultdict, deque
+from typing import Callable
 
 from .cluster import TaskId
 from .errors import PeerLostError, TransportClosed, TransportTimeout
+
+
+#: Seconds a waiter that could not read sleeps before trying to read again.
+_RETRY_READ = 0.002
 
 
 class Mailbox:
@@ -40,8 +45,15 @@ class Mailbox:
             self._sources_by_tag[tag].add(src)
             self._cond.notify_all()
 
-    def get(self, src: TaskId | None, tag: str, timeout: float | None):
-        """The next message under ``tag`` from ``src`` (any source if ``None``); see Transport.recv."""
+    def get(self, src: TaskId | None, tag: str, timeout: float | None,
+            pump: Callable[[float | None], bool] | None = None):
+        """The next message under ``tag`` from ``src`` (any source if ``None``); see Transport.recv.
+
+        ``pump(seconds)``, if given, lets the waiting thread move messages itself instead of sleeping
+        until another thread files one (it saves a thread hand-off per message). It is called without
+        the mailbox lock and returns False when it could not read (another thread is reading); the
+        waiter then sleeps briefly and tries again.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
@@ -59,7 +71,18 @@ class Mailbox:
                         f"{self.owner}: no message {tag!r} from {who} within {timeout:g} s "
                         f"(is that task running and calling the same operation?)"
                     )
-                self._cond.wait(remaining)
+                if pump is None:
+                    self._cond.wait(remaining)
+                    continue
+                self._cond.release()
+                try:
+                    pumped = pump(remaining)
+                finally:
+                    self._cond.acquire()
+                if not pumped:
+                    # Another thread is reading and notifies when it files something; the short
+                    # timeout covers the moment it stops reading, when this thread should take over.
+                    self._cond.wait(_RETRY_READ if remaining is None else min(remaining, _RETRY_READ))
 
     def _pop(self, src: TaskId | None, tag: str):
         if src is None:
@@ -78,6 +101,11 @@ class Mailbox:
             if not sources:
                 del self._sources_by_tag[tag]
         return message
+
+    def notify(self) -> None:
+        """Wake every waiter (a reader stopped reading: one of them may take over)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def mark_lost(self, task: TaskId, reason: str) -> None:
         """Declare ``task`` gone; its waiters raise once its pending messages are consumed."""

@@ -61,6 +61,20 @@ class Message:
         return sum(int(b.nbytes) for b in self.buffers)
 
 
+class SendHandle:
+    """The completion of :meth:`Transport.send_async`: ``wait()`` returns once the buffers may be reused."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the message's buffers may be reused (raises ``TransportTimeout`` on timeout)."""
+
+    def done(self) -> bool:
+        return True
+
+
+#: The handle of a send that completed before it returned.
+COMPLETED = SendHandle()
+
+
 class Transport(abc.ABC):
     """Base class of every transport plugin.
 
@@ -144,6 +158,13 @@ class Transport(abc.ABC):
         Raises ``PeerLostError(dst)`` if ``dst`` is known to be gone, ``TransportTimeout`` if the
         message cannot be queued within ``timeout``.
         """
+
+    def send_async(self, dst: TaskId, tag: str, msg: Message, timeout: float | None = None) -> SendHandle:
+        """Like :meth:`send`, but may return while the transport still reads the buffers; call
+        ``wait()`` on the returned handle before modifying them. Lets a pipelined algorithm keep
+        several sends in flight. The default is a blocking ``send``."""
+        self.send(dst, tag, msg, timeout)
+        return COMPLETED
 
     @abc.abstractmethod
     def recv(self, src: TaskId | None, tag: str, timeout: float | None = None) -> Message:

@@ -78,7 +78,7 @@ class Limits:
     """
 
     max_envelope_bytes: int = 1 << 20
-    max_payload_bytes: int = 1 << 34
+    max_payload_bytes: int = 1 << 32
     max_buffers: int = 4096
     max_ndim: int = 32
     max_tag_chars: int = 256
@@ -151,6 +151,11 @@ def _check_plain(value: Any, path: str, depth: int = 0) -> None:
     """Metadata must be plain data: msgpack would otherwise refuse it later, with a worse message."""
     if depth > 32:
         raise ProtocolError(f"metadata nests deeper than 32 levels at {path}")
+    if isinstance(value, (msgpack.ExtType, msgpack.Timestamp)):
+        # ExtType subclasses tuple, so it would otherwise pass as a list, and msgpack packs it as an
+        # extension type: neither it nor a Timestamp is plain data.
+        raise ProtocolError(f"metadata value at {path} is a msgpack {type(value).__name__}; "
+                            f"msgpack extension types are not allowed in metadata")
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         if isinstance(value, int) and not isinstance(value, bool) and not -(1 << 63) <= value < (1 << 64):
             raise ProtocolError(f"metadata integer at {path} does not fit in 64 bits")
@@ -194,7 +199,10 @@ def encode(kind: Kind, tag: str, meta: dict | None = None, buffers: Sequence = (
         if array.ndim > limits.max_ndim:
             raise ProtocolError(f"an array of {array.ndim} dimensions exceeds the limit of {limits.max_ndim}")
         specs.append([dtype_name(array.dtype), list(array.shape)])
-    envelope = msgpack.packb({"t": tag, "m": meta, "b": specs}, use_bin_type=True)
+    try:
+        envelope = msgpack.packb({"t": tag, "m": meta, "b": specs}, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:  # e.g. a lone surrogate is not UTF-8
+        raise ProtocolError(f"tag or metadata cannot be encoded: {type(exc).__name__}: {exc}") from None
     if len(envelope) > limits.max_envelope_bytes:
         raise ProtocolError(
             f"metadata of {len(envelope)} bytes exceeds the limit of {limits.max_envelope_bytes}; "
@@ -272,6 +280,9 @@ def read_envelope(header: Header, envelope, limits: Limits = DEFAULT_LIMITS) -> 
     return tag, meta, specs
 
 
+_MAX_INTP = int(np.iinfo(np.intp).max)
+
+
 def _buffer_spec(index: int, raw, limits: Limits) -> BufferSpec:
     if not (isinstance(raw, list) and len(raw) == 2 and isinstance(raw[0], str) and isinstance(raw[1], list)):
         raise ProtocolError(f"buffer {index}: description must be [dtype, shape]")
@@ -283,6 +294,9 @@ def _buffer_spec(index: int, raw, limits: Limits) -> BufferSpec:
         raise ProtocolError(f"buffer {index}: {len(shape)} dimensions exceed the limit of {limits.max_ndim}")
     if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d for d in shape):
         raise ProtocolError(f"buffer {index}: shape {shape!r} must be non-negative integers")
+    if math.prod(d or 1 for d in shape) * dtype.itemsize > _MAX_INTP:
+        # Even with no elements (a 0 among the dimensions) numpy cannot make such an array.
+        raise ProtocolError(f"buffer {index}: shape {shape!r} has dimensions too large to represent")
     spec = BufferSpec(dtype, tuple(shape))
     if spec.nbytes > limits.max_payload_bytes:
         raise ProtocolError(f"buffer {index}: {spec.nbytes} bytes exceed the limit of {limits.max_payload_bytes}")
@@ -296,24 +310,33 @@ def array_from(spec: BufferSpec, data) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8).view(spec.dtype).reshape(spec.shape)
 
 
+def _bytes_of(data, what: str) -> memoryview:
+    """A flat byte view of ``data``, or a ``ProtocolError`` if it is not a contiguous buffer."""
+    try:
+        return memoryview(data).cast("B")
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"{what} is not a contiguous bytes-like object ({exc})") from None
+
+
 def decode_parts(parts: Sequence, limits: Limits = DEFAULT_LIMITS) -> Frame:
     """Decode a frame received as parts ``[head, buffer0, ...]`` (buffers wrapped, not copied)."""
     if not parts:
         raise ProtocolError("empty message")
-    head = memoryview(parts[0]).cast("B") if not isinstance(parts[0], bytes) else parts[0]
+    head = parts[0] if isinstance(parts[0], bytes) else _bytes_of(parts[0], "head part")
     header = read_header(head, limits)
     if len(head) != HEADER_SIZE + header.envelope_len:
         raise ProtocolError(f"head part is {len(head)} bytes, the header says {HEADER_SIZE + header.envelope_len}")
     tag, meta, specs = read_envelope(header, head[HEADER_SIZE:], limits)
     if len(parts) - 1 != len(specs):
         raise ProtocolError(f"{len(parts) - 1} buffer parts arrived, the envelope describes {len(specs)}")
-    buffers = [array_from(spec, memoryview(part).cast("B")) for spec, part in zip(specs, parts[1:])]
+    buffers = [array_from(spec, _bytes_of(part, f"buffer part {i}"))
+               for i, (spec, part) in enumerate(zip(specs, parts[1:]))]
     return Frame(header.kind, tag, meta, buffers)
 
 
 def decode(data, limits: Limits = DEFAULT_LIMITS) -> Frame:
     """Decode one contiguous frame (as made by :func:`encode_bytes`)."""
-    view = memoryview(data).cast("B")
+    view = _bytes_of(data, "frame")
     header = read_header(view, limits)
     end_envelope = HEADER_SIZE + header.envelope_len
     if len(view) != end_envelope + header.payload_len:

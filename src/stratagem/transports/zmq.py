@@ -44,6 +44,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,7 +62,7 @@ from ..core.errors import (
     TransportTimeout,
 )
 from ..core.mailbox import Mailbox
-from ..core.transport import Message, Transport
+from ..core.transport import COMPLETED, Message, SendHandle, Transport
 from ..core.wire import Kind
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,10 @@ log = logging.getLogger(__name__)
 _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
                    | zmq.EVENT_MONITOR_STOPPED)
 _LOG_EVERY = 100  # after the first few, log one rejected frame in this many per connection
+_USER_POLL = 0.1          # a waiting recv() re-checks for losses and timeouts this often
+_BACKGROUND_POLL = 0.05   # the background reader's poll slice
+_BACKGROUND_GRACE = 0.02  # the background reader stays away this long after a recv() read
+_LOSS_GRACE = 0.2         # seconds between a dropped connection and declaring the peer lost
 
 
 class _Peer:
@@ -152,6 +157,15 @@ class ZmqTransport(Transport):
         self._rejected: dict[bytes, int] = {}
         self._new_monitors: queue.SimpleQueue = queue.SimpleQueue()
         self._control_lock = threading.Lock()
+        # Whoever holds the reader lock reads the ROUTER and the monitors: a waiting recv() (so a
+        # message reaches it without a thread hand-off), else the background thread.
+        self._reader = threading.Lock()
+        self._monitors: dict[zmq.Socket, _Peer] = {}
+        self._poller: zmq.Poller | None = None
+        self._pending_loss: dict[TaskId, tuple[float, str, _Peer]] = {}
+        self._background_reading = False
+        self._user_read_at = 0.0
+        self._stopping = False
         self._io_thread: threading.Thread | None = None
         self._closed = False
         self.address: str | None = None
@@ -192,8 +206,11 @@ class ZmqTransport(Transport):
             ctx.destroy(linger=0)
             raise
         self._ctx, self._router, self._control_in, self._control_out = ctx, router, control_in, control_out
+        self._poller = zmq.Poller()
+        self._poller.register(router, zmq.POLLIN)
+        self._poller.register(control_in, zmq.POLLIN)
         self.address = f"{self._host}:{self._port}"
-        self._io_thread = threading.Thread(target=self._io_loop, name=f"stratagem-zmq-{self.task.short}",
+        self._io_thread = threading.Thread(target=self._background, name=f"stratagem-zmq-{self.task.short}",
                                            daemon=True)
         self._io_thread.start()
 
@@ -226,11 +243,25 @@ class ZmqTransport(Transport):
                 peer.closed = True
                 peer.sock.close(linger=linger)
             peer.fail(TransportClosed(f"{self.task}: transport closed"))
+        self._stopping = True
+        self._mailbox.close(f"{self.task} closed its transport")  # wakes waiting recv() calls
         self._poke(b"stop")
         if self._io_thread is not None:
             self._io_thread.join(timeout=10)
-        self._control_out.close(linger=0)
-        self._mailbox.close(f"{self.task} closed its transport")
+        # Once no thread reads, the reader's sockets can be closed.
+        got_reader = self._reader.acquire(timeout=10)
+        try:
+            while not self._new_monitors.empty():  # monitors no reader got to register yet
+                self._new_monitors.get().monitor.close(linger=0)
+            for sock in self._monitors:
+                sock.close(linger=0)
+            self._monitors.clear()
+            self._router.close(linger=0)
+            self._control_in.close(linger=0)
+            self._control_out.close(linger=0)
+        finally:
+            if got_reader:
+                self._reader.release()
         # term() waits for lingering DEALERs to flush; destroy() would cut them off.
         if graceful:
             self._ctx.term()
@@ -239,12 +270,16 @@ class ZmqTransport(Transport):
 
     # -- messaging ---------------------------------------------------------------------------------
     def send(self, dst, tag, msg, timeout=None) -> None:
+        timeout = self._timeout(timeout)
+        self.send_async(dst, tag, msg, timeout).wait(timeout)
+
+    def send_async(self, dst, tag, msg, timeout=None) -> SendHandle:
         self._require_started()
         dst = self._check_peer(dst)
         if dst == self.task:
             self._mailbox.put(self.task, tag, Message(copy.deepcopy(msg.meta),
                                                       [np.array(b, copy=True) for b in msg.buffers], self.task))
-            return
+            return COMPLETED
         reason = self._mailbox.is_lost(dst)
         if reason is not None:
             raise PeerLostError(dst, reason)
@@ -262,17 +297,11 @@ class ZmqTransport(Transport):
         with peer.lock:
             if peer.closed:
                 raise _fresh(peer.error) if peer.error else PeerLostError(dst, "connection closed")
-            if payload >= self.zero_copy_bytes:
-                tracker = peer.sock.send_multipart(parts, copy=False, track=True)
-            else:
-                peer.sock.send_multipart(parts, copy=True)
-                return
-        # Wait until ZeroMQ lets go of our memory, so the caller may overwrite its arrays.
-        try:
-            tracker.wait(timeout)
-        except zmq.NotDone:
-            raise TransportTimeout(f"{self.task}: sending {payload} bytes to {dst} did not complete "
-                                   f"within {timeout:g} s") from None
+            if payload < self.zero_copy_bytes:
+                peer.sock.send_multipart(parts, copy=True)  # copied: the caller may reuse at once
+                return COMPLETED
+            tracker = peer.sock.send_multipart(parts, copy=False, track=True)
+        return _TrackedSend(tracker, self.task, dst, payload)
 
     def recv(self, src, tag, timeout=None) -> Message:
         self._require_started()
@@ -281,7 +310,7 @@ class ZmqTransport(Transport):
             if src != self.task and self._mailbox.is_lost(src) is None:
                 # Connecting to the source lets us watch it, so its death wakes us.
                 self._ensure_peer(src)
-        return self._mailbox.get(src, tag, self._timeout(timeout))
+        return self._mailbox.get(src, tag, self._timeout(timeout), pump=self._pump_for_waiter)
 
     def lost_peers(self):
         return self._mailbox.lost()
@@ -335,43 +364,75 @@ class ZmqTransport(Transport):
             if not peer.closed:
                 peer.sock.send_multipart(wire.encode(kind, "", meta), flags=zmq.NOBLOCK)
 
-    # -- the I/O thread ----------------------------------------------------------------------------
-    def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._control_in, zmq.POLLIN)
-        monitors: dict[zmq.Socket, _Peer] = {}
+    # -- reading: a waiting recv() reads itself; the background thread covers the idle times ----------
+    def _pump_for_waiter(self, remaining: float | None) -> bool:
+        """Read for a waiting ``recv`` if no other thread is reading; False if one is."""
+        if self._stopping:
+            return False
+        self._user_read_at = time.monotonic()  # tells the background thread to stay away
+        if not self._reader.acquire(blocking=False):
+            if self._background_reading:
+                self._poke(b"yield")
+            return False
         try:
-            while True:
-                ready = dict(poller.poll(1000))
-                if self._control_in in ready:
-                    if self._control_in.recv() == b"stop":
-                        return
-                    while not self._new_monitors.empty():
-                        peer = self._new_monitors.get()
-                        monitors[peer.monitor] = peer
-                        poller.register(peer.monitor, zmq.POLLIN)
-                if self._router in ready:
-                    self._drain_router()
-                for sock in [s for s in ready if s in monitors]:
-                    peer = monitors[sock]
-                    if self._on_monitor(peer):
-                        poller.unregister(sock)
-                        del monitors[sock]
-                        sock.close(linger=0)
-        except zmq.ContextTerminated:
-            return
-        except Exception:  # the I/O thread must never die silently: every waiter would hang
-            log.exception("%s: zmq I/O thread crashed", self.task)
-            self._mailbox.close("the zmq I/O thread crashed (see the log)")
+            self._pump(_USER_POLL if remaining is None else min(remaining, _USER_POLL))
         finally:
-            for sock in monitors:
+            self._user_read_at = time.monotonic()
+            self._reader.release()
+            self._mailbox.notify()  # another waiter may want to take over reading
+        return True
+
+    def _background(self) -> None:
+        """Reads whenever no recv() has for a while: handshakes, goodbyes, losses, early data."""
+        try:
+            while not self._stopping:
+                quiet = time.monotonic() - self._user_read_at
+                if quiet < _BACKGROUND_GRACE:
+                    time.sleep(_BACKGROUND_GRACE - quiet)
+                    continue
+                if not self._reader.acquire(timeout=_BACKGROUND_POLL):
+                    continue
+                self._background_reading = True
+                try:
+                    self._pump(_BACKGROUND_POLL)
+                finally:
+                    self._background_reading = False
+                    self._reader.release()
+        except Exception:  # must never die silently: every waiter would hang
+            log.exception("%s: zmq background reader crashed", self.task)
+            self._mailbox.close("the zmq background reader crashed (see the log)")
+
+    def _pump(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for socket events and handle all that are ready (reader lock held)."""
+        if self._stopping:
+            return
+        while not self._new_monitors.empty():
+            peer = self._new_monitors.get()
+            self._monitors[peer.monitor] = peer
+            self._poller.register(peer.monitor, zmq.POLLIN)
+        if self._pending_loss:
+            timeout = max(0.0, min(timeout, min(d for d, _, _ in self._pending_loss.values()) - time.monotonic()))
+        try:
+            ready = dict(self._poller.poll(int(timeout * 1000)))
+        except zmq.ZMQError:
+            if self._stopping:
+                return
+            raise
+        if self._control_in in ready:
+            while self._control_in.poll(0):
+                self._control_in.recv()  # "stop", "watch", "yield": each just wakes the poll
+        if self._router in ready:
+            self._drain_router()
+        for sock in [s for s in ready if s in self._monitors]:
+            if self._on_monitor(self._monitors[sock]):
+                self._poller.unregister(sock)
+                del self._monitors[sock]
                 sock.close(linger=0)
-            self._router.close(linger=0)
-            self._control_in.close(linger=0)
+        if self._pending_loss:
+            self._settle_losses()
 
     def _drain_router(self) -> None:
-        for _ in range(1000):  # bounded, so control messages are not starved
+        for _ in range(1000):  # bounded, so monitors and control are not starved
             try:
                 parts = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -507,10 +568,21 @@ class ZmqTransport(Transport):
             peer.connected = True
         elif event == zmq.EVENT_DISCONNECTED and peer.connected:
             if self._peers.get(peer.task) is peer:
-                self._peer_gone(peer.task, f"connection to {peer.task} at {peer.address} was lost "
-                                           f"(the process died, or the network failed)")
+                # Settle the loss a moment later: what the peer sent before it went may still be on
+                # its way into our ROUTER (its connections to us close at the same instant).
+                self._pending_loss[peer.task] = (
+                    time.monotonic() + _LOSS_GRACE, f"connection to {peer.task} at {peer.address} was "
+                    f"lost (the process died, or the network failed)", peer)
             return True
         return event == zmq.EVENT_MONITOR_STOPPED
+
+    def _settle_losses(self) -> None:
+        now = time.monotonic()
+        for task, (deadline, reason, peer) in list(self._pending_loss.items()):
+            if deadline <= now:
+                del self._pending_loss[task]
+                if self._peers.get(task) is peer:
+                    self._peer_gone(task, reason)
 
     def _peer_gone(self, task: TaskId, reason: str) -> None:
         self._mailbox.mark_lost(task, reason)
@@ -525,9 +597,26 @@ class ZmqTransport(Transport):
             peer.closed = True
             peer.sock.close(linger=0)
         peer.fail(error or PeerLostError(task, "reconnected as a new process"))
-        for routing_id, conn in list(self._incoming.items()):
-            if conn.task == task:
-                del self._incoming[routing_id]
+        self._pending_loss.pop(task, None)
+        # Its connections into our ROUTER stay known: frames it sent before going may still be
+        # queued there, and they were sent by an authenticated peer.
+
+
+class _TrackedSend(SendHandle):
+    """A zero-copy send: done when ZeroMQ has released our memory (written it to the socket)."""
+
+    def __init__(self, tracker: zmq.MessageTracker, task: TaskId, dst: TaskId, nbytes: int):
+        self._tracker, self._task, self._dst, self._nbytes = tracker, task, dst, nbytes
+
+    def done(self) -> bool:
+        return self._tracker.done
+
+    def wait(self, timeout: float | None = None) -> None:
+        try:
+            self._tracker.wait(timeout)
+        except zmq.NotDone:
+            raise TransportTimeout(f"{self._task}: sending {self._nbytes} bytes to {self._dst} did not "
+                                   f"complete within {timeout:g} s") from None
 
 
 def _fresh(error: Exception) -> Exception:
