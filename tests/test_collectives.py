@@ -309,6 +309,47 @@ def test_inputs_are_never_modified(make_local_world):
         np.testing.assert_array_equal(x, original)
 
 
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling"])
+def test_allreduce_into_out_and_in_place(make_world, algorithm):
+    comms = make_world(3, chunk_bytes=256)
+    inputs = [np.arange(1001, dtype=np.float32) * (rank + 1) for rank in range(3)]
+    expected = inputs[0] * 6
+
+    def into_out(c):
+        out = np.full(1001, -1, np.float32)
+        returned = c.allreduce(inputs[c.rank], algorithm=algorithm, out=out)
+        in_place = inputs[c.rank].copy()
+        again = c.allreduce(in_place, algorithm=algorithm, out=in_place)
+        return returned is out, out, again is in_place, in_place
+
+    for is_out, out, is_in_place, in_place in run_ranks(comms, into_out):
+        assert is_out and is_in_place
+        np.testing.assert_array_equal(out, expected)
+        np.testing.assert_array_equal(in_place, expected)
+
+
+def test_a_bad_out_is_refused_before_anything_is_sent(make_local_world):
+    (comm,) = make_local_world(1)
+    x = np.ones(10, np.float32)
+    bad = {
+        "float32(11,)": np.empty(11, np.float32),
+        "float64": np.empty(10, np.float64),
+        "contiguous": np.empty(20, np.float32)[::2],
+    }
+    with pytest.raises(ConfigurationError, match="float32\\(11,\\)"):
+        comm.allreduce(x, out=bad["float32(11,)"])
+    with pytest.raises(ConfigurationError, match="float64"):
+        comm.allreduce(x, out=bad["float64"])
+    with pytest.raises(ConfigurationError, match="contiguous"):
+        comm.allreduce(x, out=bad["contiguous"])
+    base = np.ones(20, np.float32)
+    with pytest.raises(ConfigurationError, match="overlaps"):
+        comm.allreduce(base[:10], out=base[5:15])
+    with pytest.raises(ConfigurationError, match="float64"):
+        comm.allreduce(np.arange(10), op="mean", out=np.empty(10, np.int64))  # mean of ints is float64
+    np.testing.assert_array_equal(comm.allreduce(x, out=np.empty(10, np.float32)), x)  # still usable
+
+
 def test_non_contiguous_and_multidimensional_inputs(make_local_world):
     comms = make_local_world(3, chunk_bytes=128)
     inputs = [np.asfortranarray(np.arange(60, dtype=np.float32).reshape(3, 4, 5) + rank)[:, ::2] for rank in range(3)]

@@ -240,6 +240,17 @@ class TransportContract:
             with pytest.raises(PeerLostError):
                 a.recv(b.task, "last", timeout=CALL_TIMEOUT)
 
+    def test_everything_sent_before_a_close_is_delivered(self):
+        with self.world(2) as (a, b):
+            payload = np.arange(256 * 1024, dtype=np.float32)  # 1 MiB, the zero-copy path
+            for i in range(100):
+                a.send(b.task, "tail", Message({"i": i}, [payload]))
+            a.close()  # a graceful close flushes what was queued
+            got = [b.recv(a.task, "tail", timeout=CALL_TIMEOUT).meta["i"] for _ in range(100)]
+            assert got == list(range(100))
+            with pytest.raises(PeerLostError, match="closed"):
+                b.recv(a.task, "tail", timeout=CALL_TIMEOUT)
+
     def test_sigkilled_peer_process_raises_peer_lost(self):
         if self.transport_class().in_process:
             pytest.skip(f"the {self.transport} transport keeps every endpoint in one process")
