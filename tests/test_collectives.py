@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stratagem.core import collectives as coll
+from stratagem.core import collective_session as cs
 from stratagem.core import communicator as communicator_module
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.communicator import Communicator, local_world, open_communicator
@@ -675,9 +676,9 @@ def test_local_world_and_docstring_examples():
 
 
 def test_abort_notices_carry_the_same_error_kind():
-    session = coll.CollectiveSession(None, [TaskId("worker", 0), TaskId("worker", 1)], 0, name="w",
+    session = cs.CollectiveSession(None, [TaskId("worker", 0), TaskId("worker", 1)], 0, name="w",
                                      timeout=1.0, chunk_bytes=8, small_bytes=8)
-    lost = coll._error_from_abort(session, {"abort": "lost", "task": "worker:1", "origin": 1, "reason": "gone"})
+    lost = cs._error_from_abort(session, {"abort": "lost", "task": "worker:1", "origin": 1, "reason": "gone"})
     assert isinstance(lost, PeerLostError) and lost.task == TaskId("worker", 1)
-    failed = coll._error_from_abort(session, {"abort": "failed", "origin": 1, "reason": "TransportTimeout: x"})
+    failed = cs._error_from_abort(session, {"abort": "failed", "origin": 1, "reason": "TransportTimeout: x"})
     assert type(failed) is CommunicationError and "rank 1 (/job:worker/task:1)" in str(failed)

@@ -34,21 +34,20 @@ Safety: all of a communicator's traffic uses one tag (``coll/<name>``), and ever
 call's *fingerprint* (sequence number, collective, op, dtype, shape and algorithm settings). A receiver
 compares it with its own and raises :class:`CollectiveMismatchError` naming both sides instead of
 hanging or reducing garbage; it then tells every other rank (an *abort* message), so they raise the
-same error instead of waiting for their timeout.
+same error instead of waiting for their timeout. That protocol lives in ``collective_session.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from .cluster import TaskId
-from .errors import CollectiveMismatchError, CommunicationError, ConfigurationError, PeerLostError
-from .transport import Message, SendHandle, Transport
+from .collective_session import CollectiveCall, CollectiveSession, fingerprint
+from .errors import ConfigurationError
+from .transport import SendHandle
 from .wire import DTYPES, dtype_name
 
 log = logging.getLogger(__name__)
@@ -58,8 +57,6 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 4 << 20
 #: All-reduces and broadcasts of at most this many bytes use the latency-optimal algorithms.
 DEFAULT_SMALL_BYTES = 64 << 10
-#: Abort notices are best-effort: never wait long on a peer that may itself be the problem.
-ABORT_SEND_TIMEOUT = 2.0
 
 #: op name -> the ufunc that combines two operands. ``mean`` sums, then divides by the world size.
 OPS: dict[str, np.ufunc] = {
@@ -200,229 +197,6 @@ def _subtree_end(v: int, size: int) -> int:
     return size if v == 0 else min(v + (v & -v), size)
 
 
-def _fingerprint(collective: str, **fields) -> dict:
-    """Plain-data description of one call (lists, not tuples: the wire turns tuples into lists)."""
-    fp = {"coll": collective}
-    for key, value in fields.items():
-        if key == "shape" and value is not None:
-            value = [int(d) for d in value]
-        fp[key] = value
-    return fp
-
-
-def describe(fp: dict) -> str:
-    """``allreduce(sum, float32, (10,)) as collective #5`` -- how errors name a call."""
-    args = []
-    if fp.get("op"):
-        args.append(str(fp["op"]))
-    if "root" in fp:
-        args.append(f"root={fp['root']}")
-    if fp.get("dtype"):
-        args.append(str(fp["dtype"]))
-    if fp.get("shape") is not None:
-        args.append(str(tuple(fp["shape"])))
-    return f"{fp.get('coll', '?')}({', '.join(args)}) as collective #{fp.get('seq', '?')}"
-
-
-def _settings(fp: dict) -> str:
-    return f"algorithm={fp.get('algo')}, chunk={fp.get('chunk')} elements"
-
-
-# -- the per-communicator session and the per-call context ------------------------------------------
-
-class CollectiveSession:
-    """What one communicator's collectives share: the world, the tag, the options, the call counter.
-
-    Not thread-safe: the communicator serialises calls. After a failed collective the session is
-    *broken* (``broken`` holds the error): peers may be mid-call, so later traffic cannot be trusted.
-    """
-
-    def __init__(self, transport: Transport, members: Sequence[TaskId], rank: int, *, name: str,
-                 timeout: float | None, chunk_bytes: int, small_bytes: int):
-        self.transport = transport
-        self.members = list(members)
-        self.rank = rank
-        self.name = name
-        self.tag = f"coll/{name}"
-        self.timeout = timeout
-        self.chunk_bytes = chunk_bytes
-        self.small_bytes = small_bytes
-        self.seq = 0
-        self.broken: BaseException | None = None
-
-    @property
-    def size(self) -> int:
-        return len(self.members)
-
-    def who(self, rank: int) -> str:
-        """``rank 2 (/job:worker/task:2)``: how messages name a rank."""
-        return f"rank {rank} ({self.members[rank]})"
-
-    def chunk_elems(self, itemsize: int) -> int:
-        return max(1, self.chunk_bytes // max(1, itemsize))
-
-    def next_seq(self) -> int:
-        self.seq += 1
-        return self.seq
-
-    @contextlib.contextmanager
-    def collective(self, fingerprint: dict, learn: Sequence[str] = ()) -> Iterator["_Call"]:
-        """Run one collective call: number it, and on failure break the session and warn the peers."""
-        call = _Call(self, {"seq": self.next_seq(), **fingerprint}, learn)
-        try:
-            yield call
-        except Exception as exc:
-            self.broken = exc
-            self._notify_peers(call, exc)
-            raise
-
-    def _notify_peers(self, call: "_Call", exc: Exception) -> None:
-        """Best-effort abort notice to every other rank, so they fail now instead of at their timeout.
-
-        Ranks that receive one pass it on (the rank waiting on *them* may not hear from the origin),
-        so the notice spreads along every wait chain.
-        """
-        meta = getattr(exc, "abort_meta", None) or _abort_meta(self, call, exc)
-        skip = {self.rank, meta.get("origin")}
-        lost = set(self.transport.lost_peers())
-        if meta.get("task"):
-            lost.add(TaskId.parse(meta["task"]))
-        for rank, task in enumerate(self.members):
-            if rank in skip or task in lost:
-                continue
-            try:
-                self.transport.send(task, self.tag, Message(dict(meta)), timeout=ABORT_SEND_TIMEOUT)
-            except Exception as send_error:  # best effort: the peer may be the one that is gone
-                log.debug("%s: could not send abort notice to %s: %s", self.tag, task, send_error)
-
-
-def _abort_meta(session: CollectiveSession, call: "_Call", exc: Exception) -> dict:
-    meta = {"abort": "failed", "origin": session.rank, "fp": call.fp, "reason": f"{type(exc).__name__}: {exc}"}
-    if isinstance(exc, CollectiveMismatchError):
-        meta.update(abort="mismatch", reason=str(exc))
-    elif isinstance(exc, PeerLostError):
-        meta.update(abort="lost", task=str(exc.task), reason=str(exc))
-    return meta
-
-
-def _error_from_abort(session: CollectiveSession, meta: dict) -> Exception:
-    """The error a rank raises on an abort notice: the same kind the origin raised."""
-    origin = meta.get("origin")
-    origin_name = session.who(origin) if isinstance(origin, int) and 0 <= origin < session.size else "a peer"
-    kind, reason = meta.get("abort"), str(meta.get("reason", ""))
-    if kind == "mismatch":
-        error: Exception = CollectiveMismatchError(reason)
-    elif kind == "lost" and meta.get("task"):
-        error = PeerLostError(TaskId.parse(meta["task"]), f"reported by {origin_name} on communicator "
-                                                           f"{session.name!r}: {reason}")
-    else:
-        error = CommunicationError(f"{origin_name} failed a collective on communicator {session.name!r} "
-                                   f"and aborted it: {reason}")
-    error.abort_meta = meta  # so this rank forwards the same notice, not a new one
-    return error
-
-
-class _Call:
-    """One collective call in progress: sends and receives under its fingerprint.
-
-    ``learn`` names fingerprint fields this rank does not know yet (a broadcast receiver that passed
-    no array); they are adopted from the first message instead of compared.
-    """
-
-    def __init__(self, session: CollectiveSession, fp: dict, learn: Sequence[str] = ()):
-        self.session = session
-        self.fp = fp
-        self._learn = set(learn)
-        self._pending: dict[int, Message] = {}
-        #: Chunk size (elements) imposed by another rank (a broadcast's root); None: our own option.
-        self.chunk: int | None = None
-
-    @property
-    def rank(self) -> int:
-        return self.session.rank
-
-    @property
-    def size(self) -> int:
-        return self.session.size
-
-    def chunk_elems(self, itemsize: int) -> int:
-        return self.chunk if self.chunk is not None else self.session.chunk_elems(itemsize)
-
-    def send(self, dst: int, *buffers) -> None:
-        """Send and return once the buffers may be modified again."""
-        s = self.session
-        s.transport.send(s.members[dst], s.tag, Message({"fp": self.fp}, list(buffers)), timeout=s.timeout)
-
-    def send_async(self, dst: int, *buffers) -> SendHandle:
-        """Send, possibly still reading the buffers after returning: ``wait()`` before modifying them."""
-        s = self.session
-        return s.transport.send_async(s.members[dst], s.tag, Message({"fp": self.fp}, list(buffers)),
-                                      timeout=s.timeout)
-
-    def wait(self, handles) -> None:
-        for handle in handles:
-            handle.wait(self.session.timeout)
-
-    def prime(self, src: int) -> None:
-        """Receive ``src``'s next message now (to learn from its fingerprint); ``recv`` returns it later."""
-        self._pending[src] = self._receive(src)
-
-    def recv(self, src: int, count: int | None = None, dtype=None):
-        """The array in ``src``'s next message (``None`` for a bufferless one), checked against what
-        this rank expects: the fingerprint, then ``count`` elements of ``dtype``."""
-        message = self._pending.pop(src, None) or self._receive(src)
-        expected_buffers = 0 if count is None else 1
-        if len(message.buffers) != expected_buffers:
-            raise self._mismatch(src, f"sent {len(message.buffers)} buffers where {expected_buffers} were expected")
-        if count is None:
-            return None
-        data = message.buffers[0]
-        if data.size != count or (dtype is not None and data.dtype != dtype):
-            raise self._mismatch(src, f"sent {data.size} elements of {data.dtype} where this rank expected "
-                                      f"{count} of {np.dtype(dtype) if dtype is not None else 'any dtype'}")
-        return data.reshape(-1)
-
-    def _receive(self, src: int) -> Message:
-        s = self.session
-        message = s.transport.recv(s.members[src], s.tag, timeout=s.timeout)
-        if "abort" in message.meta:
-            raise _error_from_abort(s, message.meta)
-        self._check_fingerprint(src, message.meta.get("fp"))
-        return message
-
-    def _check_fingerprint(self, src: int, theirs) -> None:
-        s = self.session
-        if not isinstance(theirs, dict):
-            raise CollectiveMismatchError(
-                f"{s.who(src)} sent a message without a collective fingerprint on tag {s.tag!r} of "
-                f"communicator {s.name!r}: something else uses this tag; give each communicator its own name"
-            )
-        mine = self.fp
-        differs = [k for k in set(mine) | set(theirs) if k not in self._learn and mine.get(k) != theirs.get(k)]
-        if differs:
-            mine_text, theirs_text = describe(mine), describe(theirs)
-            hint = ("every rank must make the same collective calls, in the same order, with the same op, "
-                    "dtype and shape")
-            if mine_text == theirs_text:  # same call, different options
-                mine_text += f" [{_settings(mine)}]"
-                theirs_text += f" [{_settings(theirs)}]"
-                hint = "give every rank the same chunk_bytes, small_bytes and algorithm"
-            raise CollectiveMismatchError(
-                f"collective mismatch on communicator {s.name!r}: {s.who(src)} called {theirs_text}, but "
-                f"{s.who(s.rank)} called {mine_text}; {hint}"
-            )
-        for key in self._learn:
-            mine[key] = theirs.get(key)
-        self._learn.clear()
-
-    def _mismatch(self, src: int, what: str) -> CollectiveMismatchError:
-        s = self.session
-        return CollectiveMismatchError(
-            f"collective mismatch on communicator {s.name!r}: in {describe(self.fp)}, {s.who(src)} {what} "
-            f"(by {s.who(s.rank)})"
-        )
-
-
 # -- reduction helpers ------------------------------------------------------------------------------
 
 def _combine(ufunc: np.ufunc, work, other, mine_first: bool) -> None:
@@ -442,7 +216,7 @@ def _finish_mean(work, op: str, size: int) -> None:
 
 # -- the building blocks ----------------------------------------------------------------------------
 
-def _ring(call: _Call, work, bounds: Sequence[int], position: int, *, shift: int, steps: int,
+def _ring(call: CollectiveCall, work, bounds: Sequence[int], position: int, *, shift: int, steps: int,
           reduce_steps: int, ufunc: np.ufunc | None, src=None) -> None:
     """Pipelined ring over segments ``bounds`` of ``work``, this rank sitting at ``position``.
 
@@ -493,7 +267,7 @@ def _ring(call: _Call, work, bounds: Sequence[int], position: int, *, shift: int
                 log.debug("a send did not complete while the ring was unwinding", exc_info=True)
 
 
-def _recursive_doubling(call: _Call, work, ufunc: np.ufunc) -> None:
+def _recursive_doubling(call: CollectiveCall, work, ufunc: np.ufunc) -> None:
     """All-reduce in log2 steps; any world size.
 
     The ``size - p2`` ranks above the largest power of two ``p2`` first hand their data to rank
@@ -518,7 +292,7 @@ def _recursive_doubling(call: _Call, work, ufunc: np.ufunc) -> None:
         call.send(rank + p2, work)
 
 
-def _tree_broadcast(call: _Call, work, v: int, root: int) -> None:
+def _tree_broadcast(call: CollectiveCall, work, v: int, root: int) -> None:
     """Binomial-tree broadcast, chunked so a long tensor streams down the tree."""
     size = call.size
     parent = (_tree_parent(v) + root) % size if v else None
@@ -530,7 +304,7 @@ def _tree_broadcast(call: _Call, work, v: int, root: int) -> None:
             call.send(child, work[a:b])
 
 
-def _scatter_allgather(call: _Call, work, v: int, root: int) -> None:
+def _scatter_allgather(call: CollectiveCall, work, v: int, root: int) -> None:
     """Broadcast as a binomial-tree scatter of segments, then a ring all-gather (van de Geijn).
 
     Segment ``u`` belongs to relative rank ``u``; a subtree's segments are contiguous in ``work``, so
@@ -578,7 +352,7 @@ def allreduce(session: CollectiveSession, x, op: str = "sum", algorithm: str = "
         check_out(out, x, dtype, "allreduce")
     algo = choose_allreduce_algorithm(session, x.size * dtype.itemsize, x.size, algorithm)
     chunk = session.chunk_elems(dtype.itemsize) if algo == "ring" else None
-    fp = _fingerprint("allreduce", op=op, dtype=dtype_name(x.dtype), shape=x.shape, algo=algo, chunk=chunk)
+    fp = fingerprint("allreduce", op=op, dtype=dtype_name(x.dtype), shape=x.shape, algo=algo, chunk=chunk)
     if algo == "ring":
         # Out of place: the ring writes every element of ``work`` itself, so no copy of x first
         # (and with out=x, src and work are the same memory: the classic in-place ring).
@@ -631,7 +405,7 @@ def reduce_scatter(session: CollectiveSession, x, op: str = "sum"):
     work = _working_copy(x, dtype) if session.size == 1 else _array_module(x).empty(src.size, dtype=dtype)
     bounds = split_bounds(work.size, session.size)
     chunk = session.chunk_elems(work.dtype.itemsize)
-    fp = _fingerprint("reduce_scatter", op=op, dtype=dtype_name(x.dtype), shape=x.shape, algo="ring", chunk=chunk)
+    fp = fingerprint("reduce_scatter", op=op, dtype=dtype_name(x.dtype), shape=x.shape, algo="ring", chunk=chunk)
     with session.collective(fp) as call:
         if call.size > 1:
             _ring(call, work, bounds, call.rank, shift=1, steps=call.size - 1,
@@ -652,7 +426,7 @@ def allgather(session: CollectiveSession, x):
     work = xp.empty(n * size, dtype=dtype)
     work[session.rank * n:(session.rank + 1) * n] = x.reshape(-1)
     chunk = session.chunk_elems(dtype.itemsize)
-    fp = _fingerprint("allgather", dtype=dtype_name(x.dtype), shape=x.shape, algo="ring", chunk=chunk)
+    fp = fingerprint("allgather", dtype=dtype_name(x.dtype), shape=x.shape, algo="ring", chunk=chunk)
     with session.collective(fp) as call:
         if size > 1:
             _ring(call, work, [i * n for i in range(size + 1)], call.rank, shift=0, steps=size - 1,
@@ -691,7 +465,7 @@ def _broadcast_root(session: CollectiveSession, x, root: int, algorithm: str):
     check_dtype(x.dtype, "broadcast")
     work = _working_copy(x, working_dtype(None, x.dtype))
     algo = choose_broadcast_algorithm(session, work.nbytes, work.size, algorithm)
-    fp = _fingerprint("broadcast", root=root, dtype=dtype_name(x.dtype), shape=x.shape, algo=algo,
+    fp = fingerprint("broadcast", root=root, dtype=dtype_name(x.dtype), shape=x.shape, algo=algo,
                       chunk=session.chunk_elems(work.dtype.itemsize))
     with session.collective(fp) as call:
         _run_broadcast(call, work, algo, root)
@@ -705,7 +479,7 @@ def _broadcast_receive(session: CollectiveSession, x, root: int):
         dtype = shape = None
     else:
         dtype, shape = dtype_name(check_dtype(x.dtype, "broadcast")), x.shape
-    fp = _fingerprint("broadcast", root=root, dtype=dtype, shape=shape, algo=None, chunk=None)
+    fp = fingerprint("broadcast", root=root, dtype=dtype, shape=shape, algo=None, chunk=None)
     v = (session.rank - root) % session.size
     with session.collective(fp, learn=learn) as call:
         parent = (_tree_parent(v) + root) % session.size
@@ -719,7 +493,7 @@ def _broadcast_receive(session: CollectiveSession, x, root: int):
     return work.reshape(shape)
 
 
-def _run_broadcast(call: _Call, work, algo: str, root: int) -> None:
+def _run_broadcast(call: CollectiveCall, work, algo: str, root: int) -> None:
     v = (call.rank - root) % call.size
     if algo == "binomial_tree":
         _tree_broadcast(call, work, v, root)
@@ -729,7 +503,7 @@ def _run_broadcast(call: _Call, work, algo: str, root: int) -> None:
 
 def barrier(session: CollectiveSession) -> None:
     """Return only once every rank has entered the barrier (dissemination: ceil(log2 size) rounds)."""
-    with session.collective(_fingerprint("barrier")) as call:
+    with session.collective(fingerprint("barrier")) as call:
         distance = 1
         while distance < call.size:
             call.send((call.rank + distance) % call.size)
