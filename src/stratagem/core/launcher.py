@@ -53,7 +53,6 @@ import ctypes
 import json
 import os
 import secrets
-import selectors
 import shutil
 import signal
 import socket
@@ -66,6 +65,7 @@ from typing import Callable, Mapping, Sequence, TextIO
 
 from .cluster import ClusterSpec, TaskId
 from .errors import ConfigurationError
+from .task_output import COLORS, OutputPump, PipeReader, Sink, task_prefix
 
 #: Seconds between SIGTERM and SIGKILL when the launcher stops tasks.
 DEFAULT_GRACE = 5.0
@@ -82,15 +82,8 @@ EXIT_TIMEOUT = 124  # as coreutils' timeout(1)
 EXIT_SIGNALLED = {signal.SIGINT: 128 + signal.SIGINT, signal.SIGTERM: 128 + signal.SIGTERM}
 
 _POLL_INTERVAL = 0.05  # how often exits, deadlines and signals are checked when no output arrives
-_READ_SIZE = 65536
-_MAX_LINE = 65536  # a "line" longer than this is printed in pieces rather than buffered without bound
 _DRAIN_SECONDS = 1.0  # how long to wait for the last output once every task has exited
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-#: Prefix colours on a terminal, one per task in turn; red is left for errors.
-_COLORS = ("cyan", "magenta", "green", "yellow", "blue", "bright_cyan", "bright_magenta",
-           "bright_green", "bright_yellow", "bright_blue", "dark_orange", "purple", "spring_green3",
-           "deep_sky_blue1", "gold1", "orchid")
-
 _EPILOG = """\
 example:
   stratagem launch --worker 2 --ps 1 -- python train.py --epochs 3
@@ -173,129 +166,6 @@ class LaunchResult:
         widths = [max(len(row[i]) for row in rows) for i in range(2)]
         table = [f"  {t:<{widths[0]}}  {p:>{widths[1]}}  {s}" for t, p, s in rows]
         return "\n".join([head, *table])
-
-
-# -- output ----------------------------------------------------------------------------------------
-
-
-class _Sink:
-    """One output stream (our stdout or stderr) that stops accepting writes once it breaks.
-
-    A closed pipe (``stratagem launch ... | head``) must not stop the launcher from supervising and
-    reaping its tasks, so write errors are swallowed after the first one.
-    """
-
-    def __init__(self, stream: TextIO):
-        self.stream = stream
-        self.broken = False
-
-    def write(self, text: str) -> None:
-        if self.broken:
-            return
-        try:
-            self.stream.write(text)
-            self.stream.flush()
-        except (OSError, ValueError):  # ValueError: the stream was closed
-            self.broken = True
-
-
-def _task_prefix(task: TaskId, color: str, stream: TextIO) -> str:
-    """``[worker:1] ``, coloured with rich when ``stream`` is a terminal that takes colour."""
-    label = f"[{task.short}]"
-    isatty = getattr(stream, "isatty", None)
-    if not (isatty and isatty()):
-        return label + " "  # plain text for files and pipes; rich is not even imported
-    from rich.console import Console
-    from rich.text import Text
-
-    console = Console(file=stream)  # honours NO_COLOR, FORCE_COLOR and TERM=dumb
-    if not console.color_system:
-        return label + " "
-    with console.capture() as captured:
-        console.print(Text(label, style=f"bold {color}"), end="")
-    return captured.get() + " "
-
-
-class _PipeReader:
-    """Turns one child pipe's bytes into prefixed lines on a sink; keeps a partial line until it ends."""
-
-    def __init__(self, prefix: str, sink: _Sink):
-        self.prefix = prefix
-        self.sink = sink
-        self.pending = b""
-
-    def feed(self, chunk: bytes) -> None:
-        lines = (self.pending + chunk).split(b"\n")
-        self.pending = lines.pop()
-        if len(self.pending) > _MAX_LINE:
-            lines.append(self.pending)
-            self.pending = b""
-        self._emit(lines)
-
-    def finish(self) -> None:
-        """The pipe ended: print what is left of an unterminated last line."""
-        if self.pending:
-            self._emit([self.pending])
-            self.pending = b""
-
-    def _emit(self, lines: list[bytes]) -> None:
-        if lines:
-            # rstrip: a CRLF line ending should not leave a stray carriage return after the prefix
-            decoded = (line.rstrip(b"\r").decode("utf-8", "replace") for line in lines)
-            self.sink.write("".join(f"{self.prefix}{text}\n" for text in decoded))
-
-
-class _OutputPump:
-    """Reads every task's stdout and stderr pipes with one selector, in the supervising thread.
-
-    One thread for everything keeps output handling free of locks and lets the same loop watch
-    exits, deadlines and signals.
-    """
-
-    def __init__(self):
-        self._selector = selectors.DefaultSelector()
-
-    def add(self, pipe, reader: _PipeReader) -> None:
-        self._selector.register(pipe, selectors.EVENT_READ, reader)
-
-    @property
-    def open_pipes(self) -> int:
-        return len(self._selector.get_map())
-
-    def pump(self, timeout: float) -> None:
-        """Print what has arrived, waiting up to ``timeout`` seconds for something to."""
-        if not self.open_pipes:
-            time.sleep(timeout)
-            return
-        for key, _ in self._selector.select(timeout):
-            try:
-                chunk = os.read(key.fd, _READ_SIZE)
-            except OSError:
-                chunk = b""
-            if chunk:
-                key.data.feed(chunk)
-            else:
-                self._close(key)
-
-    def drain(self, seconds: float) -> None:
-        """Read until every pipe has ended or ``seconds`` have passed.
-
-        A pipe can stay open after its task exits if a process that escaped the task's group (it
-        called setsid) still holds it; we do not wait for that forever.
-        """
-        deadline = time.monotonic() + seconds
-        while self.open_pipes and (left := deadline - time.monotonic()) > 0:
-            self.pump(min(left, _POLL_INTERVAL))
-
-    def close(self) -> None:
-        for key in list(self._selector.get_map().values()):
-            self._close(key)
-        self._selector.close()
-
-    def _close(self, key) -> None:
-        key.data.finish()
-        self._selector.unregister(key.fileobj)
-        key.fileobj.close()
 
 
 # -- processes -------------------------------------------------------------------------------------
@@ -491,7 +361,7 @@ def _failure(tasks: list[_RunningTask]) -> _Outcome | None:
     return None
 
 
-def _supervise(tasks: list[_RunningTask], pump: _OutputPump, trap: _SignalTrap, *,
+def _supervise(tasks: list[_RunningTask], pump: OutputPump, trap: _SignalTrap, *,
                timeout: float | None, ps_grace: float, started: float) -> _Outcome:
     """Watch the running job until it is over or must be stopped; say why."""
     deadline = started + timeout if timeout is not None else None
@@ -523,7 +393,7 @@ def _supervise(tasks: list[_RunningTask], pump: _OutputPump, trap: _SignalTrap, 
                             EXIT_TIMEOUT, timed_out=True)
 
 
-def _stop(tasks: list[_RunningTask], pump: _OutputPump, trap: _SignalTrap, grace: float) -> None:
+def _stop(tasks: list[_RunningTask], pump: OutputPump, trap: _SignalTrap, grace: float) -> None:
     """SIGTERM every running task's group; SIGKILL what is left after ``grace`` seconds.
 
     A signal to the launcher during the grace period (a second Ctrl-C) skips the rest of it.
@@ -605,26 +475,26 @@ def launch(
             base_env[key] = value
     _check_options(command, workers, ps, chief, secret, timeout, grace, ps_grace, base_env.get("PATH"))
     secret = secret or base_env.get("STRATAGEM_SECRET") or secrets.token_hex(32)
-    out = _Sink(output if output is not None else sys.stdout)
-    err = _Sink(error_output if error_output is not None else sys.stderr)
+    out = Sink(output if output is not None else sys.stdout)
+    err = Sink(error_output if error_output is not None else sys.stderr)
 
     cluster, port_holders = _plan_cluster(workers, ps, chief, host)
     tasks: list[_RunningTask] = []
-    pump = _OutputPump()
+    pump = OutputPump()
     preexec = _die_with_launcher()
     started = time.monotonic()
     try:
         with _SignalTrap() as trap:
             for i, task in enumerate(cluster.tasks()):
-                color = _COLORS[i % len(_COLORS)]
+                color = COLORS[i % len(COLORS)]
                 port_holders.pop(task).close()  # free the port as late as possible: see _reserve_ports
                 process = _start_task(task, command, _task_env(base_env, cluster, task, secret, transport), preexec)
                 tasks.append(_RunningTask(task, process))
-                pump.add(process.stdout, _PipeReader(_task_prefix(task, color, out.stream), out))
-                pump.add(process.stderr, _PipeReader(_task_prefix(task, color, err.stream), err))
+                pump.add(process.stdout, PipeReader(task_prefix(task, color, out.stream), out))
+                pump.add(process.stderr, PipeReader(task_prefix(task, color, err.stream), err))
             outcome = _supervise(tasks, pump, trap, timeout=timeout, ps_grace=ps_grace, started=started)
             _stop(tasks, pump, trap, grace)
-            pump.drain(_DRAIN_SECONDS)
+            pump.drain(_DRAIN_SECONDS, _POLL_INTERVAL)
     finally:
         # Every path, including errors and KeyboardInterrupt from a caller's handler: nothing survives.
         _kill_and_reap(tasks)
