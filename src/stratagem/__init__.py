@@ -35,7 +35,22 @@ __all__ = [
     "CommunicationError", "ConfigurationError", "IncompatibleError", "PeerLostError", "PluginError",
     "ProtocolError", "StratagemError", "TaskId", "TransportClosed", "TransportTimeout",
     "communicator", "strategy", "transport", "plugin_manager", "__version__",
+    "Variable", "optimizers",
 ]
+
+
+def __getattr__(name: str):
+    """``stratagem.Variable`` and ``stratagem.optimizers``, imported at first use (keeps the import light)."""
+    if name == "Variable":
+        from .core.variables import Variable
+
+        globals()["Variable"] = Variable
+        return Variable
+    if name == "optimizers":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.optimizers")  # importing sets the attribute
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def transport(name: str, cluster=None, task=None, **options):

@@ -1,0 +1,18 @@
+"""The optimizers: ``stratagem.optimizers.SGD``, ``Adam``, ``Adagrad`` (Keras/TF update rules).
+
+Create them inside ``strategy.scope()`` so that ``apply_gradients`` synchronises the replicas; see
+:mod:`stratagem.core.optimizers` for the update rules and precision.
+
+>>> import numpy as np, stratagem
+>>> w = stratagem.Variable(np.ones(2, np.float32), name="optimizers_demo")
+>>> opt = stratagem.optimizers.SGD(learning_rate=0.1)
+>>> opt.apply_gradients([(np.ones(2, np.float32), w)]); w.numpy()
+1
+array([0.9, 0.9], dtype=float32)
+>>> stratagem.optimizers.from_config(opt.get_config())
+SGD(learning_rate=0.1, momentum=0.0, nesterov=False)
+"""
+
+from .core.optimizers import SGD, Adagrad, Adam, Optimizer, from_config
+
+__all__ = ["SGD", "Adam", "Adagrad", "Optimizer", "from_config"]
