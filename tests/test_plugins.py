@@ -27,6 +27,7 @@ import stratagem
 from stratagem import ClusterSpec, ConfigurationError, IncompatibleError, PluginError, StratagemError, TaskId
 from stratagem.core.strategy import Strategy, check_compatible
 from stratagem.plugins import PluginSpec, hookimpl
+from stratagem.plugins import builtin
 from stratagem.plugins import report as info_report
 from stratagem.plugins.manager import (
     DISABLE_AUTOLOAD_ENV, PluginManager, autoload_disabled, constructor_options, plugin_manager,
@@ -41,6 +42,9 @@ PLUGIN_SOURCE = "stratagem-example-plugin 0.1.0"
 _ENV_TO_CLEAR = ("STRATAGEM_CONFIG", "TF_CONFIG", "STRATAGEM_SECRET", "STRATAGEM_NUM_PS", DISABLE_AUTOLOAD_ENV,
                  "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
 ONE_WORKER = ClusterSpec({"worker": ["local:0"]})
+#: What the built-in plugin registers, read from it (the set grows as strategies and transports land).
+BUILTIN_TRANSPORTS = sorted(spec.name for spec in builtin.stratagem_add_transports())
+BUILTIN_STRATEGIES = sorted(spec.name for spec in builtin.stratagem_add_strategies())
 TWO_WORKERS = ClusterSpec({"worker": ["local:0", "local:1"]})
 
 
@@ -222,7 +226,7 @@ def test_autoload_disabled_hides_third_party_plugin(example_plugin, tmp_path):
             print(exc)
     """, tmp_path, **{DISABLE_AUTOLOAD_ENV: "1"})
     assert proc.returncode == 0, proc.stderr
-    assert "unknown strategy 'solo'; known: none" in proc.stdout
+    assert f"unknown strategy 'solo'; known: {', '.join(BUILTIN_STRATEGIES) or 'none'}" in proc.stdout
 
 
 def test_listing_imports_no_plugin_module(example_plugin, tmp_path):
@@ -243,8 +247,9 @@ def test_listing_imports_no_plugin_module(example_plugin, tmp_path):
 # -- the registry ----------------------------------------------------------------------------------------
 def test_builtins_only_without_autoload(manager):
     assert manager.autoload is False
-    assert manager.names("transport") == ["local", "zmq"]
-    assert manager.names("strategy") == []
+    assert manager.names("transport") == BUILTIN_TRANSPORTS
+    assert manager.names("strategy") == BUILTIN_STRATEGIES
+    assert {"local", "zmq"} <= set(BUILTIN_TRANSPORTS)
     assert manager.source("transport", "local") == "builtin"
     assert manager.sources() == {"stratagem.builtin": "builtin"}
     assert manager.transport_class("local") is LocalTransport
@@ -262,10 +267,12 @@ def test_autoload_env_variable(monkeypatch, value, disabled):
 def test_unknown_names_list_known_ones(manager):
     with pytest.raises(PluginError) as info:
         manager.transport_class("zmqq")
-    assert str(info.value) == "unknown transport 'zmqq'; known: local, zmq (did you mean 'zmq'?)"
-    with pytest.raises(PluginError, match=r"unknown strategy 'local'; known: none \('local' is a transport, not a strategy\)"):
+    known = ", ".join(BUILTIN_TRANSPORTS)
+    assert str(info.value) == f"unknown transport 'zmqq'; known: {known} (did you mean 'zmq'?)"
+    with pytest.raises(PluginError, match=rf"unknown strategy 'local'; known: {', '.join(BUILTIN_STRATEGIES) or 'none'} "
+                                          r"\('local' is a transport, not a strategy\)"):
         manager.strategy_class("local")
-    with pytest.raises(PluginError, match="unknown transport 'nope'; known: local, zmq$"):
+    with pytest.raises(PluginError, match=f"unknown transport 'nope'; known: {known}$"):
         manager.create_transport("nope", ONE_WORKER, "worker:0")
     with pytest.raises(ConfigurationError, match="unknown plugin kind"):
         manager.names("optimizer")
@@ -273,25 +280,25 @@ def test_unknown_names_list_known_ones(manager):
 
 def test_unusable_plugin_reason_and_install_hint(manager):
     manager.register(Adds(transports=[
-        PluginSpec("mpi", "stratagem.transports.mpi:MpiTransport", "transport",
-                   requires=("definitely_missing_module",), install_hint="pip install 'stratagem[mpi]'"),
+        PluginSpec("pigeon", "stratagem_pigeon.transport:PigeonTransport", "transport",
+                   requires=("definitely_missing_module",), install_hint="pip install 'stratagem[pigeon]'"),
         PluginSpec("ghost", "definitely_missing_package.ghost:Ghost", "transport", description="no hint"),
     ]), "extra", source="tests")
-    expected = ("transport 'mpi' is not usable here: No module named 'definitely_missing_module'. "
-                "Install it with: pip install 'stratagem[mpi]'")
+    expected = ("transport 'pigeon' is not usable here: No module named 'definitely_missing_module'. "
+                "Install it with: pip install 'stratagem[pigeon]'")
     with pytest.raises(PluginError) as info:
-        manager.transport_class("mpi")
+        manager.transport_class("pigeon")
     assert str(info.value) == expected
     with pytest.raises(PluginError, match="not usable here"):
-        manager.create_transport("mpi", ONE_WORKER, "worker:0")
+        manager.create_transport("pigeon", ONE_WORKER, "worker:0")
     with pytest.raises(PluginError, match=r"No module named 'definitely_missing_package'\. \(provided by tests\)"):
         manager.transport_class("ghost")
     rows = {row.name: row for row in manager.describe()}
-    assert rows["mpi"].usable is False and rows["mpi"].source == "tests"
-    assert rows["mpi"].reason == "No module named 'definitely_missing_module'"
-    assert rows["mpi"].install_hint == "pip install 'stratagem[mpi]'"
+    assert rows["pigeon"].usable is False and rows["pigeon"].source == "tests"
+    assert rows["pigeon"].reason == "No module named 'definitely_missing_module'"
+    assert rows["pigeon"].install_hint == "pip install 'stratagem[pigeon]'"
     assert rows["local"].usable is True and rows["local"].reason is None and rows["local"].install_hint is None
-    assert manager.usable("transport", "mpi") == rows["mpi"].reason
+    assert manager.usable("transport", "pigeon") == rows["pigeon"].reason
     assert manager.usable("transport", "local") is None
 
 
@@ -322,7 +329,7 @@ def test_duplicate_plugin_name_names_both_sources(manager):
     assert "by dup-dist 2.0 (test_plugins:FakeTransport)" in message
     assert DISABLE_AUTOLOAD_ENV in message
     manager.unregister("dup")
-    assert manager.names("transport") == ["local", "zmq"]
+    assert manager.names("transport") == BUILTIN_TRANSPORTS
 
 
 def test_duplicate_strategy_between_two_plugins(manager):
@@ -360,14 +367,15 @@ def test_misspelt_hook_is_reported(manager):
 def test_third_party_plugin_in_process(example_plugin, monkeypatch):
     monkeypatch.syspath_prepend(str(example_plugin))
     pm = PluginManager(autoload=True)
-    assert pm.names("transport") == ["local", "loopback", "zmq"] and pm.names("strategy") == ["solo"]
+    assert pm.names("transport") == sorted([*BUILTIN_TRANSPORTS, "loopback"])
+    assert pm.names("strategy") == sorted([*BUILTIN_STRATEGIES, "solo"])
     assert pm.source("strategy", "solo") == PLUGIN_SOURCE and pm.load_errors == {}
     assert pm.sources()["example"] == PLUGIN_SOURCE
     with pm.create_strategy("solo", transport="loopback") as strategy:
         assert strategy.run(lambda: 1) == 1 and strategy.steps == 1
     with pytest.raises(ConfigurationError, match="it accepts: cluster, plugins, task, transport_options, verbose"):
         pm.create_strategy("solo", transport="loopback", verbos=True)
-    assert PluginManager(autoload=False).names("strategy") == []
+    assert PluginManager(autoload=False).names("strategy") == BUILTIN_STRATEGIES
 
 
 def test_broken_entry_point_is_reported_not_fatal(tmp_path, monkeypatch):
@@ -381,7 +389,7 @@ def test_broken_entry_point_is_reported_not_fatal(tmp_path, monkeypatch):
     # which of the two is found first depends on the file system; one fails, the other clashes
     assert "failed to load: ModuleNotFoundError: No module named" in messages
     assert "the entry point 'broken' is also declared by" in messages and DISABLE_AUTOLOAD_ENV in messages
-    assert pm.names("transport")[:1] == ["local"]  # the built-ins still work
+    assert pm.names("transport") == BUILTIN_TRANSPORTS  # the built-ins still work
     rows = {(r.name, r.source, r.usable) for r in pm.describe() if r.kind == "plugin"}
     assert rows == {("broken", "broken-plugin 1.0", False), ("broken", "clash-plugin 1.0", False),
                     ("stratagem.builtin", "taken-plugin 1.0", False)}
@@ -552,22 +560,23 @@ def test_reduce_across_replicas_in_threads(manager):
 
 
 # -- stratagem info ----------------------------------------------------------------------------------------
-def test_info_run_json_and_table(global_manager, capsys):
+def test_info_run_json_and_table(global_manager, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # a narrow table would fold the install hint across lines
     global_manager.register(Adds(transports=[
-        PluginSpec("mpi", "stratagem.transports.mpi:MpiTransport", "transport",
-                   requires=("definitely_missing_module",), install_hint="pip install 'stratagem[mpi]'")]),
+        PluginSpec("pigeon", "stratagem_pigeon.transport:PigeonTransport", "transport",
+                   requires=("definitely_missing_module",), install_hint="pip install 'stratagem[pigeon]'")]),
         "extra", source="tests")
     assert info_report.run(argparse.Namespace(json=True, check=False)) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["stratagem"] == stratagem.__version__ and data["autoload"] is False
-    mpi = _row(data, "transport", "mpi")
-    assert mpi == {"kind": "transport", "name": "mpi", "source": "tests", "usable": False,
-                   "reason": "No module named 'definitely_missing_module'",
-                   "install_hint": "pip install 'stratagem[mpi]'", "description": "",
-                   "target": "stratagem.transports.mpi:MpiTransport"}
+    pigeon = _row(data, "transport", "pigeon")
+    assert pigeon == {"kind": "transport", "name": "pigeon", "source": "tests", "usable": False,
+                      "reason": "No module named 'definitely_missing_module'",
+                      "install_hint": "pip install 'stratagem[pigeon]'", "description": "",
+                      "target": "stratagem_pigeon.transport:PigeonTransport"}
     assert info_report.run(argparse.Namespace(json=False, check=True)) == 0
     out = capsys.readouterr().out
-    assert "mpi" in out and "definitely_missing_module" in out and "pip install 'stratagem[mpi]'" in out
+    assert "pigeon" in out and "definitely_missing_module" in out and "pip install 'stratagem[pigeon]'" in out
 
 
 def test_info_reports_a_broken_registry_and_exits_1(global_manager, capsys):

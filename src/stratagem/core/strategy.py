@@ -14,10 +14,16 @@ A one-task world over the in-process transport::
     >>> with Strategy("local", cluster=ClusterSpec({"worker": ["local:0"]}), task="worker:0",
     ...               transport_options={"fabric": LocalFabric()}) as strategy:
     ...     with strategy.scope():
-    ...         pass                                  # variables are created here (next issues)
+    ...         pass                                  # stratagem.Variable(...)s are created here
     ...     loss = strategy.run(lambda x: float(np.mean(x ** 2)), args=(np.arange(4.0),))
     ...     strategy.reduce("mean", loss), strategy.num_replicas_in_sync, strategy.is_chief
     (3.5, 1, True)
+
+The base also owns what every strategy shares around variables: ``scope()`` makes the strategy the
+one that new variables (``stratagem.Variable``) and optimizers belong to (the context variable read
+by ``current_strategy()``), ``variables`` lists them, ``distribute_dataset`` shards global batches
+over the replicas, and ``save``/``restore`` write and read checkpoints
+(:mod:`stratagem.core.checkpoint`) on the chief and share them with the other replicas.
 
 Without ``cluster``/``task`` the cluster comes from the environment (``stratagem launch``,
 ``TF_CONFIG`` or ``mpiexec``); with several replicas ``reduce`` all-reduces over them with
@@ -27,16 +33,23 @@ Without ``cluster``/``task`` the cluster comes from the environment (``stratagem
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ClassVar, Mapping
+import hashlib
+import json
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping
+
+import numpy as np
 
 from .cluster import ClusterSpec, TaskId
 from .errors import ConfigurationError, IncompatibleError, StratagemError
 from .transport import Transport
+from .variables import strategy_scope
 
 #: The reductions ``Strategy.reduce`` (and the collectives) know.
 REDUCE_OPS = ("sum", "mean", "min", "max", "prod")
 #: Keyword arguments every strategy takes besides its own ``options``.
 BASE_KEYWORDS = ("cluster", "task", "transport_options", "plugins")
+#: Keep at most this many checkpoints in a directory unless ``save(max_to_keep=...)`` says otherwise.
+DEFAULT_MAX_TO_KEEP = 5
 
 
 def check_compatible(strategy_cls: type, transport_cls: type, *, strategy_name: str | None = None,
@@ -79,7 +92,10 @@ class Strategy:
             values are in ``self.config``.
 
     Subclasses set ``name``, ``options``, override ``supports`` to refuse transports they cannot run
-    over, ``_scope`` to create variables their way, and ``run``.
+    over, ``_check_config`` to validate their options, and the hooks that make variables theirs:
+    ``_register_variable`` (called by every ``Variable`` created in ``scope()``), ``_end_scope``
+    (called when the outermost ``scope()`` block ends), ``_apply_gradients`` (the sync point of
+    ``optimizer.apply_gradients``), and, when they need to, ``_scope`` and ``run``.
     """
 
     #: The strategy's registered short name.
@@ -95,8 +111,17 @@ class Strategy:
         reject_unknown_options(f"strategy {self.name!r}", options, [*defaults, *BASE_KEYWORDS])
         #: The strategy's options: defaults updated with what the caller passed.
         self.config: dict[str, Any] = {**defaults, **options}
+        self._check_config()
         self._communicator = None
         self._closed = False
+        self._variables: dict[str, Any] = {}      # name -> Variable, in creation order
+        self._unsynced: list = []                 # created since the last outermost scope() block ended
+        self._scope_depth = 0
+        self._scopes_ended = 0
+        self._optimizers: list = []               # optimizers seen (registered or applied), in order
+        self._pending_optimizer_state: dict | None = None  # restored before its optimizer was known
+        self._batch_share: float | None = None    # this replica's share of the last global batch
+        self._step = 0                            # updates applied through _apply_gradients
         if isinstance(transport, Transport):
             self._adopt(transport, cluster, task, transport_options)
         elif isinstance(transport, str):
@@ -144,6 +169,9 @@ class Strategy:
             merged.update(klass.__dict__.get("options", {}))
         return merged
 
+    def _check_config(self) -> None:
+        """Validate ``self.config`` (the options) before any transport exists; raise ``ConfigurationError``."""
+
     @classmethod
     def supports(cls, transport_class: type) -> str | None:
         """``None`` if the strategy can run over ``transport_class``, else the reason it cannot
@@ -185,20 +213,158 @@ class Strategy:
         """The transport plugin's name (``"zmq"``...)."""
         return self._transport_name
 
+    @property
+    def variables(self) -> list:
+        """The variables created in this strategy's ``scope()``, in creation order (a new list)."""
+        return list(self._variables.values())
+
     # -- the user's API ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def scope(self):
-        """Context in which variables (and optimizers) are created by the strategy.
+        """Context in which variables and optimizers are created by (and belong to) this strategy.
 
-        The base strategy creates nothing itself; subclasses override :meth:`_scope`.
+        Inside it, ``current_strategy()`` is this strategy, so ``stratagem.Variable(...)`` registers
+        with it and an optimizer remembers it. Blocks may nest; when the outermost block ends without
+        an error, the strategy finishes the variables created in it (``mirrored``: checks that every
+        replica created the same ones, then copies the chief's initial values to all).
+
+        >>> from stratagem.core.cluster import ClusterSpec
+        >>> from stratagem.core.variables import current_strategy
+        >>> from stratagem.transports.local import LocalFabric
+        >>> with Strategy("local", cluster=ClusterSpec({"worker": ["local:0"]}), task="worker:0",
+        ...               transport_options={"fabric": LocalFabric()}) as strategy:
+        ...     with strategy.scope():
+        ...         inside = current_strategy() is strategy
+        ...     inside, current_strategy() is None
+        (True, True)
         """
         self._check_open()
-        with self._scope():
-            yield self
+        outermost = self._scope_depth == 0
+        self._scope_depth += 1
+        try:
+            with strategy_scope(self), self._scope():
+                yield self
+        finally:
+            self._scope_depth -= 1
+        if outermost:
+            created, self._unsynced = self._unsynced, []
+            first = self._scopes_ended == 0
+            self._scopes_ended += 1
+            self._end_scope(created, first=first)
 
     def _scope(self):
         """The context ``scope()`` enters; a subclass's hook (the base's does nothing)."""
         return contextlib.nullcontext()
+
+    def _end_scope(self, created: list, *, first: bool) -> None:
+        """Hook: the outermost ``scope()`` block ended without an error, having created the variables
+        ``created`` (``first``: it is the first block to end). The base does nothing."""
+
+    def _register_variable(self, variable) -> None:
+        """Hook called by ``Variable(...)`` inside ``scope()``: record ``variable`` as this strategy's.
+
+        Names are unique per strategy. Subclasses may extend it to decide where the variable lives
+        (the base and ``mirrored`` keep the variable's own local value).
+        """
+        self._check_open()
+        name = variable.name
+        existing = self._variables.get(name)
+        if existing is not None and existing is not variable:
+            raise ConfigurationError(
+                f"strategy {self.name!r} already has a variable named {name!r}; give each variable a "
+                f"distinct name= (or leave name= out to get a unique default)"
+            )
+        self._variables[name] = variable
+        self._unsynced.append(variable)
+
+    def _register_optimizer(self, optimizer) -> None:
+        """Record ``optimizer`` as one of this strategy's, so that ``save``/``restore`` include its state.
+
+        An optimizer created in ``scope()`` may call it; every optimizer is also recorded at its first
+        ``apply_gradients``. Optimizer state restored before the optimizer was known is loaded now.
+        """
+        if any(known is optimizer for known in self._optimizers):
+            return
+        self._optimizers.append(optimizer)
+        if self._pending_optimizer_state is not None:
+            state, self._pending_optimizer_state = self._pending_optimizer_state, None
+            optimizer.load_state_dict(state)
+
+    def _apply_gradients(self, optimizer, pairs: list):
+        """The sync point of ``optimizer.apply_gradients``; ``pairs`` is a list of ``(grad, Variable)``.
+
+        The base applies them locally (``optimizer.apply_dense``); ``mirrored`` all-reduces them
+        first; a parameter-server strategy pushes them to the shards.
+        """
+        self._check_open()
+        self._register_optimizer(optimizer)
+        result = optimizer.apply_dense(pairs)
+        self._step += 1
+        return result
+
+    def distribute_dataset(self, dataset: Iterable) -> Iterator:
+        """Yield this replica's shard of every global batch of ``dataset``.
+
+        A batch is an array, or a tuple, list or dict of arrays with the same number of rows (numpy,
+        cupy, PyTorch: anything with ``shape`` that slices). Rows are split like ``np.array_split``:
+        with ``n`` rows and ``N`` replicas the first ``n % N`` replicas get ``n // N + 1`` rows, the
+        others ``n // N``; shards are views, not copies. Every replica must iterate the same global
+        batches (same data, same order: seed any shuffling alike). The strategy records each shard's
+        share of its global batch so that the gradient average weighs each replica by its rows: N
+        replicas then make the update one process would make on the whole batch.
+
+        >>> from stratagem.core.cluster import ClusterSpec
+        >>> from stratagem.transports.local import LocalFabric
+        >>> cluster = ClusterSpec({"worker": ["local:0", "local:1"]})
+        >>> with Strategy("local", cluster=cluster, task="worker:1",
+        ...               transport_options={"fabric": LocalFabric()}) as strategy:
+        ...     batches = [(np.arange(5), np.arange(5) * 10)]          # one global batch of 5 rows
+        ...     [(x.tolist(), y.tolist()) for x, y in strategy.distribute_dataset(batches)]
+        [([3, 4], [30, 40])]
+        """
+        self._check_open()
+        rank, size = self._replica_rank("distribute_dataset()"), self.num_replicas_in_sync
+        try:
+            batches = iter(dataset)
+        except TypeError:
+            raise ConfigurationError(
+                f"distribute_dataset() needs an iterable of global batches (a list, a generator...), "
+                f"got {type(dataset).__name__}"
+            ) from None
+        return self._shards(batches, rank, size)
+
+    def _shards(self, batches: Iterator, rank: int, size: int) -> Iterator:
+        for index, batch in enumerate(batches):
+            shard, rows, total = shard_batch(batch, rank, size, what=f"global batch {index}")
+            self._batch_share = rows / total if total else 1.0 / size
+            yield shard
+
+    def _gradient_weight(self) -> float:
+        """This replica's weight in the gradient average: its share of the last global batch that
+        ``distribute_dataset`` yielded, else ``1 / num_replicas_in_sync``."""
+        if self._batch_share is None:
+            return 1.0 / self.num_replicas_in_sync
+        return self._batch_share
+
+    def fingerprint(self) -> str:
+        """A hex SHA-256 of every variable's name, dtype, shape and bytes (in name order).
+
+        Replicas holding identical variables have identical fingerprints (tests compare them after
+        every step). It reads only this replica's values: no communication.
+
+        >>> from stratagem.core.cluster import ClusterSpec
+        >>> from stratagem.transports.local import LocalFabric
+        >>> with Strategy("local", cluster=ClusterSpec({"worker": ["local:0"]}), task="worker:0",
+        ...               transport_options={"fabric": LocalFabric()}) as strategy:
+        ...     len(strategy.fingerprint())
+        64
+        """
+        digest = hashlib.sha256()
+        for name in sorted(self._variables):
+            value = np.ascontiguousarray(self._variables[name].numpy())
+            digest.update(json.dumps([name, value.dtype.str, list(value.shape)]).encode())
+            digest.update(value.tobytes())
+        return digest.hexdigest()
 
     def run(self, fn: Callable, args: tuple = (), kwargs: Mapping[str, Any] | None = None):
         """Run one step, ``fn(*args, **kwargs)``, on this replica and return its result.
@@ -220,26 +386,182 @@ class Strategy:
         """
         self._check_open()
         op = _check_op(op)
-        import numpy as np
-
-        if self.task not in self.cluster.replicas():
-            raise ConfigurationError(
-                f"{self.task} is not a replica (a 'chief' or 'worker' task) and cannot take part in reduce()"
-            )
+        self._replica_rank("reduce()")
         if self.num_replicas_in_sync == 1:
             return np.array(value, copy=True) if isinstance(value, np.ndarray) else value
-        array = np.ascontiguousarray(value)
+        # np.asarray, not np.ascontiguousarray: that one turns a number into a 1-element array
+        array = value if _is_device_array(value) else np.asarray(value, order="C")
         result = self._comm().allreduce(array, op=op)
         if isinstance(value, np.ndarray) or np.ndim(result) != 0:
             return result
         return np.asarray(result).item()
 
     def _comm(self):
+        """The replicas' communicator, created on first use with :meth:`_communicator_options`."""
         if self._communicator is None:
             from .communicator import Communicator
 
-            self._communicator = Communicator(self._transport, name=f"strategy.{self.name}")
+            self._communicator = Communicator(self._transport, name=f"strategy.{self.name}",
+                                              **self._communicator_options())
         return self._communicator
+
+    def _communicator_options(self) -> dict[str, Any]:
+        """Keyword arguments for the replicas' Communicator (``timeout``, ``chunk_bytes``...); base: none."""
+        return {}
+
+    def _replica_rank(self, what: str) -> int:
+        """This task's rank among the replicas (chief first), or a ``ConfigurationError`` naming ``what``."""
+        replicas = self.cluster.replicas()
+        if self.task not in replicas:
+            raise ConfigurationError(
+                f"{self.task} is not a replica (a 'chief' or 'worker' task) and cannot take part in {what}"
+            )
+        return replicas.index(self.task)
+
+    def _chief_rank(self) -> int:
+        return self.cluster.replicas().index(self.cluster.chief)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def save(self, path, *, max_to_keep: int = DEFAULT_MAX_TO_KEEP) -> str:
+        """Write a checkpoint of the variables, the optimizer's state and the step into directory ``path``.
+
+        Every replica calls it, at the same point of the program: the chief writes
+        ``path/ckpt-<step>.npz`` and then the ``latest`` pointer, each atomically (a crash never leaves
+        a corrupt checkpoint), keeping the newest ``max_to_keep``; the others wait for it. Returns the
+        checkpoint file's path on every replica. If the chief cannot write it, every replica raises.
+        The step is the number of updates applied through the strategy (restored by ``restore``).
+
+        >>> import tempfile
+        >>> from stratagem.core.cluster import ClusterSpec
+        >>> from stratagem.core.variables import Variable
+        >>> from stratagem.transports.local import LocalFabric
+        >>> directory = tempfile.mkdtemp()
+        >>> with Strategy("local", cluster=ClusterSpec({"worker": ["local:0"]}), task="worker:0",
+        ...               transport_options={"fabric": LocalFabric()}) as strategy:
+        ...     with strategy.scope():
+        ...         w = Variable(np.arange(3.0), name="w")
+        ...     path = strategy.save(directory)
+        ...     _ = w.assign(np.zeros(3))
+        ...     step = strategy.restore(directory)
+        ...     w.numpy(), step, path.endswith("ckpt-00000000.npz")
+        (array([0., 1., 2.]), 0, True)
+        """
+        self._check_open()
+        self._replica_rank("save()")
+        self._check_one_optimizer()
+        status, failure = None, None
+        if self.is_chief:
+            status, failure = self._write_checkpoint(path, self._optimizer_state(), max_to_keep)
+        status = self._share_from_chief(status)
+        if "error" in status:
+            if failure is not None:
+                raise failure
+            raise StratagemError(f"the chief ({self.cluster.chief}) could not save a checkpoint in {path}: "
+                                 f"{status['error']}")
+        return status["path"]
+
+    def _check_one_optimizer(self) -> None:
+        if len(self._optimizers) > 1:
+            names = ", ".join(repr(_optimizer_name(o)) for o in self._optimizers)
+            raise ConfigurationError(
+                f"save()/restore() keep one optimizer's state, but strategy {self.name!r} has "
+                f"{len(self._optimizers)} optimizers ({names}); use a single optimizer per strategy"
+            )
+
+    def _optimizer_state(self) -> dict | None:
+        """The state ``save`` stores: the one optimizer's ``state_dict()`` (or state restored for it)."""
+        self._check_one_optimizer()
+        if self._optimizers:
+            return self._optimizers[0].state_dict()
+        return self._pending_optimizer_state
+
+    def _write_checkpoint(self, path, state, max_to_keep) -> tuple[dict, Exception | None]:
+        """On the chief: write the checkpoint; return ``({"path": ...}, None)`` or ``({"error": ...}, exc)``."""
+        from . import checkpoint
+
+        try:
+            values = {name: var.numpy() for name, var in self._variables.items()}
+            extra = {"strategy": self.name, "replicas": self.num_replicas_in_sync}
+            written = checkpoint.save(path, values, state, self._step, extra=extra, max_to_keep=max_to_keep)
+        except Exception as exc:  # noqa: BLE001 - told to every replica, then re-raised here
+            return {"error": f"{type(exc).__name__}: {exc}"}, exc
+        return {"path": str(written)}, None
+
+    def restore(self, path) -> int:
+        """Load the checkpoint ``path`` (a file, or a directory: its latest) into the variables and the
+        optimizer; return its step.
+
+        Every replica calls it; only the chief reads the file, then it sends the values and the
+        optimizer state to the others, so every replica ends identical even without a shared
+        filesystem. Call it after creating the variables (and the optimizer) in ``scope()``; the
+        checkpoint must hold exactly those variables, with the same shapes and dtypes. An optimizer
+        the strategy has not seen yet gets its state at its first ``apply_gradients``. See ``save``.
+        """
+        self._check_open()
+        self._replica_rank("restore()")
+        arrays, failure, plan = [], None, None
+        if self.is_chief:
+            try:
+                plan, arrays = self._read_checkpoint(path)
+            except Exception as exc:  # noqa: BLE001 - told to every replica, then re-raised here
+                plan, failure = {"error": f"{type(exc).__name__}: {exc}"}, exc
+        plan = self._share_from_chief(plan)
+        if "error" in plan:
+            if failure is not None:
+                raise failure
+            raise StratagemError(f"the chief ({self.cluster.chief}) could not restore {path}: {plan['error']}")
+        arrays = self._share_arrays_from_chief([tuple(spec) for spec in plan["arrays"]], arrays)
+        names = plan["variables"]
+        missing = [name for name in names if name not in self._variables]
+        if missing:
+            raise ConfigurationError(
+                f"cannot restore {path} on {self.task}: the chief restored variable(s) "
+                f"{', '.join(map(repr, missing))} that this replica did not create; create the same "
+                f"variables on every replica"
+            )
+        for name, value in zip(names, arrays):
+            self._variables[name].assign(value)
+        if plan["optimizer"] is not None:
+            self._load_optimizer_state(_rebuild_state(plan["optimizer"], arrays[len(names):]))
+        self._step = int(plan["step"])
+        return self._step
+
+    def _read_checkpoint(self, path) -> tuple[dict, list]:
+        """On the chief: load and check the checkpoint; return the plan every replica follows and its arrays."""
+        from . import checkpoint
+
+        loaded = checkpoint.load(path)
+        _check_restorable(self._variables, loaded.variables, path)
+        names = list(self._variables)
+        arrays = [np.asarray(loaded.variables[name]) for name in names]
+        skeleton = None
+        if loaded.optimizer_state is not None:
+            skeleton, optimizer_arrays = _flatten_state(loaded.optimizer_state)
+            arrays += optimizer_arrays
+        plan = {"step": int(loaded.step), "variables": names, "optimizer": skeleton,
+                "arrays": [[list(a.shape), dtype_key(a.dtype)] for a in arrays]}
+        return plan, arrays
+
+    def _load_optimizer_state(self, state: dict) -> None:
+        self._check_one_optimizer()
+        if self._optimizers:
+            self._optimizers[0].load_state_dict(state)
+        else:
+            self._pending_optimizer_state = state
+
+    # -- sharing with the other replicas ---------------------------------------------------------------
+    def _share_from_chief(self, obj):
+        """The chief's ``obj`` (plain JSON data) on every replica; the others pass ``None``."""
+        if self.num_replicas_in_sync == 1:
+            return obj
+        return broadcast_json(self._comm(), obj, root=self._chief_rank())
+
+    def _share_arrays_from_chief(self, specs: list[tuple], arrays: list) -> list:
+        """The chief's ``arrays`` (of shapes and dtypes ``specs``: ``(shape, dtype)`` each) on every
+        replica, sent as one broadcast per dtype. The others pass ``arrays=[]``."""
+        if self.num_replicas_in_sync == 1:
+            return list(arrays)
+        return broadcast_arrays(self._comm(), specs, arrays if self.is_chief else None, root=self._chief_rank())
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -276,8 +598,199 @@ class Strategy:
                 f"{self.num_replicas_in_sync} replica(s){state}>")
 
 
+def _is_device_array(x) -> bool:
+    return type(x).__module__.startswith("cupy")
+
+
 def _check_op(op) -> str:
     name = op.lower() if isinstance(op, str) else None
     if name not in REDUCE_OPS:
         raise ConfigurationError(f"unknown reduce op {op!r}; use one of: {', '.join(REDUCE_OPS)}")
     return name
+
+
+# -- sharding -------------------------------------------------------------------------------------
+
+def shard_bounds(rows: int, size: int) -> list[int]:
+    """Row boundaries of ``size`` shards like ``np.array_split``: the first ``rows % size`` get one more.
+
+    >>> shard_bounds(5, 2), shard_bounds(2, 3)
+    ([0, 3, 5], [0, 1, 2, 2])
+    """
+    base, extra = divmod(rows, size)
+    return [i * base + min(i, extra) for i in range(size + 1)]
+
+
+def shard_batch(batch, rank: int, size: int, *, what: str = "the batch") -> tuple[Any, int, int]:
+    """Replica ``rank``'s shard of a global ``batch``: ``(shard, its rows, the batch's rows)``.
+
+    ``batch`` is an array, or a tuple, list or dict of arrays with the same number of rows; the shard
+    has the same structure, made of views.
+
+    >>> shard, rows, total = shard_batch({"x": np.arange(7), "y": np.arange(7) * 2}, 2, 3)
+    >>> shard["y"].tolist(), rows, total
+    ([10, 12], 2, 7)
+    """
+    if isinstance(batch, Mapping):
+        keys, parts = list(batch), list(batch.values())
+    elif isinstance(batch, (tuple, list)):
+        keys, parts = None, list(batch)
+    else:
+        keys, parts = None, None
+    columns = [batch] if parts is None else parts
+    if not columns:
+        raise ConfigurationError(f"{what} is an empty {type(batch).__name__}; give arrays with rows to split")
+    total = _rows(columns[0], what)
+    for column in columns[1:]:
+        if _rows(column, what) != total:
+            counts = ", ".join(str(_rows(c, what)) for c in columns)
+            raise ConfigurationError(
+                f"the arrays of {what} have different numbers of rows ({counts}); every array of a "
+                f"batch needs one row per example"
+            )
+    lo, hi = shard_bounds(total, size)[rank:rank + 2]
+    shards = [column[lo:hi] for column in columns]
+    if parts is None:
+        return shards[0], hi - lo, total
+    if keys is not None:
+        return dict(zip(keys, shards)), hi - lo, total
+    return (tuple(shards) if isinstance(batch, tuple) else shards), hi - lo, total
+
+
+def _rows(column, what: str) -> int:
+    shape = getattr(column, "shape", None)
+    if shape is None or len(shape) == 0:
+        raise ConfigurationError(
+            f"{what} holds a {type(column).__name__} without rows; a batch is an array, or a tuple, list "
+            f"or dict of arrays, split along their first axis"
+        )
+    return int(shape[0])
+
+
+# -- collectives of plain data, for strategies ----------------------------------------------------
+
+def broadcast_json(comm, obj, root: int = 0):
+    """The root's ``obj`` (JSON-encodable plain data) on every rank; the others' ``obj`` is ignored.
+
+    Every rank gets the decoded copy (tuples come back as lists), the root included.
+    """
+    if comm.rank == root:
+        data = comm.broadcast(np.frombuffer(json.dumps(obj).encode(), np.uint8), root=root)
+    else:
+        data = comm.broadcast(None, root=root)
+    return json.loads(data.tobytes().decode())
+
+
+def allgather_json(comm, obj) -> list:
+    """Every rank's ``obj`` (JSON-encodable plain data), in rank order, on every rank."""
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    lengths = comm.allgather(np.array([data.size], np.int64))[:, 0]
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[:data.size] = data
+    gathered = comm.allgather(padded)
+    return [json.loads(gathered[rank, :int(n)].tobytes().decode()) for rank, n in enumerate(lengths)]
+
+
+def dtype_key(dtype) -> str:
+    """A dtype's name as sent between replicas (``"float32"``, ``"bfloat16"``)."""
+    return np.dtype(dtype).name
+
+
+def dtype_from_key(name: str) -> np.dtype:
+    from .wire import DTYPES
+
+    return DTYPES.get(name) or np.dtype(name)
+
+
+def broadcast_arrays(comm, specs: list[tuple], arrays: list | None, root: int = 0) -> list:
+    """The root's ``arrays`` on every rank, one broadcast per dtype; others pass ``arrays=None``.
+
+    ``specs`` (the same on every rank) gives each array's ``(shape, dtype name)``. The results are
+    views into one received buffer per dtype.
+    """
+    groups: dict[str, list[int]] = {}
+    for index, (_, name) in enumerate(specs):
+        groups.setdefault(name, []).append(index)
+    out: list = [None] * len(specs)
+    for name, indices in groups.items():
+        dtype = dtype_from_key(name)
+        sizes = [int(np.prod(specs[i][0], dtype=np.int64)) for i in indices]
+        if not sum(sizes):  # nothing to send (every rank knows it from the specs)
+            flat = np.empty(0, dtype)
+        elif comm.rank == root:
+            flat = comm.broadcast(np.concatenate([np.ascontiguousarray(arrays[i], dtype=dtype).reshape(-1)
+                                                  for i in indices]), root=root)
+        else:
+            flat = comm.broadcast(None, root=root)
+        offset = 0
+        for i, n in zip(indices, sizes):
+            out[i] = flat[offset:offset + n].reshape(tuple(specs[i][0]))
+            offset += n
+    return out
+
+
+# -- checkpoint helpers ---------------------------------------------------------------------------
+
+_ARRAY_MARK = "__stratagem_array__"
+
+
+def _flatten_state(state) -> tuple[Any, list]:
+    """Split a nested state (dicts, lists, numbers, arrays) into JSON data with array placeholders
+    and the list of arrays (numpy), in a deterministic order."""
+    arrays: list = []
+
+    def walk(node):
+        if isinstance(node, Mapping):
+            return {str(key): walk(value) for key, value in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [walk(value) for value in node]
+        if isinstance(node, np.generic):
+            return node.item()
+        if hasattr(node, "shape") and hasattr(node, "dtype"):
+            arrays.append(node.get() if type(node).__module__.startswith("cupy") else np.asarray(node))
+            return {_ARRAY_MARK: len(arrays) - 1}
+        return node
+
+    return walk(state), arrays
+
+
+def _rebuild_state(skeleton, arrays: list):
+    """The inverse of :func:`_flatten_state`."""
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {_ARRAY_MARK}:
+            return arrays[skeleton[_ARRAY_MARK]]
+        return {key: _rebuild_state(value, arrays) for key, value in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [_rebuild_state(value, arrays) for value in skeleton]
+    return skeleton
+
+
+def _check_restorable(variables: Mapping[str, Any], saved: Mapping[str, Any], path) -> None:
+    """Raise ``ConfigurationError`` unless the checkpoint holds exactly ``variables``, alike in shape and dtype."""
+    problems = []
+    missing = [name for name in variables if name not in saved]
+    if missing:
+        problems.append(f"it lacks variable(s) {', '.join(map(repr, missing))}")
+    unknown = [name for name in saved if name not in variables]
+    if unknown:
+        problems.append(f"it holds variable(s) this program did not create: {', '.join(map(repr, unknown))}")
+    for name, var in variables.items():
+        if name not in saved:
+            continue
+        value = saved[name]
+        if tuple(value.shape) != tuple(var.shape):
+            problems.append(f"variable {name!r} has shape {tuple(value.shape)} there, {tuple(var.shape)} here")
+        elif np.dtype(value.dtype) != np.dtype(var.dtype):
+            problems.append(f"variable {name!r} has dtype {np.dtype(value.dtype)} there, {np.dtype(var.dtype)} here")
+    if problems:
+        raise ConfigurationError(
+            f"cannot restore {path}: {'; '.join(problems)}. Create the same variables (names, shapes, "
+            f"dtypes) in scope() as the program that saved it, before calling restore()"
+        )
+
+
+def _optimizer_name(optimizer) -> str:
+    try:
+        return str(optimizer.get_config().get("name", type(optimizer).__name__))
+    except Exception:  # noqa: BLE001 - only for an error message
+        return type(optimizer).__name__

@@ -28,4 +28,9 @@ def stratagem_add_transports() -> list[PluginSpec]:
 
 @hookimpl
 def stratagem_add_strategies() -> list[PluginSpec]:
-    return []
+    return [
+        PluginSpec(
+            "mirrored", "stratagem.strategies.mirrored:MirroredStrategy", "strategy",
+            description="a copy of every variable on every replica; gradients all-reduced every step",
+        ),
+    ]

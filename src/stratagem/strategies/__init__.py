@@ -1,0 +1,8 @@
+"""The built-in strategies, each a plugin registered by :mod:`stratagem.plugins.builtin`.
+
+Create one by name with ``stratagem.strategy("mirrored", transport="zmq")``; the modules here are
+imported only when their strategy is used.
+
+- :mod:`~stratagem.strategies.mirrored`: a copy of every variable on every replica, gradients
+  all-reduced every step.
+"""

@@ -1,0 +1,331 @@
+"""The ``mirrored`` strategy: a full copy of every variable on every replica, gradients all-reduced
+every step (DESIGN §6).
+
+Every replica (the ``chief`` and ``worker`` tasks) runs the same program on its shard of each global
+batch (SPMD). Variables created in ``scope()`` are local arrays; when the outermost ``scope()`` block
+ends, the replicas check that they created the same variables (names, shapes, dtypes) and take the
+chief's initial values, so they start identical. ``optimizer.apply_gradients`` is the sync point:
+
+1. each replica scales its gradients by its share of the global batch (its rows over the batch's,
+   recorded by ``distribute_dataset``; ``1/N`` without it), so the sum is the whole batch's mean;
+2. the gradients are packed into flat buckets of at most ``bucket_bytes`` (one dtype per bucket,
+   laid out by variable name, the buffers kept from step to step);
+3. each bucket is all-reduced in place (``compression="fp16"`` sends float32 buckets as float16);
+4. every replica applies the same averaged gradients with ``optimizer.apply_dense``.
+
+The all-reduce hands every replica the same bits, and the update is deterministic, so replicas stay
+bitwise identical step after step.
+
+Two replicas as threads of one process (the ``local`` transport); across processes, run the same
+script under ``stratagem launch --worker 2`` with ``transport="zmq"``::
+
+    >>> import threading
+    >>> import numpy as np
+    >>> import stratagem
+    >>> from stratagem.core.cluster import ClusterSpec
+    >>> from stratagem.transports.local import LocalFabric
+    >>> cluster, fabric = ClusterSpec({"worker": ["local:0", "local:1"]}), LocalFabric()
+    >>> def replica(index, results):
+    ...     with MirroredStrategy("local", cluster=cluster, task=f"worker:{index}",
+    ...                           transport_options={"fabric": fabric, "timeout": 30}) as strategy:
+    ...         with strategy.scope():
+    ...             w = stratagem.Variable(np.full(2, float(index)), name="w")  # the chief's value wins
+    ...             opt = stratagem.optimizers.SGD(learning_rate=0.5)
+    ...         opt.apply_gradients([(np.full(2, index + 1.0), w)])             # mean gradient: 1.5
+    ...         results[index] = w.numpy()
+    >>> results = [None, None]
+    >>> threads = [threading.Thread(target=replica, args=(i, results)) for i in range(2)]
+    >>> for t in threads: t.start()
+    >>> for t in threads: t.join()
+    >>> results
+    [array([-0.75, -0.75]), array([-0.75, -0.75])]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..core.errors import ConfigurationError
+from ..core.strategy import Strategy, allgather_json, broadcast_arrays, dtype_key
+from ..core.variables import array_module, is_device_array
+
+#: Default largest bucket of fused gradients, in bytes (before any compression).
+DEFAULT_BUCKET_BYTES = 25 << 20
+#: What ``compression`` may be.
+COMPRESSIONS = (None, "fp16")
+#: Bucket layouts kept (one per distinct set of gradients); the oldest is dropped beyond this.
+MAX_PLANS = 8
+#: Differences between replicas listed in one error message.
+MAX_LISTED = 10
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous data parallelism: mirrored variables, all-reduced gradients (see the module doc).
+
+    Options:
+        bucket_bytes: largest bucket of fused gradients, in bytes (default 25 MiB). Fewer, larger
+            buckets mean fewer all-reduce calls; a gradient larger than this gets a bucket of its own.
+        compression: ``None``, or ``"fp16"`` to send float32 buckets as float16 (half the bytes; the
+            sum is rounded to float16, and values beyond float16's range, about 65504, overflow).
+            Replicas stay identical either way.
+        chunk_bytes, small_bytes, timeout: the replicas' :class:`~stratagem.core.communicator.Communicator`
+            settings (default: the communicator's, and the transport's timeout).
+
+    Plus every strategy's keywords (``cluster``, ``task``, ``transport_options``, ``plugins``).
+    """
+
+    name = "mirrored"
+    options = {
+        "bucket_bytes": DEFAULT_BUCKET_BYTES,
+        "compression": None,
+        "chunk_bytes": None,
+        "small_bytes": None,
+        "timeout": None,
+    }
+
+    def __init__(self, transport="zmq", **kwargs):
+        super().__init__(transport, **kwargs)
+        self._plans: dict[tuple, _Plan] = {}   # gradient signature -> buckets (buffers reused)
+        if self.task not in self.cluster.replicas():
+            task = self.task
+            self.shutdown()
+            raise ConfigurationError(
+                f"{task} is not a replica: the mirrored strategy runs on 'chief' and 'worker' tasks only "
+                f"(use the parameter_server strategy for clusters with 'ps' tasks, or start no "
+                f"strategy on them)"
+            )
+
+    # -- options -----------------------------------------------------------------------------------
+    def _check_config(self) -> None:
+        config = self.config
+        _check_int("bucket_bytes", config["bucket_bytes"], 1)
+        if config["compression"] not in COMPRESSIONS:
+            raise ConfigurationError(
+                f"unknown compression {config['compression']!r} for strategy 'mirrored'; use None or 'fp16'"
+            )
+        for option, minimum in (("chunk_bytes", 1), ("small_bytes", 0)):
+            if config[option] is not None:
+                _check_int(option, config[option], minimum)
+        timeout = config["timeout"]
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise ConfigurationError(f"timeout must be a number of seconds > 0 (or None), got {timeout!r}")
+
+    def _communicator_options(self) -> dict[str, Any]:
+        return {key: self.config[key] for key in ("chunk_bytes", "small_bytes", "timeout")
+                if self.config[key] is not None}
+
+    # -- variables ---------------------------------------------------------------------------------
+    def _end_scope(self, created: list, *, first: bool) -> None:
+        """Check the replicas created the same variables, then give them all the chief's values."""
+        if (created or first) and self.num_replicas_in_sync > 1:
+            self._sync_variables(created)
+
+    def _sync_variables(self, created: list) -> None:
+        comm = self._comm()
+        ordered = sorted(created, key=lambda v: v.name)
+        mine = [[v.name, list(v.shape), dtype_key(v.dtype)] for v in ordered]
+        everyone = allgather_json(comm, mine)
+        chief = self._chief_rank()
+        problems = _differences(everyone, comm.members, chief, "created variable", "did not create variable")
+        if problems:
+            raise ConfigurationError(
+                f"the mirrored replicas created different variables in scope(): {'; '.join(problems)}. "
+                f"Every replica must create the same variables (names, shapes, dtypes) in the same "
+                f"scope() blocks: do not make variable creation depend on the task or on is_chief"
+            )
+        specs = [(shape, dtype) for _, shape, dtype in mine]
+        values = broadcast_arrays(comm, specs, [v.numpy() for v in ordered] if self.is_chief else None,
+                                  root=chief)
+        if not self.is_chief:
+            for variable, value in zip(ordered, values):
+                variable.assign(value)
+
+    # -- the sync point ----------------------------------------------------------------------------
+    def _apply_gradients(self, optimizer, pairs: list):
+        """All-reduce the gradients (weighted mean over the replicas), then apply them on every replica."""
+        self._check_open()
+        self._register_optimizer(optimizer)
+        pairs = list(pairs)
+        if self.num_replicas_in_sync > 1 and pairs:
+            pairs = self._average(pairs)
+        result = optimizer.apply_dense(pairs)
+        self._step += 1
+        return result
+
+    def _average(self, pairs: list) -> list:
+        """``pairs`` with every gradient replaced by its weighted mean over the replicas."""
+        grads = [_as_array(grad, var) for grad, var in pairs]
+        plan = self._plan_for(grads, [var for _, var in pairs])
+        weight = self._gradient_weight()
+        comm = self._comm()
+        for bucket in plan.buckets:
+            bucket.pack(grads, weight)
+            bucket.allreduce(comm)
+        return [(plan.averaged(index), var) for index, (_, var) in enumerate(pairs)]
+
+    def _plan_for(self, grads: list, variables: list) -> "_Plan":
+        """The buckets for these gradients (cached by names, shapes and dtypes); on first use, check
+        that every replica passes gradients for the same variables."""
+        signature = tuple((var.name, tuple(g.shape), dtype_key(g.dtype), type(g).__module__)
+                          for g, var in zip(grads, variables))
+        plan = self._plans.get(signature)
+        if plan is None:
+            _check_unique(variables)
+            self._check_same_gradients(signature)
+            if len(self._plans) >= MAX_PLANS:
+                del self._plans[next(iter(self._plans))]
+            plan = self._plans[signature] = _Plan(grads, [v.name for v in variables],
+                                                  self.config["bucket_bytes"], self.config["compression"])
+        return plan
+
+    def _check_same_gradients(self, signature: tuple) -> None:
+        mine = sorted([name, list(shape), dtype] for name, shape, dtype, _ in signature)
+        comm = self._comm()
+        problems = _differences(allgather_json(comm, mine), comm.members, self._chief_rank(),
+                                "has a gradient for variable", "has no gradient for variable")
+        if problems:
+            raise ConfigurationError(
+                f"the mirrored replicas passed different gradients to apply_gradients(): "
+                f"{'; '.join(problems)}. Every replica must pass gradients for the same variables, "
+                f"with the same shapes and dtypes (a None gradient on one replica only counts as missing)"
+            )
+
+
+class _Bucket:
+    """Gradients of one dtype fused into one flat buffer, all-reduced in place; reused every step."""
+
+    def __init__(self, xp, dtype: np.dtype, entries: list[tuple[int, int, int, tuple]], compression):
+        #: ``(gradient index, offset, size, shape)`` of each gradient in the buffer.
+        self.entries = entries
+        length = sum(size for _, _, size, _ in entries)
+        self.buffer = xp.empty(length, dtype)
+        #: float16 copy for the wire under ``compression="fp16"`` (float32 buckets only).
+        self.wire = xp.empty(length, np.float16) if compression == "fp16" and dtype == np.float32 else None
+
+    def pack(self, grads: list, weight: float) -> None:
+        """Copy each gradient, times ``weight``, into its place in the buffer."""
+        if weight == 0:  # an empty shard's mean gradient may be NaN: it contributes nothing
+            self.buffer.fill(0)
+            return
+        xp = array_module(self.buffer)
+        scale = self.buffer.dtype.type(weight)
+        for index, offset, size, shape in self.entries:
+            xp.multiply(grads[index], scale, out=self.buffer[offset:offset + size].reshape(shape))
+
+    def allreduce(self, comm) -> None:
+        """Sum the buffer over the replicas, in place (through the float16 wire buffer if compressing)."""
+        if self.buffer.size == 0:
+            return
+        if self.wire is None:
+            comm.allreduce(self.buffer, op="sum", out=self.buffer)
+            return
+        with np.errstate(over="ignore"):  # documented: beyond float16's range becomes inf
+            self.wire[...] = self.buffer
+        comm.allreduce(self.wire, op="sum", out=self.wire)
+        self.buffer[...] = self.wire
+
+
+class _Plan:
+    """How one set of gradients is laid out in buckets: by dtype (and array module), then by name."""
+
+    def __init__(self, grads: list, names: list[str], bucket_bytes: int, compression):
+        groups: dict[tuple[str, str], list[int]] = {}
+        for index in sorted(range(len(grads)), key=lambda i: names[i]):
+            grad = grads[index]
+            groups.setdefault((type(grad).__module__, dtype_key(grad.dtype)), []).append(index)
+        self.buckets: list[_Bucket] = []
+        self._where: dict[int, tuple[_Bucket, int, int, tuple]] = {}
+        for key in sorted(groups):
+            for members in _fill(groups[key], grads, bucket_bytes):
+                self._add_bucket(members, grads, compression)
+
+    def _add_bucket(self, members: list[int], grads: list, compression) -> None:
+        entries, offset = [], 0
+        for index in members:
+            size, shape = int(grads[index].size), tuple(grads[index].shape)
+            entries.append((index, offset, size, shape))
+            offset += size
+        first = grads[members[0]]
+        bucket = _Bucket(array_module(first), first.dtype, entries, compression)
+        self.buckets.append(bucket)
+        for index, offset, size, shape in entries:
+            self._where[index] = (bucket, offset, size, shape)
+
+    def averaged(self, index: int):
+        """Gradient ``index``, all-reduced: a view into its bucket (valid until the next step)."""
+        bucket, offset, size, shape = self._where[index]
+        return bucket.buffer[offset:offset + size].reshape(shape)
+
+
+def _fill(indices: list[int], grads: list, bucket_bytes: int) -> list[list[int]]:
+    """Split ``indices`` (in order) into runs of at most ``bucket_bytes`` (a larger gradient alone)."""
+    runs: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for index in indices:
+        nbytes = int(grads[index].nbytes)
+        if current and used + nbytes > bucket_bytes:
+            runs.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += nbytes
+    if current:
+        runs.append(current)
+    return runs
+
+
+def _as_array(grad, variable):
+    """The gradient as a numpy or cupy array of a floating dtype: integer and bool gradients (which
+    the optimizers accept) are cast to the variable's dtype, so that they can be averaged."""
+    array = grad if is_device_array(grad) else np.asarray(grad)
+    if np.dtype(array.dtype).kind in "biu":
+        return array.astype(variable.dtype)
+    return array
+
+
+def _check_unique(variables: list) -> None:
+    seen, repeated = set(), []
+    for variable in variables:
+        if variable.name in seen and variable.name not in repeated:
+            repeated.append(variable.name)
+        seen.add(variable.name)
+    if repeated:
+        raise ConfigurationError(
+            f"apply_gradients() got several gradients for variable(s) {', '.join(map(repr, repeated))}; "
+            f"pass one gradient per variable (sum them first)"
+        )
+
+
+def _differences(described: list, members: list, chief: int, extra: str, missing: str) -> list[str]:
+    """What each replica's ``[[name, shape, dtype], ...]`` has that the chief's lacks, and the reverse."""
+    reference = {name: (tuple(shape), dtype) for name, shape, dtype in described[chief]}
+    problems = []
+    for rank, entries in enumerate(described):
+        if rank == chief:
+            continue
+        theirs = {name: (tuple(shape), dtype) for name, shape, dtype in entries}
+        where, chief_task = members[rank], f"the chief {members[chief]}"
+        for name in sorted(theirs.keys() - reference.keys()):
+            problems.append(f"{where} {extra} {name!r} {_spec(theirs[name])} but {chief_task} did not")
+        for name in sorted(reference.keys() - theirs.keys()):
+            problems.append(f"{where} {missing} {name!r} {_spec(reference[name])} but {chief_task} did")
+        for name in sorted(theirs.keys() & reference.keys()):
+            if theirs[name] != reference[name]:
+                problems.append(f"variable {name!r} is {_spec(theirs[name])} on {where} but "
+                                f"{_spec(reference[name])} on {chief_task}")
+    if len(problems) > MAX_LISTED:
+        problems[MAX_LISTED:] = [f"and {len(problems) - MAX_LISTED} more difference(s)"]
+    return problems
+
+
+def _spec(shape_dtype: tuple) -> str:
+    shape, dtype = shape_dtype
+    return f"(shape {shape}, {dtype})"
+
+
+def _check_int(option: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ConfigurationError(f"{option} must be an integer >= {minimum}, got {value!r}")
