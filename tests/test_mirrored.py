@@ -31,7 +31,8 @@ from stratagem import ClusterSpec, ConfigurationError, PeerLostError, StratagemE
 from stratagem.core import strategy as strategy_module
 from stratagem.core.checkpoint import CheckpointNotFoundError
 from stratagem.core.launcher import launch
-from stratagem.core.strategy import Strategy, shard_batch
+from stratagem.core.sharding import shard_batch
+from stratagem.core.strategy import Strategy
 from stratagem.plugins.manager import PluginManager
 from stratagem.strategies import mirrored as mirrored_module
 from stratagem.strategies.mirrored import DEFAULT_BUCKET_BYTES, MirroredStrategy

@@ -42,7 +42,15 @@ import numpy as np
 from .cluster import ClusterSpec, TaskId
 from .errors import ConfigurationError, IncompatibleError, StratagemError
 from .transport import Transport
-from .variables import strategy_scope
+from .replica_sync import (
+    broadcast_arrays,
+    broadcast_json,
+    dtype_key,
+    flatten_state,
+    rebuild_state,
+)
+from .sharding import shard_batch
+from .variables import is_device_array, strategy_scope
 
 #: The reductions ``Strategy.reduce`` (and the collectives) know.
 REDUCE_OPS = ("sum", "mean", "min", "max", "prod")
@@ -390,7 +398,7 @@ class Strategy:
         if self.num_replicas_in_sync == 1:
             return np.array(value, copy=True) if isinstance(value, np.ndarray) else value
         # np.asarray, not np.ascontiguousarray: that one turns a number into a 1-element array
-        array = value if _is_device_array(value) else np.asarray(value, order="C")
+        array = value if is_device_array(value) else np.asarray(value, order="C")
         result = self._comm().allreduce(array, op=op)
         if isinstance(value, np.ndarray) or np.ndim(result) != 0:
             return result
@@ -522,7 +530,7 @@ class Strategy:
         for name, value in zip(names, arrays):
             self._variables[name].assign(value)
         if plan["optimizer"] is not None:
-            self._load_optimizer_state(_rebuild_state(plan["optimizer"], arrays[len(names):]))
+            self._load_optimizer_state(rebuild_state(plan["optimizer"], arrays[len(names):]))
         self._step = int(plan["step"])
         return self._step
 
@@ -536,7 +544,7 @@ class Strategy:
         arrays = [np.asarray(loaded.variables[name]) for name in names]
         skeleton = None
         if loaded.optimizer_state is not None:
-            skeleton, optimizer_arrays = _flatten_state(loaded.optimizer_state)
+            skeleton, optimizer_arrays = flatten_state(loaded.optimizer_state)
             arrays += optimizer_arrays
         plan = {"step": int(loaded.step), "variables": names, "optimizer": skeleton,
                 "arrays": [[list(a.shape), dtype_key(a.dtype)] for a in arrays]}
@@ -598,171 +606,11 @@ class Strategy:
                 f"{self.num_replicas_in_sync} replica(s){state}>")
 
 
-def _is_device_array(x) -> bool:
-    return type(x).__module__.startswith("cupy")
-
-
 def _check_op(op) -> str:
     name = op.lower() if isinstance(op, str) else None
     if name not in REDUCE_OPS:
         raise ConfigurationError(f"unknown reduce op {op!r}; use one of: {', '.join(REDUCE_OPS)}")
     return name
-
-
-# -- sharding -------------------------------------------------------------------------------------
-
-def shard_bounds(rows: int, size: int) -> list[int]:
-    """Row boundaries of ``size`` shards like ``np.array_split``: the first ``rows % size`` get one more.
-
-    >>> shard_bounds(5, 2), shard_bounds(2, 3)
-    ([0, 3, 5], [0, 1, 2, 2])
-    """
-    base, extra = divmod(rows, size)
-    return [i * base + min(i, extra) for i in range(size + 1)]
-
-
-def shard_batch(batch, rank: int, size: int, *, what: str = "the batch") -> tuple[Any, int, int]:
-    """Replica ``rank``'s shard of a global ``batch``: ``(shard, its rows, the batch's rows)``.
-
-    ``batch`` is an array, or a tuple, list or dict of arrays with the same number of rows; the shard
-    has the same structure, made of views.
-
-    >>> shard, rows, total = shard_batch({"x": np.arange(7), "y": np.arange(7) * 2}, 2, 3)
-    >>> shard["y"].tolist(), rows, total
-    ([10, 12], 2, 7)
-    """
-    if isinstance(batch, Mapping):
-        keys, parts = list(batch), list(batch.values())
-    elif isinstance(batch, (tuple, list)):
-        keys, parts = None, list(batch)
-    else:
-        keys, parts = None, None
-    columns = [batch] if parts is None else parts
-    if not columns:
-        raise ConfigurationError(f"{what} is an empty {type(batch).__name__}; give arrays with rows to split")
-    total = _rows(columns[0], what)
-    for column in columns[1:]:
-        if _rows(column, what) != total:
-            counts = ", ".join(str(_rows(c, what)) for c in columns)
-            raise ConfigurationError(
-                f"the arrays of {what} have different numbers of rows ({counts}); every array of a "
-                f"batch needs one row per example"
-            )
-    lo, hi = shard_bounds(total, size)[rank:rank + 2]
-    shards = [column[lo:hi] for column in columns]
-    if parts is None:
-        return shards[0], hi - lo, total
-    if keys is not None:
-        return dict(zip(keys, shards)), hi - lo, total
-    return (tuple(shards) if isinstance(batch, tuple) else shards), hi - lo, total
-
-
-def _rows(column, what: str) -> int:
-    shape = getattr(column, "shape", None)
-    if shape is None or len(shape) == 0:
-        raise ConfigurationError(
-            f"{what} holds a {type(column).__name__} without rows; a batch is an array, or a tuple, list "
-            f"or dict of arrays, split along their first axis"
-        )
-    return int(shape[0])
-
-
-# -- collectives of plain data, for strategies ----------------------------------------------------
-
-def broadcast_json(comm, obj, root: int = 0):
-    """The root's ``obj`` (JSON-encodable plain data) on every rank; the others' ``obj`` is ignored.
-
-    Every rank gets the decoded copy (tuples come back as lists), the root included.
-    """
-    if comm.rank == root:
-        data = comm.broadcast(np.frombuffer(json.dumps(obj).encode(), np.uint8), root=root)
-    else:
-        data = comm.broadcast(None, root=root)
-    return json.loads(data.tobytes().decode())
-
-
-def allgather_json(comm, obj) -> list:
-    """Every rank's ``obj`` (JSON-encodable plain data), in rank order, on every rank."""
-    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-    lengths = comm.allgather(np.array([data.size], np.int64))[:, 0]
-    padded = np.zeros(int(lengths.max()), np.uint8)
-    padded[:data.size] = data
-    gathered = comm.allgather(padded)
-    return [json.loads(gathered[rank, :int(n)].tobytes().decode()) for rank, n in enumerate(lengths)]
-
-
-def dtype_key(dtype) -> str:
-    """A dtype's name as sent between replicas (``"float32"``, ``"bfloat16"``)."""
-    return np.dtype(dtype).name
-
-
-def dtype_from_key(name: str) -> np.dtype:
-    from .wire import DTYPES
-
-    return DTYPES.get(name) or np.dtype(name)
-
-
-def broadcast_arrays(comm, specs: list[tuple], arrays: list | None, root: int = 0) -> list:
-    """The root's ``arrays`` on every rank, one broadcast per dtype; others pass ``arrays=None``.
-
-    ``specs`` (the same on every rank) gives each array's ``(shape, dtype name)``. The results are
-    views into one received buffer per dtype.
-    """
-    groups: dict[str, list[int]] = {}
-    for index, (_, name) in enumerate(specs):
-        groups.setdefault(name, []).append(index)
-    out: list = [None] * len(specs)
-    for name, indices in groups.items():
-        dtype = dtype_from_key(name)
-        sizes = [int(np.prod(specs[i][0], dtype=np.int64)) for i in indices]
-        if not sum(sizes):  # nothing to send (every rank knows it from the specs)
-            flat = np.empty(0, dtype)
-        elif comm.rank == root:
-            flat = comm.broadcast(np.concatenate([np.ascontiguousarray(arrays[i], dtype=dtype).reshape(-1)
-                                                  for i in indices]), root=root)
-        else:
-            flat = comm.broadcast(None, root=root)
-        offset = 0
-        for i, n in zip(indices, sizes):
-            out[i] = flat[offset:offset + n].reshape(tuple(specs[i][0]))
-            offset += n
-    return out
-
-
-# -- checkpoint helpers ---------------------------------------------------------------------------
-
-_ARRAY_MARK = "__stratagem_array__"
-
-
-def _flatten_state(state) -> tuple[Any, list]:
-    """Split a nested state (dicts, lists, numbers, arrays) into JSON data with array placeholders
-    and the list of arrays (numpy), in a deterministic order."""
-    arrays: list = []
-
-    def walk(node):
-        if isinstance(node, Mapping):
-            return {str(key): walk(value) for key, value in node.items()}
-        if isinstance(node, (list, tuple)):
-            return [walk(value) for value in node]
-        if isinstance(node, np.generic):
-            return node.item()
-        if hasattr(node, "shape") and hasattr(node, "dtype"):
-            arrays.append(node.get() if type(node).__module__.startswith("cupy") else np.asarray(node))
-            return {_ARRAY_MARK: len(arrays) - 1}
-        return node
-
-    return walk(state), arrays
-
-
-def _rebuild_state(skeleton, arrays: list):
-    """The inverse of :func:`_flatten_state`."""
-    if isinstance(skeleton, dict):
-        if set(skeleton) == {_ARRAY_MARK}:
-            return arrays[skeleton[_ARRAY_MARK]]
-        return {key: _rebuild_state(value, arrays) for key, value in skeleton.items()}
-    if isinstance(skeleton, list):
-        return [_rebuild_state(value, arrays) for value in skeleton]
-    return skeleton
 
 
 def _check_restorable(variables: Mapping[str, Any], saved: Mapping[str, Any], path) -> None:

@@ -48,7 +48,8 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import ConfigurationError
-from ..core.strategy import Strategy, allgather_json, broadcast_arrays, dtype_key
+from ..core.replica_sync import allgather_json, broadcast_arrays, dtype_key
+from ..core.strategy import Strategy
 from ..core.variables import array_module, is_device_array
 
 #: Default largest bucket of fused gradients, in bytes (before any compression).
