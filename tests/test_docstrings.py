@@ -1,0 +1,29 @@
+"""Every runnable example in the library's docstrings runs and gives what it shows.
+
+Modules whose optional dependency is missing here (grpc, mpi4py, cupy) are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import stratagem
+
+MODULES = sorted(
+    info.name for info in pkgutil.walk_packages(stratagem.__path__, prefix="stratagem.")
+    if not info.name.endswith("__main__")
+)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:
+        pytest.skip(f"{name} needs what is not installed here: {exc}")
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False)
+    assert result.failed == 0, f"{name}: {result.failed} of {result.attempted} docstring example(s) failed"
