@@ -5,7 +5,7 @@ Targets are lazy import paths, so listing the built-ins imports none of their mo
     >>> [spec.name for spec in stratagem_add_transports()]
     ['local', 'zmq', 'mpi']
     >>> [spec.name for spec in stratagem_add_strategies()]
-    ['mirrored']
+    ['mirrored', 'in_graph']
 """
 
 from __future__ import annotations
@@ -39,5 +39,9 @@ def stratagem_add_strategies() -> list[PluginSpec]:
         PluginSpec(
             "mirrored", "stratagem.strategies.mirrored:MirroredStrategy", "strategy",
             description="a copy of every variable on every replica; gradients all-reduced every step",
+        ),
+        PluginSpec(
+            "in_graph", "stratagem.strategies.in_graph:InGraphStrategy", "strategy",
+            description="one client splits each batch over its devices and the worker tasks; synchronous",
         ),
     ]
