@@ -5,4 +5,6 @@ imported only when their strategy is used.
 
 - :mod:`~stratagem.strategies.mirrored`: a copy of every variable on every replica, gradients
   all-reduced every step.
+- :mod:`~stratagem.strategies.in_graph`: one client splits each batch over its devices and the
+  worker tasks, merges the gradients and applies one update.
 """
