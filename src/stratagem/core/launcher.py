@@ -65,6 +65,7 @@ from typing import Callable, Mapping, Sequence, TextIO
 
 from .cluster import ClusterSpec, TaskId
 from .errors import ConfigurationError
+from .ports import reserve_ports
 from .task_output import COLORS, OutputPump, PipeReader, Sink, task_prefix
 
 #: Seconds between SIGTERM and SIGKILL when the launcher stops tasks.
@@ -236,35 +237,6 @@ def _die_with_launcher() -> Callable[[], None] | None:
     return preexec
 
 
-def _reserve_ports(host: str, count: int) -> tuple[str, list[socket.socket]]:
-    """Bind ``count`` sockets on ``host`` at OS-chosen ports; return the address bound and the sockets.
-
-    Holding them all at once makes the ports distinct. They are released one by one just before
-    each task starts, but a port is only *probed* free: another process can take it between our
-    release and the task's bind. Keeping that window to the child's start-up is all we can do
-    without handing the sockets themselves to the tasks.
-    """
-    try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as exc:
-        raise ConfigurationError(
-            f"cannot resolve --host {host!r} ({exc}); give an address of this machine, e.g. 127.0.0.1"
-        ) from None
-    held: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            held.append(sock)
-            sock.bind((sockaddr[0], 0, *sockaddr[2:]))
-    except OSError as exc:
-        for sock in held:
-            sock.close()
-        raise ConfigurationError(
-            f"cannot bind a port on {host!r} ({exc}); --host must be an address of this machine"
-        ) from None
-    return sockaddr[0], held
-
-
 def _format_address(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
@@ -272,7 +244,7 @@ def _format_address(ip: str, port: int) -> str:
 def _plan_cluster(workers: int, ps: int, chief: bool, host: str) -> tuple[ClusterSpec, dict[TaskId, socket.socket]]:
     """The cluster to launch, and for each task the socket holding its port until it starts."""
     counts = {"chief": 1 if chief else 0, "worker": workers, "ps": ps}
-    ip, held = _reserve_ports(host, sum(counts.values()))
+    ip, held = reserve_ports(host, sum(counts.values()))
     ports = iter(held)
     jobs = {job: [next(ports) for _ in range(n)] for job, n in counts.items() if n}
     cluster = ClusterSpec({job: [_format_address(ip, s.getsockname()[1]) for s in socks]
@@ -487,7 +459,7 @@ def launch(
         with _SignalTrap() as trap:
             for i, task in enumerate(cluster.tasks()):
                 color = COLORS[i % len(COLORS)]
-                port_holders.pop(task).close()  # free the port as late as possible: see _reserve_ports
+                port_holders.pop(task).close()  # free the port as late as possible: see core.ports
                 process = _start_task(task, command, _task_env(base_env, cluster, task, secret, transport), preexec)
                 tasks.append(_RunningTask(task, process))
                 pump.add(process.stdout, PipeReader(task_prefix(task, color, out.stream), out))

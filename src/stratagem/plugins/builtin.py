@@ -3,7 +3,7 @@
 Targets are lazy import paths, so listing the built-ins imports none of their modules.
 
     >>> [spec.name for spec in stratagem_add_transports()]
-    ['local', 'zmq', 'mpi']
+    ['local', 'zmq', 'grpc', 'mpi']
     >>> [spec.name for spec in stratagem_add_strategies()]
     ['mirrored', 'in_graph']
 """
@@ -24,6 +24,11 @@ def stratagem_add_transports() -> list[PluginSpec]:
             "zmq", "stratagem.transports.zmq:ZmqTransport", "transport",
             requires=("zmq",), install_hint="pip install 'pyzmq>=25'",
             description="ZeroMQ sockets over TCP: the default transport between processes and machines",
+        ),
+        PluginSpec(
+            "grpc", "stratagem.transports.grpc:GrpcTransport", "transport",
+            requires=("grpc",), install_hint="pip install 'stratagem[grpc]'",
+            description="gRPC bidirectional streams over HTTP/2, with optional TLS and mutual TLS",
         ),
         PluginSpec(
             "mpi", "stratagem.transports.mpi:MpiTransport", "transport",

@@ -9,28 +9,22 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 from typing import Callable, Iterator
 
 from ..core.cluster import ClusterSpec, TaskId
+from ..core.ports import reserve_ports
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct TCP ports that were free a moment ago on ``host``.
-
-    The sockets are held open together so the kernel cannot hand out the same port twice; another
-    process can still take one before it is bound again, a window the callers keep short.
-    """
-    sockets = []
+    """``count`` distinct TCP ports that were free a moment ago on ``host``, drawn from below the
+    kernel's ephemeral range so that no outgoing connection takes one before it is bound again
+    (see :mod:`stratagem.core.ports`)."""
+    _, held = reserve_ports(host, count)
     try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
+        return [s.getsockname()[1] for s in held]
     finally:
-        for s in sockets:
+        for s in held:
             s.close()
 
 

@@ -1,0 +1,211 @@
+"""Wire frames (``core/wire.py``) carried as a byte stream cut into gRPC messages.
+
+Helpers of the ``grpc`` transport (:mod:`stratagem.transports.grpc`); nothing here imports grpc.
+
+A frame is the very same header, envelope and buffers that every byte-stream transport sends. On a
+gRPC stream the concatenation of all frames is cut into messages of at most ``chunk_bytes``, so
+gRPC's per-message size limit never bites whatever the size of an array, and the receiver never
+needs to trust a message boundary: :class:`Reassembler` accepts the stream split anywhere.
+
+Sending (:func:`chunks`): gRPC's Python API takes each message as a ``bytes`` object, so each chunk
+costs exactly one copy out of the caller's arrays (a slice of a ``memoryview``, or a join where a
+chunk spans several small parts); nothing else is copied.
+
+Receiving (:class:`Reassembler`): the fixed header is parsed and checked against the limits first
+(``wire.read_header``: kind, envelope and payload lengths), then the envelope (``wire.read_envelope``:
+dtypes, shapes, that the buffers add up to the declared payload), and only then are the arrays
+allocated, one per buffer (aligned, writable, owned by the receiver), and filled straight from the
+incoming messages. A connection that has not completed its handshake is held to tiny control-frame
+limits, so an unauthenticated peer cannot make us allocate anything of size.
+
+    >>> import numpy as np
+    >>> from stratagem.core import wire
+    >>> parts = wire.encode(wire.Kind.DATA, "t", {"k": 1}, [np.arange(10, dtype=np.int32)])
+    >>> messages = list(chunks(parts, 16))
+    >>> [len(m) for m in messages], sum(len(m) for m in messages) == sum(len(p) for p in parts)
+    ([16, 16, 11, 16, 16, 8], True)
+    >>> got = []
+    >>> r = Reassembler(wire.DEFAULT_LIMITS)
+    >>> for m in messages:
+    ...     r.feed(m, got.append)
+    >>> got[0].tag, got[0].meta, got[0].buffers[0].tolist()
+    ('t', {'k': 1}, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Collection, Iterator, Sequence
+
+import numpy as np
+
+from ..core import wire
+from ..core.errors import ProtocolError
+from ..core.wire import HEADER_SIZE, Frame, Kind, Limits
+
+#: Limits for the frames of the handshake and the other control frames: no buffers, a small envelope.
+CONTROL_LIMITS = Limits(max_envelope_bytes=64 << 10, max_payload_bytes=0, max_buffers=0)
+
+
+def chunks(parts: Sequence, chunk_bytes: int) -> Iterator[bytes]:
+    """Cut an encoded frame (``wire.encode``'s ``[head, buffer views...]``) into ``bytes`` messages
+    of at most ``chunk_bytes``; every byte is copied once, when its message is made.
+
+    Small parts share a message; a part that does not fit in what is left of the current message
+    starts a new one, so every buffer of at most ``chunk_bytes`` arrives whole in one message (which
+    lets the receiver use it without copying it again).
+    """
+    pending: list = []
+    size = 0
+    for part in parts:
+        length = len(part)
+        if size + length <= chunk_bytes:
+            pending.append(part)
+            size += length
+            continue
+        if pending:
+            yield _join(pending)
+            pending, size = [], 0
+        pos = 0
+        while length - pos > chunk_bytes:
+            yield bytes(part[pos:pos + chunk_bytes])
+            pos += chunk_bytes
+        pending.append(part if pos == 0 else part[pos:])
+        size = length - pos
+    if pending:
+        yield _join(pending)
+
+
+def frame_bytes(parts: Sequence) -> bytes:
+    """One encoded frame as one ``bytes`` (small frames travel in a single message)."""
+    return _join(list(parts))
+
+
+def _join(pieces: list) -> bytes:
+    if len(pieces) == 1:
+        piece = pieces[0]
+        return piece if type(piece) is bytes else bytes(piece)
+    return b"".join(pieces)
+
+
+_HEADER, _ENVELOPE, _PAYLOAD = range(3)
+_UNLIMITED = Limits(max_envelope_bytes=(1 << 32) - 1, max_payload_bytes=(1 << 64) - 1)
+
+
+class Reassembler:
+    """Turns a stream of messages, split anywhere, back into frames; see the module docstring.
+
+    Args:
+        limits: the limits every frame is held to (swap them with :meth:`expect` as a connection
+            moves from its handshake to data).
+        kinds: the frame kinds accepted; any other kind is refused from its header, before its
+            envelope or payload is read.
+        why: what to say when another kind arrives (``"before the handshake completed"``).
+    """
+
+    def __init__(self, limits: Limits, kinds: Collection[Kind] | None = None, why: str = ""):
+        self.limits = limits
+        self.kinds = None if kinds is None else frozenset(kinds)
+        self.why = why
+        self._state = _HEADER
+        self._partial = bytearray()      # a header or an envelope arriving in pieces
+        self._header: wire.Header | None = None
+        self._tag = ""
+        self._meta: dict = {}
+        self._arrays: list[np.ndarray] = []
+        self._targets: list[np.ndarray] = []  # uint8 views of the arrays to fill, in order
+        self._next = 0                         # index of the target being filled
+        self._filled = 0                       # bytes written into it so far
+
+    def expect(self, kinds: Collection[Kind] | None, limits: Limits | None = None, why: str = "") -> None:
+        """Accept ``kinds`` (all if ``None``) under ``limits`` from the next frame on."""
+        self.kinds = None if kinds is None else frozenset(kinds)
+        if limits is not None:
+            self.limits = limits
+        self.why = why
+
+    @property
+    def between_frames(self) -> bool:
+        """True if no frame is partly received."""
+        return self._state == _HEADER and not self._partial
+
+    def feed(self, data, on_frame: Callable[[Frame], None]) -> None:
+        """Consume one message; call ``on_frame`` with each frame it completes, in order.
+
+        Raises ``ProtocolError`` on anything malformed, oversized or unexpected; the frames completed
+        before the bad one have been handed to ``on_frame`` by then.
+        """
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        pos, end = 0, len(view)
+        while pos < end:
+            if self._state == _HEADER:
+                pos = self._read_header(view, pos, end)
+            elif self._state == _ENVELOPE:
+                pos = self._read_envelope(view, pos, end)
+            else:
+                pos = self._read_payload(view, pos, end)
+            if self._state == _PAYLOAD and self._next == len(self._targets):
+                frame = Frame(self._header.kind, self._tag, self._meta, self._arrays)
+                self._state, self._header, self._arrays, self._targets = _HEADER, None, [], []
+                on_frame(frame)
+
+    def _take(self, view: memoryview, pos: int, end: int, need: int):
+        """``need`` bytes from ``view[pos:]`` (joined with what came before); None if not there yet."""
+        have = len(self._partial)
+        if not have and end - pos >= need:
+            return view[pos:pos + need], pos + need
+        take = min(need - have, end - pos)
+        self._partial += view[pos:pos + take]
+        if len(self._partial) < need:
+            return None, end
+        data, self._partial = bytes(self._partial), bytearray()
+        return data, pos + take
+
+    def _read_header(self, view, pos, end) -> int:
+        head, pos = self._take(view, pos, end, HEADER_SIZE)
+        if head is None:
+            return pos
+        try:
+            header = wire.read_header(head, self.limits)
+        except ProtocolError:
+            # An unexpected kind is the better reason (a DATA frame before the handshake is refused as
+            # such, not for its size under the handshake's limits).
+            try:
+                self._check_kind(wire.read_header(head, _UNLIMITED).kind)
+            except ProtocolError as exc:
+                if "unexpected" in str(exc):
+                    raise
+            raise
+        self._check_kind(header.kind)
+        self._header, self._state = header, _ENVELOPE
+        return pos
+
+    def _check_kind(self, kind: Kind) -> None:
+        if self.kinds is not None and kind not in self.kinds:
+            raise ProtocolError(f"unexpected {kind.name} frame{' ' + self.why if self.why else ''}")
+
+    def _read_envelope(self, view, pos, end) -> int:
+        envelope, pos = self._take(view, pos, end, self._header.envelope_len)
+        if envelope is None:
+            return pos
+        # Everything is checked here (dtypes, shapes, the declared total) before anything is allocated.
+        self._tag, self._meta, specs = wire.read_envelope(self._header, envelope, self.limits)
+        self._arrays = [np.empty(spec.shape, spec.dtype) for spec in specs]
+        self._targets = [a.reshape(-1).view(np.uint8) for a in self._arrays if a.nbytes]
+        self._next = self._filled = 0
+        self._state = _PAYLOAD
+        return pos
+
+    def _read_payload(self, view, pos, end) -> int:
+        targets = self._targets
+        while pos < end and self._next < len(targets):
+            target = targets[self._next]
+            take = min(target.size - self._filled, end - pos)
+            target[self._filled:self._filled + take] = np.frombuffer(view[pos:pos + take], np.uint8)
+            self._filled += take
+            pos += take
+            if self._filled == target.size:
+                self._next += 1
+                self._filled = 0
+        return pos

@@ -1,0 +1,510 @@
+"""What the grpc transport does beyond the shared contract: framing, TLS, hostile input, keepalive.
+
+Raw gRPC clients play the attacker: they call the transport's one method over real HTTP/2 on
+127.0.0.1. Certificates are made at run time (with ``cryptography`` if installed, else the ``openssl``
+command), never shipped.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import logging
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+grpc = pytest.importorskip("grpc", reason="the grpc transport needs grpcio: pip install 'stratagem[grpc]'")
+
+from stratagem.core import handshake, wire  # noqa: E402
+from stratagem.core.cluster import TaskId  # noqa: E402
+from stratagem.core.errors import (  # noqa: E402
+    ConfigurationError,
+    PeerLostError,
+    ProtocolError,
+    TransportTimeout,
+)
+from stratagem.core.transport import COMPLETED, Message  # noqa: E402
+from stratagem.core.wire import Kind, Limits  # noqa: E402
+from stratagem.testing.peer import spawn_peer  # noqa: E402
+from stratagem.testing.world import local_cluster  # noqa: E402
+from stratagem.transports.grpc import FULL_METHOD, MAX_MESSAGE_BYTES, GrpcTransport  # noqa: E402
+from stratagem.transports.grpc_framing import CONTROL_LIMITS, Reassembler, chunks  # noqa: E402
+
+TIMEOUT = 20.0
+PEER_TIMEOUT = 3.0  # as the contract suite: keepalive pings every 1.2 s
+LOGGER = "stratagem.transports.grpc"
+
+
+def make(cluster, task, **options):
+    options = {"timeout": TIMEOUT, "peer_timeout": PEER_TIMEOUT, **options}
+    return GrpcTransport(cluster, task, **options)
+
+
+@pytest.fixture
+def pair():
+    cluster = local_cluster(2)
+    a, b = make(cluster, "worker:0"), make(cluster, "worker:1")
+    a.start()
+    b.start()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def wait_for(predicate, timeout=TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def still_serves(a, b):
+    a.send(b.task, "ok", Message({"still": "serving"}, [np.arange(4)]))
+    return b.recv(a.task, "ok", timeout=TIMEOUT).meta == {"still": "serving"}
+
+
+def raw_call(address, messages, timeout=10.0, credentials=None):
+    """Send ``messages`` on one raw stream; returns (responses, status code, details)."""
+    if credentials is None:
+        channel = grpc.insecure_channel(address)
+    else:
+        channel = grpc.secure_channel(address, credentials)
+    try:
+        call = channel.stream_stream(FULL_METHOD)(iter(messages), timeout=timeout)
+        responses = []
+        try:
+            for response in call:
+                responses.append(response)
+        except grpc.RpcError as exc:
+            return responses, exc.code(), exc.details()
+        return responses, call.code(), call.details()
+    finally:
+        channel.close()
+
+
+def control(kind, meta):
+    return wire.encode_bytes(kind, "", meta)
+
+
+def frames_of(messages, limits=CONTROL_LIMITS):
+    got = []
+    reassembler = Reassembler(limits)
+    for m in messages:
+        reassembler.feed(m, got.append)
+    return got
+
+
+# -- framing ---------------------------------------------------------------------------------------
+
+def _sample_frames():
+    rng = np.random.default_rng(0)
+    return [
+        (Kind.DATA, "a", {"i": 1}, [rng.standard_normal(1000).astype(np.float32)]),
+        (Kind.DATA, "b", {}, []),
+        (Kind.DATA, "c", {"nested": {"x": [1, None, b"z"]}},
+         [np.arange(7, dtype=np.int16), np.array(3.5), np.zeros((2, 0)), np.arange(5, dtype=ml_dtypes.bfloat16),
+          np.array([True, False, True])]),
+        (Kind.DATA, "d", {}, [np.arange(300, dtype=np.uint8) for _ in range(40)]),
+        (Kind.GOODBYE, "", {}, []),
+    ]
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 1000, 1 << 20])
+def test_frames_survive_any_chunking_and_any_resplitting(chunk_bytes):
+    sent = _sample_frames()
+    stream = b"".join(m for frame in sent for m in chunks(wire.encode(*frame), chunk_bytes))
+    assert all(len(m) <= chunk_bytes for frame in sent for m in chunks(wire.encode(*frame), chunk_bytes))
+    rng = random.Random(chunk_bytes)
+    cuts = sorted(rng.sample(range(1, len(stream)), min(50, len(stream) - 1)))
+    pieces = [stream[i:j] for i, j in zip([0, *cuts], [*cuts, len(stream)])]
+    got = frames_of(pieces, wire.DEFAULT_LIMITS)
+    assert [(f.kind, f.tag, f.meta) for f in got] == [(k, t, m) for k, t, m, _ in sent]
+    for frame, (_, _, _, buffers) in zip(got, sent):
+        assert len(frame.buffers) == len(buffers)
+        for received, original in zip(frame.buffers, buffers):
+            assert received.dtype == original.dtype and received.shape == original.shape
+            np.testing.assert_array_equal(received, original)
+            assert received.flags.writeable and received.flags.aligned
+
+
+def test_a_buffer_that_fits_a_chunk_is_never_split():
+    buffers = [np.zeros(10, np.uint8), np.ones(1000, np.uint8), np.ones(4000, np.uint8)]
+    parts = wire.encode(Kind.DATA, "t", {}, buffers)
+    messages = list(chunks(parts, 1000))
+    assert any(m == b"\x01" * 1000 for m in messages)  # the 1000-byte buffer has a message of its own
+    assert [len(m) for m in messages][-4:] == [1000] * 4  # the larger one is cut at its own boundaries
+
+
+def test_header_is_checked_before_anything_is_read_or_allocated():
+    huge = wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(Kind.DATA), 0, 10, 1 << 40)
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        Reassembler(wire.DEFAULT_LIMITS).feed(huge, lambda f: None)
+    data = wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(Kind.DATA), 0, 10, 0)
+    with pytest.raises(ProtocolError, match="unexpected DATA frame before the handshake"):
+        Reassembler(CONTROL_LIMITS, (Kind.HELLO,), "before the handshake").feed(data, lambda f: None)
+    hello_with_buffer = wire.encode_bytes(Kind.HELLO, "", {}, [np.zeros(4)])
+    with pytest.raises(ProtocolError):
+        Reassembler(CONTROL_LIMITS, (Kind.HELLO,)).feed(hello_with_buffer, lambda f: None)
+
+
+# -- options ---------------------------------------------------------------------------------------
+
+def test_options_are_checked(tmp_path):
+    cluster = local_cluster(1)
+    with pytest.raises(ConfigurationError, match="chunk_bytes"):
+        GrpcTransport(cluster, "worker:0", chunk_bytes=MAX_MESSAGE_BYTES + 1)
+    with pytest.raises(ConfigurationError, match="both tls_cert and tls_key"):
+        GrpcTransport(cluster, "worker:0", tls_cert=str(tmp_path / "c.pem"))
+    with pytest.raises(ConfigurationError, match="tls_cert and tls_key"):
+        GrpcTransport(cluster, "worker:0", tls_ca=str(tmp_path / "ca.pem"))
+    with pytest.raises(ConfigurationError, match="cannot be read"):
+        GrpcTransport(cluster, "worker:0", tls_cert=str(tmp_path / "c.pem"), tls_key=str(tmp_path / "k.pem"))
+    with pytest.raises(ConfigurationError, match="needs tls_ca"):
+        GrpcTransport(cluster, "worker:0", tls_cert="c", tls_key="k", tls_client_auth=True)
+
+
+def test_bind_conflict_is_a_clear_error():
+    cluster = local_cluster(1)
+    with make(cluster, "worker:0") as a:
+        clash = make(cluster, "worker:0")
+        with pytest.raises(ConfigurationError, match="cannot bind"):
+            clash.start()
+        clash.close()
+        assert a.address
+
+
+# -- data path ---------------------------------------------------------------------------------------
+
+def test_small_chunks_and_async_sends():
+    cluster = local_cluster(2)
+    with make(cluster, "worker:0", chunk_bytes=1000) as a, make(cluster, "worker:1", chunk_bytes=1000) as b:
+        arrays = [np.arange(5000, dtype=np.float64), np.arange(3, dtype=np.int8), np.ones((30, 40), np.float32)]
+        handles = [a.send_async(b.task, "t", Message({"i": i}, arrays)) for i in range(5)]
+        for h in handles:
+            h.wait(TIMEOUT)
+            assert h.done()
+        assert a.send_async(b.task, "small", Message({"tiny": 1})) is COMPLETED  # fits a chunk: copied at once
+        for i in range(5):
+            got = b.recv(a.task, "t", timeout=TIMEOUT)
+            assert got.meta == {"i": i}
+            for received, sent in zip(got.buffers, arrays):
+                np.testing.assert_array_equal(received, sent)
+        assert b.recv(a.task, "small", timeout=TIMEOUT).meta == {"tiny": 1}
+
+
+def test_received_arrays_are_writable(pair):
+    a, b = pair
+    a.send(b.task, "w", Message({}, [np.arange(1 << 20, dtype=np.float32), np.arange(3)]))
+    got = b.recv(a.task, "w", timeout=TIMEOUT).buffers
+    for array in got:
+        array += 1  # like the zmq transport's: the receiver owns them
+    assert got[0][0] == 1 and got[1].tolist() == [1, 2, 3]
+
+
+# -- hostile input from raw gRPC clients -------------------------------------------------------------
+
+@pytest.mark.parametrize("garbage", [
+    [b"not a frame at all"],
+    [b"STRG" + b"\x00" * 30],
+    [wire.HEADER.pack(wire.MAGIC, 99, 1, 0, 0, 0)],                          # another version
+    [wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(Kind.HELLO), 0, 5, 0) + b"\xc1" * 5],  # bad msgpack
+    [wire.HEADER.pack(wire.MAGIC, wire.VERSION, 77, 0, 0, 0)],                # unknown kind
+    [control(Kind.HELLO, {"v": 1})],                                          # a HELLO missing fields
+], ids=["garbage", "zeros", "version", "msgpack", "kind", "hello-fields"])
+def test_malformed_frames_are_refused_and_the_server_keeps_serving(pair, caplog, garbage):
+    a, b = pair
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        responses, code, details = raw_call(b.address, garbage)
+        assert wait_for(lambda: b.stats["rejected_frames"] >= 1)
+    assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED), (code, details)
+    rejects = frames_of(responses)
+    assert rejects and rejects[0].kind == Kind.REJECT and rejects[0].meta["reason"]
+    assert any("refused a frame" in r.getMessage() for r in caplog.records)
+    assert still_serves(a, b)
+
+
+def test_data_without_handshake_is_refused(pair, caplog):
+    a, b = pair
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        _, code, details = raw_call(b.address, [wire.encode_bytes(Kind.DATA, "ok", {"forged": True}, [np.arange(3)])])
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert "before the handshake" in details and "unauthenticated" in details
+    with pytest.raises(TransportTimeout):
+        b.recv(None, "ok", timeout=0.5)  # the forged frame never reached the mailbox
+    assert still_serves(a, b)
+
+
+def test_hello_from_another_cluster_is_refused(pair, caplog):
+    a, b = pair
+    hello, nonce = handshake.make_hello(TaskId("worker", 0), "some-other-cluster", None)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        responses, code, _ = raw_call(b.address, [control(Kind.HELLO, hello),
+                                                  wire.encode_bytes(Kind.DATA, "ok", {"forged": True})])
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    (reject,) = frames_of(responses)
+    assert reject.kind == Kind.REJECT and "another cluster" in reject.meta["reason"]
+    assert reject.meta["nonce"] == nonce
+    assert any("another cluster" in r.getMessage() for r in caplog.records)
+    with pytest.raises(TransportTimeout):
+        b.recv(None, "ok", timeout=0.5)
+    assert still_serves(a, b)
+
+
+def test_secret_mismatch_and_forged_auth_are_refused(caplog):
+    cluster = local_cluster(3)
+    with make(cluster, "worker:0", secret=b"k") as a, make(cluster, "worker:1", secret=b"k") as b, \
+            make(cluster, "worker:2", secret=b"other", timeout=3.0) as intruder:
+        # A raw client that claims to be worker:0 and guesses the proof.
+        hello, _ = handshake.make_hello(TaskId("worker", 0), cluster.cluster_id, b"guess")
+        responses, code, details = raw_call(b.address, [
+            control(Kind.HELLO, hello), control(Kind.AUTH, {"task": "worker:0", "mac": b"\x00" * 32}),
+            wire.encode_bytes(Kind.DATA, "ok", {"forged": True})])
+        kinds = [f.kind for f in frames_of(responses)]
+        assert kinds == [Kind.CHALLENGE, Kind.REJECT] and code == grpc.StatusCode.UNAUTHENTICATED
+        assert "secret" in details
+        # A transport with another secret fails the acceptor's proof and says so.
+        with pytest.raises(ProtocolError, match="secret"):
+            intruder.send(b.task, "ok", Message({"forged": True}))
+        with pytest.raises(TransportTimeout):
+            b.recv(None, "ok", timeout=0.5)
+        assert still_serves(a, b)
+
+
+def test_oversized_frame_is_refused_and_others_are_served(caplog):
+    cluster = local_cluster(3)
+    small = Limits(max_payload_bytes=64 * 1024)
+    with make(cluster, "worker:0") as big_sender, make(cluster, "worker:1", limits=small) as server, \
+            make(cluster, "worker:2") as honest:
+        raised = False
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            try:
+                big_sender.send(server.task, "ok", Message({}, [np.zeros(1 << 20, np.uint8)]))
+            except ProtocolError as exc:  # the refusal may come back while the frame is still streaming
+                assert "exceeds the limit" in str(exc)
+                raised = True
+            assert wait_for(lambda: server.stats["rejected_frames"] >= 1)
+        assert any("exceeds the limit" in r.getMessage() for r in caplog.records)
+        with pytest.raises((TransportTimeout, PeerLostError)):
+            server.recv(big_sender.task, "ok", timeout=1.0)
+        assert still_serves(honest, server)
+        # The sender learns why; its next message goes on a fresh stream.
+        assert wait_for(lambda: big_sender._peers.get(server.task) is None
+                        or big_sender._peers[server.task].error is not None)
+        if not raised:
+            with pytest.raises(ProtocolError, match="exceeds the limit"):
+                big_sender.send(server.task, "ok", Message({"small": 1}))
+        big_sender.send(server.task, "ok", Message({"small": 2}))
+        assert server.recv(big_sender.task, "ok", timeout=TIMEOUT).meta == {"small": 2}
+
+
+def test_a_huge_declared_payload_is_refused_from_its_header(pair, caplog):
+    a, b = pair
+    hello, _ = handshake.make_hello(TaskId("worker", 0), a.cluster.cluster_id, None)
+    liar = wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(Kind.DATA), 0, 16, 1 << 50)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        responses, code, details = raw_call(b.address, [control(Kind.HELLO, hello), liar])
+    assert [f.kind for f in frames_of(responses)] == [Kind.WELCOME, Kind.REJECT]
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "exceeds the limit" in details
+    assert still_serves(a, b)
+
+
+def test_a_message_over_grpcs_limit_is_refused_by_grpc(pair):
+    a, b = pair
+    _, code, _ = raw_call(b.address, [b"\x00" * (MAX_MESSAGE_BYTES + (1 << 20))])
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert still_serves(a, b)
+
+
+def test_a_stream_without_a_handshake_is_cut_off(caplog):
+    cluster = local_cluster(2)
+    with make(cluster, "worker:0") as a, make(cluster, "worker:1", handshake_timeout=0.5) as b:
+        def silent():
+            time.sleep(5)
+            yield b""
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            _, code, _ = raw_call(b.address, silent())
+        assert time.monotonic() - start < 4
+        assert code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.CANCELLED)
+        assert any("no handshake within" in r.getMessage() for r in caplog.records)
+        assert still_serves(a, b)
+
+
+# -- failures and restarts -------------------------------------------------------------------------
+
+def test_a_silent_peer_is_detected_by_keepalive():
+    """A stopped process keeps its connections open: only keepalive pings can tell it is gone."""
+    cluster = local_cluster(2)
+    me, other = cluster.tasks()
+    with make(cluster, me) as t:
+        with spawn_peer("grpc", cluster, other, me, peer_timeout=PEER_TIMEOUT) as proc:
+            t.recv(other, "ready", timeout=60)
+            t.send(other, "echo", Message({"ping": 1}))
+            assert t.recv(other, "echo", timeout=TIMEOUT).meta == {"ping": 1}
+            os.kill(proc.pid, signal.SIGSTOP)
+            start = time.monotonic()
+            with pytest.raises(PeerLostError) as info:
+                t.recv(other, "echo", timeout=TIMEOUT)
+            assert info.value.task == other
+            assert time.monotonic() - start < PEER_TIMEOUT + 5
+
+
+def test_a_restarted_peer_is_accepted_again():
+    cluster = local_cluster(2)
+    with make(cluster, "worker:0") as a:
+        b = make(cluster, "worker:1")
+        b.start()
+        b.send(a.task, "hi", Message({"life": 1}))
+        assert a.recv(b.task, "hi", timeout=TIMEOUT).meta == {"life": 1}
+        a.send(b.task, "hi", Message())
+        b.recv(a.task, "hi", timeout=TIMEOUT)
+        b.abort()
+        with pytest.raises(PeerLostError):
+            a.recv(b.task, "hi", timeout=TIMEOUT)
+        b2 = make(cluster, "worker:1")  # the same task as a new process (a new endpoint, same port)
+        b2.start()
+        try:
+            b2.send(a.task, "hi", Message({"life": 2}))
+            assert wait_for(lambda: b2.task not in a.lost_peers())
+            assert a.recv(b2.task, "hi", timeout=TIMEOUT).meta == {"life": 2}
+            a.send(b2.task, "back", Message({"ok": 1}))
+            assert b2.recv(a.task, "back", timeout=TIMEOUT).meta == {"ok": 1}
+        finally:
+            b2.close()
+
+
+# -- TLS -------------------------------------------------------------------------------------------
+
+def _certificates_with_cryptography(directory, names):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def write(name, key, cert):
+        (directory / f"{name}.key").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        (directory / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+    def build(subject, issuer, public_key, sign_key, ca):
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(public_key)
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            builder = (builder.add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]), critical=False)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
+        return builder.sign(sign_key, hashes.SHA256())
+
+    for ca_name, leaf_name in names:
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        ca_subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"stratagem test {ca_name}")])
+        write(ca_name, ca_key, build(ca_subject, ca_subject, ca_key.public_key(), ca_key, ca=True))
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, leaf_name)])
+        write(leaf_name, key, build(subject, ca_subject, key.public_key(), ca_key, ca=False))
+
+
+def _certificates_with_openssl(directory, names):
+    def run(*args):
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True, timeout=60)
+
+    (directory / "leaf.ext").write_text("basicConstraints=critical,CA:FALSE\n"
+                                        "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+                                        "extendedKeyUsage=serverAuth,clientAuth\n")
+    for ca_name, leaf_name in names:
+        run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "1",
+            "-subj", f"/CN=stratagem test {ca_name}", "-keyout", f"{ca_name}.key", "-out", f"{ca_name}.pem")
+        run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj", f"/CN={leaf_name}",
+            "-keyout", f"{leaf_name}.key", "-out", f"{leaf_name}.csr")
+        run("x509", "-req", "-in", f"{leaf_name}.csr", "-CA", f"{ca_name}.pem", "-CAkey", f"{ca_name}.key",
+            "-CAcreateserial", "-days", "1", "-extfile", "leaf.ext", "-out", f"{leaf_name}.pem")
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    """A CA and a task certificate for 127.0.0.1, and a second CA with its own certificate."""
+    directory = tmp_path_factory.mktemp("certs")
+    names = [("ca", "task"), ("other-ca", "stranger")]
+    try:
+        import cryptography
+    except ImportError:
+        if shutil.which("openssl") is None:
+            pytest.skip("making test certificates needs the cryptography package or the openssl command")
+        _certificates_with_openssl(directory, names)
+    else:
+        del cryptography  # only checked for
+        _certificates_with_cryptography(directory, names)
+    return {name: str(directory / name) for pair in names for name in pair}
+
+
+def tls_options(certs, leaf="task", ca="ca", **extra):
+    return {"tls_cert": certs[leaf] + ".pem", "tls_key": certs[leaf] + ".key", "tls_ca": certs[ca] + ".pem", **extra}
+
+
+def test_tls_round_trip(certs):
+    cluster = local_cluster(2)
+    with make(cluster, "worker:0", **tls_options(certs)) as a, make(cluster, "worker:1", **tls_options(certs)) as b:
+        a.send(b.task, "x", Message({"over": "tls"}, [np.arange(100000, dtype=np.float32)]))
+        got = b.recv(a.task, "x", timeout=TIMEOUT)
+        assert got.meta == {"over": "tls"} and got.buffers[0][-1] == 99999
+        b.send(a.task, "y", Message({"back": 1}))
+        assert a.recv(b.task, "y", timeout=TIMEOUT).meta == {"back": 1}
+        # A plain-text client gets nowhere.
+        _, code, _ = raw_call(b.address, [b"hello?"], timeout=3)
+        assert code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_peer_signed_by_another_ca_is_refused(certs):
+    cluster = local_cluster(2)
+    with make(cluster, "worker:0", **tls_options(certs, leaf="stranger", ca="other-ca"), timeout=2.0) as stranger, \
+            make(cluster, "worker:1", **tls_options(certs)) as b:
+        with pytest.raises(TransportTimeout, match="TLS"):
+            stranger.send(b.task, "x", Message({"forged": True}))
+        with pytest.raises(TransportTimeout):
+            b.recv(None, "x", timeout=0.5)
+
+
+def test_mutual_tls_refuses_a_client_without_a_certificate(certs):
+    cluster = local_cluster(3)  # worker:2 is played by raw clients
+    options = tls_options(certs, tls_client_auth=True)
+    with make(cluster, "worker:0", **options) as a, make(cluster, "worker:1", **options) as b:
+        a.send(b.task, "x", Message({"mutual": True}))
+        assert b.recv(a.task, "x", timeout=TIMEOUT).meta == {"mutual": True}
+        ca = open(certs["ca"] + ".pem", "rb").read()
+        hello, _ = handshake.make_hello(TaskId("worker", 2), cluster.cluster_id, None)
+        # Server authentication alone is not enough: the server wants our certificate.
+        _, code, _ = raw_call(b.address, [control(Kind.HELLO, hello)], timeout=3,
+                              credentials=grpc.ssl_channel_credentials(root_certificates=ca))
+        assert code == grpc.StatusCode.UNAVAILABLE
+        # With the task certificate the same raw client gets through the TLS handshake.
+        key, cert = (open(certs["task"] + ext, "rb").read() for ext in (".key", ".pem"))
+        responses, _, _ = raw_call(b.address, [control(Kind.HELLO, hello)], timeout=3,
+                                   credentials=grpc.ssl_channel_credentials(ca, key, cert))
+        assert [f.kind for f in frames_of(responses)] == [Kind.WELCOME]
+        assert still_serves(a, b)
+
+
+def test_openssl_certificates_work_too(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed")
+    _certificates_with_openssl(tmp_path, [("ca", "task")])
+    certs = {name: str(tmp_path / name) for name in ("ca", "task")}
+    cluster = local_cluster(2)
+    options = tls_options(certs, tls_client_auth=True)
+    with make(cluster, "worker:0", **options) as a, make(cluster, "worker:1", **options) as b:
+        assert still_serves(a, b)
