@@ -35,17 +35,24 @@ __all__ = [
     "CommunicationError", "ConfigurationError", "IncompatibleError", "PeerLostError", "PluginError",
     "ProtocolError", "StratagemError", "TaskId", "TransportClosed", "TransportTimeout",
     "communicator", "strategy", "transport", "plugin_manager", "__version__",
-    "Variable", "optimizers",
+    "Variable", "optimizers", "device", "replica_device_setter",
 ]
 
 
 def __getattr__(name: str):
-    """``stratagem.Variable`` and ``stratagem.optimizers``, imported at first use (keeps the import light)."""
+    """``stratagem.Variable``, ``stratagem.optimizers``, ``stratagem.device`` and
+    ``stratagem.replica_device_setter``, imported at first use (keeps the import light)."""
     if name == "Variable":
         from .core.variables import Variable
 
         globals()["Variable"] = Variable
         return Variable
+    if name in ("device", "replica_device_setter"):
+        from .core import placement
+
+        value = getattr(placement, name)
+        globals()[name] = value
+        return value
     if name == "optimizers":
         import importlib
 

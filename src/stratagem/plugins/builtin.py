@@ -5,7 +5,7 @@ Targets are lazy import paths, so listing the built-ins imports none of their mo
     >>> [spec.name for spec in stratagem_add_transports()]
     ['local', 'zmq', 'grpc', 'mpi']
     >>> [spec.name for spec in stratagem_add_strategies()]
-    ['mirrored', 'in_graph']
+    ['mirrored', 'between_graph', 'parameter_server', 'in_graph']
 """
 
 from __future__ import annotations
@@ -44,6 +44,14 @@ def stratagem_add_strategies() -> list[PluginSpec]:
         PluginSpec(
             "mirrored", "stratagem.strategies.mirrored:MirroredStrategy", "strategy",
             description="a copy of every variable on every replica; gradients all-reduced every step",
+        ),
+        PluginSpec(
+            "between_graph", "stratagem.strategies.between_graph:BetweenGraphStrategy", "strategy",
+            description="variables on ps tasks; every worker runs its own loop (async, sync or bounded)",
+        ),
+        PluginSpec(
+            "parameter_server", "stratagem.strategies.parameter_server:ParameterServerStrategy", "strategy",
+            description="variables on ps tasks; a coordinator schedules step functions onto the workers",
         ),
         PluginSpec(
             "in_graph", "stratagem.strategies.in_graph:InGraphStrategy", "strategy",

@@ -28,14 +28,13 @@ import io
 import itertools
 import os
 import pickle
-import site
 import sys
-import sysconfig
 import types
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
+from ..core import user_code
 from ..core.errors import ConfigurationError
 from ..core.optimizers import Optimizer
 from ..core.variables import Variable, is_device_array
@@ -64,33 +63,9 @@ def main_script() -> tuple[str | None, str | None]:
         return path, None
 
 
-def _installation_roots() -> list[str]:
-    paths = sysconfig.get_paths()
-    roots = {paths.get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")}
-    try:
-        roots.add(site.getusersitepackages())
-        roots.update(site.getsitepackages())
-    except AttributeError:  # some virtualenvs' site module lacks them
-        pass
-    roots.update(p for p in sys.path if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages"))
-    return sorted({os.path.realpath(r) for r in roots if r})
-
-
 def is_user_module(module) -> bool:
-    """True for the main script and modules loaded from files outside Python's stdlib and site-packages
-    (never the standard library's nor stratagem's own)."""
-    if module is None:
-        return False
-    if module.__name__ in ("__main__", REPLICA_MAIN):
-        return True
-    top = module.__name__.partition(".")[0]
-    if top == "stratagem" or top in sys.stdlib_module_names:   # (stratagem too when installed editable)
-        return False
-    path = getattr(module, "__file__", None)
-    if not path:
-        return False
-    path = os.path.realpath(path)
-    return not any(path == root or path.startswith(root + os.sep) for root in _installation_roots())
+    """The user's own code (see :mod:`stratagem.core.user_code`), counting the script's fresh copy."""
+    return user_code.is_user_module(module, main_names=("__main__", REPLICA_MAIN))
 
 
 def name_of(fn) -> tuple[str, str] | None:
@@ -285,19 +260,7 @@ class FunctionResolver:
             return self._fresh_main
         module = sys.modules.get(name)
         if module is None:
-            # Where the top-level package lives decides, before anything is imported (find_spec of a
-            # dotted name would import its parents).
-            top = name.partition(".")[0]
-            try:
-                spec = importlib.util.find_spec(top)
-            except (ImportError, ValueError):
-                spec = None
-            where = spec and (spec.origin if spec.has_location else None
-                              or next(iter(spec.submodule_search_locations or []), None))
-            if not where:
-                raise ConfigurationError(f"module {name!r} cannot be found on this replica")
-            if not is_user_module(types.SimpleNamespace(__name__=top, __file__=where)):
-                raise ConfigurationError(_NOT_USER.format(name=name))
+            user_code.check_importable_user_module(name)
             module = importlib.import_module(name)
         if not is_user_module(module):
             raise ConfigurationError(_NOT_USER.format(name=name))
@@ -357,8 +320,7 @@ class FunctionResolver:
         return fn
 
 
-_NOT_USER = ("step functions are found by name only in your own code (the script, or modules outside the "
-             "standard library and site-packages); {name!r} is not: wrap the call in a function of your script")
+_NOT_USER = user_code.NOT_USER
 
 
 def remember(cache: "OrderedDict", key, value) -> None:

@@ -1,0 +1,501 @@
+"""The parameter server: what a ``ps`` task runs (DESIGN §6).
+
+A :class:`ParameterServer` holds the pieces of the variables placed on its task, the optimizer that
+updates them (rebuilt on the server from ``opt.get_config()``, with its slots kept here), and a step
+counter: the number of updates applied on this shard (``ps:0``'s is the job's *global step*). It
+answers requests (:mod:`stratagem.core.ps_protocol`) one at a time, from one thread, so every update
+is atomic; the shards of a job serve in parallel, one process each.
+
+How a push is applied depends on the job's mode:
+
+- ``async``: at once, and acknowledged at once.
+- ``sync``: the gradients for the shard's current step are summed (weighted by each replica's share of
+  the batch) until ``replicas_to_aggregate`` replicas have pushed; then their weighted mean is applied,
+  the step advances and every contributor gets its acknowledgement. A push for an older step is
+  dropped (``status: "dropped"``) and counted. With more replicas than ``replicas_to_aggregate``, the
+  slowest ones are *backup workers*: their late gradients are dropped instead of holding the others up.
+- ``bounded`` (``staleness=s``): applied at once, but ``ps:0`` keeps every replica's count of pushes (its
+  *clock*) and holds the acknowledgement of a replica more than ``s`` pushes ahead of the slowest
+  active one, until the slowest catches up.
+
+A push is applied before it is acknowledged, so an acknowledged push is never lost; the counters
+(:meth:`ParameterServer.stats`) let a test check that updates applied equal pushes acknowledged.
+
+The server stops when every replica (the ``chief`` and ``worker`` tasks) has said goodbye or is gone,
+or ``linger`` seconds after the chief said goodbye. It raises if the chief disappeared without saying
+goodbye, or if a replica left with an error, so that a failed job fails on its ps tasks too.
+
+Serving two pieces over the in-process transport (the client side is
+:class:`~stratagem.core.ps_client.PSClient`)::
+
+    >>> import threading
+    >>> import numpy as np
+    >>> from stratagem.core.cluster import ClusterSpec
+    >>> from stratagem.core.ps_client import PSClient
+    >>> from stratagem.transports.local import LocalFabric, LocalTransport
+    >>> cluster, fabric = ClusterSpec({"worker": ["local:0"], "ps": ["local:1"]}), LocalFabric()
+    >>> ps = LocalTransport(cluster, "ps:0", fabric=fabric); ps.start()
+    >>> server = ParameterServer(ps, poll=0.05)
+    >>> thread = threading.Thread(target=server.serve); thread.start()
+    >>> worker = LocalTransport(cluster, "worker:0", fabric=fabric); worker.start()
+    >>> client = PSClient(worker, timeout=10)
+    >>> specs = [{"name": "w", "var": "w", "shape": [2], "dtype": "float32", "part": 0, "parts": 1, "lo": 0, "hi": 2}]
+    >>> _ = client.init({0: specs}, {0: [np.ones(2, np.float32)]}, {"mode": "async", "pushers": ["worker:0"]})
+    >>> client.set_optimizer({"name": "SGD", "learning_rate": 0.5})
+    >>> client.push({0: (["w"], [np.ones(2, np.float32)])})[0].meta["status"]
+    'applied'
+    >>> client.pull()[0].buffers[0], server.step
+    (array([0.5, 0.5], dtype=float32), 1)
+    >>> client.bye(); thread.join(5); worker.close(); ps.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, defaultdict
+from typing import Any
+
+import numpy as np
+
+from .cluster import TaskId
+from .errors import (
+    CommunicationError,
+    ConfigurationError,
+    StratagemError,
+    TransportClosed,
+    TransportTimeout,
+)
+from .optimizers import from_config
+from .ps_consistency import StalenessGate, SyncRound
+from .ps_protocol import (
+    APPLIED,
+    DROPPED,
+    REPLY_TAG,
+    REQUEST_TAG,
+    STOPPED,
+    describe_spec,
+    piece_shape,
+    same_spec,
+    spec_dtype,
+    task_key,
+)
+from .transport import Message, Transport
+
+log = logging.getLogger(__name__)
+
+#: Seconds between checks for replicas that are gone, while no request arrives.
+DEFAULT_POLL = 0.1
+
+
+class _RequestError(Exception):
+    """A request the server refuses; the message goes back to the requester."""
+
+
+class ParameterServer:
+    """Serve this ps task's pieces of the variables until the job ends (see the module doc).
+
+    Args:
+        transport: this ps task's started transport.
+        timeout: seconds a reply may take to send (default: the transport's).
+        poll: seconds between checks for replicas that are gone.
+        linger: seconds the server keeps serving after the chief said goodbye, for the replicas that
+            have not (default: ``timeout``, else 60).
+    """
+
+    def __init__(self, transport: Transport, *, timeout: float | None = None, poll: float = DEFAULT_POLL,
+                 linger: float | None = None):
+        if transport.task.job != "ps":
+            raise ConfigurationError(f"a ParameterServer runs on a 'ps' task, not on {transport.task}")
+        self.transport = transport
+        self.task = transport.task
+        self.cluster = transport.cluster
+        self.timeout = timeout
+        self.poll = poll
+        self.linger = linger if linger is not None else (timeout or transport.timeout or 60.0)
+        #: Every task that may talk to this server: the replicas (chief and workers).
+        self.members = {task_key(t) for t in self.cluster.replicas()}
+        self.specs: dict[str, dict] = {}            # piece name -> spec, in creation order
+        self.values: dict[str, np.ndarray] = {}     # piece name -> its array
+        self.config: dict | None = None             # mode, replicas_to_aggregate, ..., pushers, clock
+        self.optimizer = None
+        self.optimizer_config: dict | None = None
+        self._pending_state: dict | None = None     # optimizer state loaded before the optimizer came
+        #: Updates applied on this shard (the global step on ps:0), also the version pulls report.
+        self.step = 0
+        self.ready = False
+        self.stopping = False
+        self.counters: Counter = Counter()
+        self.by_replica: dict[str, Counter] = defaultdict(Counter)
+        self._bye: dict[str, str | None] = {}       # replica -> None (clean) or its error
+        self._lost: set[str] = set()
+        self._idle: set[str] = set()                # pushers with nothing to do (parameter_server)
+        self._chief_bye_at: float | None = None
+        self._round = SyncRound()
+        self._gate: StalenessGate | None = None    # bounded, on the clock shard
+        self._serving = False
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def serve(self) -> dict:
+        """Answer requests until the job ends; return :meth:`stats`. Raises ``StratagemError`` if the
+        chief vanished without saying goodbye or a replica left with an error."""
+        self._serving = True
+        next_check = 0.0
+        try:
+            while True:
+                try:
+                    message = self.transport.recv(None, REQUEST_TAG, timeout=self.poll)
+                except TransportTimeout:
+                    message = None
+                except TransportClosed:
+                    break
+                if message is not None:
+                    self.handle(message)
+                now = time.monotonic()
+                if message is None or now >= next_check:
+                    next_check = now + self.poll
+                    if self._check_members(now):
+                        break
+        finally:
+            self._serving = False
+        failure = self._failure()
+        if failure:
+            raise StratagemError(f"{self.task}: {failure}")
+        return self.stats()
+
+    def handle(self, message: Message) -> None:
+        """Answer one request (errors go back to the requester; the server keeps serving)."""
+        meta, src = message.meta, message.src
+        op, request_id = meta.get("op"), meta.get("id")
+        handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
+        who = task_key(src)
+        if who in self._bye and op != "bye":
+            del self._bye[who]  # a new incarnation of a replica that had left
+        try:
+            if handler is None:
+                raise _RequestError(f"unknown operation {op!r}")
+            result = handler(src, request_id, meta, message.buffers)
+        except (_RequestError, ConfigurationError) as exc:
+            self._send(src, {"id": request_id, "error": str(exc), "error_type": "RemoteError"})
+            return
+        except Exception as exc:  # noqa: BLE001 - a bad request must never take the server down
+            log.exception("%s: error while handling %r from %s", self.task, op, src)
+            self._send(src, {"id": request_id, "error": f"{type(exc).__name__}: {exc}", "error_type": "RemoteError"})
+            return
+        if result is not None:
+            reply_meta, buffers = result
+            self._send(src, {"id": request_id, "ok": True, **reply_meta}, buffers)
+
+    def _send(self, dst: TaskId, meta: dict, buffers=()) -> None:
+        # A blocking send: the transport is done with the values when it returns, so the next update
+        # may change them. (Sending from a snapshot without waiting was measured slower: the copy costs
+        # more CPU than the overlap saves when the tasks share few cores.)
+        try:
+            self.transport.send(dst, REPLY_TAG, Message(meta, list(buffers)), timeout=self.timeout)
+        except CommunicationError as exc:  # the requester is gone: what it asked for stays done
+            log.warning("%s: could not answer %s: %s", self.task, dst, exc)
+
+    # -- membership --------------------------------------------------------------------------------
+    def _check_members(self, now: float) -> bool:
+        """Update who is gone; True when the server should stop."""
+        lost = {task_key(t) for t in self.transport.lost_peers()} & self.members
+        newly = lost - self._lost
+        self._lost = lost
+        newly -= set(self._bye)
+        if newly:
+            log.warning("%s: replica(s) %s are gone", self.task, ", ".join(sorted(newly)))
+            self._membership_changed()
+        finished = set(self._bye) | self._lost
+        if self.members <= finished:
+            return True
+        return self._chief_bye_at is not None and now - self._chief_bye_at >= self.linger
+
+    def _active_pushers(self) -> list[str]:
+        pushers = self.config.get("pushers", []) if self.config else []
+        return [p for p in pushers if p not in self._bye and p not in self._lost and p not in self._idle]
+
+    def _membership_changed(self) -> None:
+        if self.config is None:
+            return
+        if self.config["mode"] == "sync":
+            self._maybe_finish_round()
+        elif self.config["mode"] == "bounded":
+            self._release_held()
+
+    def _failure(self) -> str | None:
+        chief = task_key(self.cluster.chief)
+        errors = [f"{who} failed: {error}" for who, error in sorted(self._bye.items()) if error]
+        if errors:
+            return "training failed: " + "; ".join(errors)
+        if chief in self._lost and chief not in self._bye:
+            return (f"the chief {self.cluster.chief} disappeared before training ended; restart the job "
+                    f"(the chief restores the latest checkpoint)")
+        return None
+
+    # -- operations ----------------------------------------------------------------------------------
+    def _op_hello(self, src, request_id, meta, buffers):
+        return self._status(), []
+
+    def _status(self) -> dict:
+        return {"ready": self.ready, "step": self.step, "stop": self.stopping, "pieces": len(self.specs),
+                "configured": self.config is not None}
+
+    def _op_init(self, src, request_id, meta, buffers):
+        specs, config = meta.get("vars") or [], meta.get("config")
+        if not isinstance(config, dict) or config.get("mode") not in ("async", "sync", "bounded"):
+            raise _RequestError(f"init needs the consistency settings, got {config!r}")
+        if self.config is not None and _settings(self.config) != _settings(config):
+            raise _RequestError(
+                f"{src} asks for {_settings(config)} but the job runs with {_settings(self.config)}; "
+                f"start every task with the same strategy options"
+            )
+        if len(buffers) != len(specs):
+            raise _RequestError(f"init: {len(specs)} piece(s) but {len(buffers)} value(s)")
+        for spec, value in zip(specs, buffers):
+            self._check_value(spec, value, "initial value")
+        created, existing = [], []
+        for spec, value in zip(specs, buffers):
+            name = spec["name"]
+            if name in self.specs:
+                if not same_spec(self.specs[name], spec):
+                    raise _RequestError(
+                        f"piece {name!r} exists on {self.task} as {describe_spec(self.specs[name])}, "
+                        f"{src} declares it as {describe_spec(spec)}: every task must create the same "
+                        f"variables with the same placement"
+                    )
+                existing.append(name)
+                continue
+            self.specs[name] = dict(spec)
+            self.values[name] = np.array(value, dtype=spec_dtype(spec), copy=True, order="C")
+            created.append(name)
+        self.config = dict(config)
+        return {"created": created, "existing": existing, **self._status()}, []
+
+    def _check_value(self, spec: dict, value, what: str) -> None:
+        shape = piece_shape(spec)
+        if tuple(value.shape) != shape:
+            raise _RequestError(f"{what} of piece {spec['name']!r} has shape {tuple(value.shape)}, expected {shape}")
+
+    def _op_ready(self, src, request_id, meta, buffers):
+        self.ready = True
+        return self._status(), []
+
+    def _op_catalog(self, src, request_id, meta, buffers):
+        return {"vars": list(self.specs.values()), "config": self.config, **self._status()}, []
+
+    def _op_pull(self, src, request_id, meta, buffers):
+        names = self._names(meta.get("names"))
+        self.counters["pulls"] += 1
+        return {"names": names, **self._status()}, [self.values[n] for n in names]
+
+    def _names(self, names) -> list[str]:
+        if names is None:
+            return list(self.specs)
+        unknown = [n for n in names if n not in self.specs]
+        if unknown:
+            raise _RequestError(f"{self.task} holds no piece {', '.join(map(repr, unknown))}; it holds "
+                                f"{', '.join(map(repr, self.specs)) or 'none'}")
+        return list(names)
+
+    def _op_assign(self, src, request_id, meta, buffers):
+        names = self._names(meta.get("names") or [])
+        if len(names) != len(buffers):
+            raise _RequestError(f"assign: {len(names)} name(s) but {len(buffers)} value(s)")
+        for name, value in zip(names, buffers):
+            self._check_value(self.specs[name], value, "the assigned value")
+        for name, value in zip(names, buffers):
+            np.copyto(self.values[name], value, casting="same_kind")
+        return self._status(), []
+
+    def _op_optimizer(self, src, request_id, meta, buffers):
+        config = meta.get("config")
+        if self.optimizer_config is not None:
+            if config != self.optimizer_config:
+                raise _RequestError(
+                    f"{src} uses optimizer {config!r} but the job's is {self.optimizer_config!r}; use one "
+                    f"optimizer, with the same settings, on every task"
+                )
+            return self._status(), []
+        optimizer = from_config(config)
+        if self._pending_state is not None:
+            optimizer.load_state_dict(self._pending_state)
+            self._pending_state = None
+        self.optimizer, self.optimizer_config = optimizer, dict(config)
+        return self._status(), []
+
+    def _op_snapshot(self, src, request_id, meta, buffers):
+        names = list(self.specs)
+        state = self.optimizer.state_dict() if self.optimizer is not None else self._pending_state
+        slots = {}
+        arrays = [self.values[n] for n in names]
+        if state is not None:
+            for name in names:
+                held = state["slots"].get(name)
+                if held:
+                    slots[name] = sorted(held)
+                    arrays.extend(np.asarray(held[s]) for s in slots[name])
+        iterations = int(state["iterations"]) if state is not None else 0
+        return {"vars": [self.specs[n] for n in names], "slots": slots, "iterations": iterations,
+                "optimizer": self.optimizer_config, **self._status()}, arrays
+
+    def _op_load(self, src, request_id, meta, buffers):
+        names = self._names(meta.get("names") or [])
+        slots = meta.get("slots") or {}
+        expected = len(names) + sum(len(v) for v in slots.values())
+        if len(buffers) != expected:
+            raise _RequestError(f"load: expected {expected} array(s), got {len(buffers)}")
+        for name, value in zip(names, buffers):
+            self._check_value(self.specs[name], value, "the checkpoint value")
+        for name, value in zip(names, buffers):
+            np.copyto(self.values[name], value, casting="same_kind")
+        rest = iter(buffers[len(names):])
+        state_slots = {}
+        for name, slot_names in slots.items():
+            if name not in self.specs:
+                raise _RequestError(f"load: optimizer state for unknown piece {name!r}")
+            state_slots[name] = {s: np.array(next(rest), copy=True) for s in slot_names}
+        state = {"iterations": int(meta.get("iterations") or 0), "slots": state_slots}
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state)
+        else:
+            self._pending_state = state
+        self.step = int(meta.get("step") or 0)
+        self._round = SyncRound()
+        return self._status(), []
+
+    def _op_stop(self, src, request_id, meta, buffers):
+        if not self.stopping:
+            self.stopping = True
+            self._stop_waiters()
+        return self._status(), []
+
+    def _op_bye(self, src, request_id, meta, buffers):
+        who = task_key(src)
+        error = meta.get("error")
+        self._bye[who] = str(error) if error else None
+        if src == self.cluster.chief:
+            self._chief_bye_at = time.monotonic()
+        self._membership_changed()
+        return self._status(), []
+
+    def _op_idle(self, src, request_id, meta, buffers):
+        """The coordinator says these pushers have no closure to run (``idle``), or have one again: a
+        sync round or a staleness bound does not wait for idle pushers."""
+        tasks = {str(t) for t in meta.get("tasks") or []}
+        if meta.get("idle", True):
+            self._idle |= tasks
+        else:
+            self._idle -= tasks
+        self._membership_changed()
+        return self._status(), []
+
+    def _op_stats(self, src, request_id, meta, buffers):
+        return {"stats": self.stats()}, []
+
+    def stats(self) -> dict:
+        """Counters: ``pushes`` received, ``applied`` (pushes whose gradients reached an update),
+        ``dropped`` (stale, sync), ``stopped`` (after stop), ``updates`` (optimizer steps), ``pulls``;
+        ``by_replica`` the same per replica; ``step``; ``clocks`` and ``max_gap`` (bounded)."""
+        counters = {key: 0 for key in ("pushes", APPLIED, DROPPED, STOPPED, "updates", "pulls")}
+        counters.update((k, int(v)) for k, v in self.counters.items())
+        return {**counters, "step": self.step,
+                "by_replica": {k: dict(v) for k, v in self.by_replica.items()},
+                "clocks": dict(self._gate.clocks) if self._gate else {},
+                "max_gap": self._gate.max_gap if self._gate else 0, "pieces": list(self.specs)}
+
+    # -- pushes --------------------------------------------------------------------------------------
+    def _op_push(self, src, request_id, meta, buffers):
+        if self.config is None:
+            raise _RequestError(f"{self.task} has no variables yet: the chief must create them first")
+        if self.optimizer is None:
+            raise _RequestError(f"{self.task} has no optimizer: send the optimizer's config first")
+        names = self._names(meta.get("names") or [])
+        if len(names) != len(buffers):
+            raise _RequestError(f"push: {len(names)} name(s) but {len(buffers)} gradient(s)")
+        for name, grad in zip(names, buffers):
+            self._check_value(self.specs[name], grad, "the gradient")
+            if np.dtype(grad.dtype).kind not in "biuf" and "float" not in np.dtype(grad.dtype).name:
+                raise _RequestError(f"the gradient of piece {name!r} has dtype {grad.dtype}")
+        who = task_key(src)
+        self._idle.discard(who)
+        self.counters["pushes"] += 1
+        self.by_replica[who]["pushes"] += 1
+        pull = bool(meta.get("pull"))
+        if self.stopping:
+            return self._count(who, STOPPED, pull)
+        mode = self.config["mode"]
+        if mode == "sync":
+            version = meta.get("version")
+            if not isinstance(version, int) or version < self.step:
+                return self._count(who, DROPPED, pull)
+            if version > self.step:
+                raise _RequestError(f"push for step {version}, but {self.task} is at step {self.step}")
+            weight = float(meta.get("weight", 1.0))
+            self._round.add(who, names, buffers, weight, (src, request_id, pull))
+            self._maybe_finish_round()
+            return None  # answered when the round completes
+        self._apply(names, buffers)
+        self.counters["updates"] += 1
+        if mode == "bounded" and self.config.get("clock") == task_key(self.task):
+            if self._gate is None:
+                self._gate = StalenessGate(self.config["staleness"])
+            self._gate.pushed(who, (src, request_id, pull))
+            self._release_held()
+            return None
+        return self._count(who, APPLIED, pull)
+
+    def _count(self, who: str, status: str, pull: bool, extra: dict | None = None):
+        self.counters[status] += 1
+        self.by_replica[who][status] += 1
+        names = list(self.specs) if pull and status != STOPPED else []
+        return ({"status": status, "names": names, **(extra or {}), **self._status()},
+                [self.values[n] for n in names])
+
+    def _apply(self, names: list[str], grads: list) -> None:
+        """One optimizer step over ``names`` (no names: the step still counts, as for every shard)."""
+        optimizer = self.optimizer
+        optimizer.iterations += 1
+        for name, grad in zip(names, grads):
+            optimizer.update_array(name, self.values[name], grad)
+        self.step += 1
+
+    # sync
+    def _maybe_finish_round(self) -> None:
+        round_ = self._round
+        if not round_.count:
+            return
+        needed = min(self.config["replicas_to_aggregate"], max(1, len(self._active_pushers())))
+        if round_.count < needed:
+            return
+        self._round = SyncRound()
+        names, grads = round_.mean()
+        self._apply(names, grads)
+        self.counters["updates"] += 1
+        for (src, request_id, pull), who in round_.waiters:
+            reply_meta, values = self._count(who, APPLIED, pull)
+            self._send(src, {"id": request_id, "ok": True, **reply_meta}, values)
+
+    # bounded
+    def _release_held(self) -> None:
+        if self._gate is None or not self._gate.held:
+            return
+        for (src, request_id, pull), who, clock, floor in self._gate.releasable(self._active_pushers()):
+            reply_meta, values = self._count(who, APPLIED, pull, {"clock": clock, "min_clock": floor})
+            self._send(src, {"id": request_id, "ok": True, **reply_meta}, values)
+
+    def _stop_waiters(self) -> None:
+        """On stop: held bounded replies go out (their pushes were applied); a pending sync round is
+        discarded (its pushes were not)."""
+        if self._gate is not None:
+            for (src, request_id, pull), who, clock in self._gate.release_all():
+                reply_meta, values = self._count(who, APPLIED, pull, {"clock": clock})
+                self._send(src, {"id": request_id, "ok": True, **reply_meta}, values)
+        round_, self._round = self._round, SyncRound()
+        for (src, request_id, pull), who in round_.waiters:
+            reply_meta, values = self._count(who, STOPPED, pull)
+            self._send(src, {"id": request_id, "ok": True, **reply_meta}, values)
+
+
+def _settings(config: dict) -> dict[str, Any]:
+    keys = ("mode", "replicas_to_aggregate", "total_replicas", "staleness")
+    return {k: config.get(k) for k in keys}

@@ -1,0 +1,464 @@
+"""What the ``between_graph`` and ``parameter_server`` strategies share: remote variables on ps tasks.
+
+:class:`PSStrategyBase` is a :class:`~stratagem.core.strategy.Strategy` whose variables live on the
+cluster's ``ps`` tasks:
+
+- On a ``ps`` task the constructor *serves* (:class:`~stratagem.core.ps_server.ParameterServer`)
+  until the job ends, then exits the process cleanly (``SystemExit(0)``; ``exit_after_serving=False``
+  returns instead, with the counters in ``strategy.served``). So every task can run the same script.
+- A variable created in ``scope()`` is placed (:mod:`stratagem.core.placement`) and gets a
+  :class:`RemoteStore`: the task keeps a local copy (the *cache*, the array ``var.value`` returns,
+  refreshed in place so ``torch.from_numpy(var.value)`` views stay valid), pulled from the shards when
+  it is read after an update, and ``assign`` writes go to the shards.
+- When the outermost ``scope()`` block ends, the chief sends the initial values to the shards (or,
+  with ``checkpoint_dir=``, restores the latest checkpoint there) and marks them ready; the other
+  tasks wait for that, check that they declared the same pieces, and pull the values.
+- ``optimizer.apply_gradients`` pushes the gradients (batched per shard, to all shards at once); the
+  optimizer runs on the servers. With ``pull_with_push`` (default) each acknowledgement brings the
+  shard's new values back, so a step costs one round trip per shard.
+- ``save`` / ``restore`` run on the chief alone (the others need not call them): the chief reads every
+  shard's values and optimizer slots and writes one ordinary checkpoint (partitioned variables
+  reassembled), so a checkpoint restores under any number of ps tasks, or under ``mirrored``.
+
+Options (besides every strategy's): ``mode`` (``"async"``, ``"sync"``, ``"bounded"``),
+``replicas_to_aggregate``, ``total_replicas``, ``staleness`` (see :mod:`stratagem.core.ps_server`),
+``placement`` (``"round_robin"`` or ``"greedy"``), ``partition_bytes`` (variables larger than this are
+split across shards; default 16 MiB; ``None`` never), ``partitioner`` (how many slices: default one per
+ps task), ``timeout`` (seconds a request to the shards may take; default the transport's),
+``checkpoint_dir`` (the chief restores the latest checkpoint found there, if any, before anyone starts),
+``pull_with_push``, ``exit_after_serving``.
+"""
+
+from __future__ import annotations
+
+import time
+import numpy as np
+
+from . import checkpoint
+from .ps_checkpoint import load_onto_shards, snapshot
+from .errors import ConfigurationError, ProtocolError, TransportTimeout
+from .placement import Placer
+from .ps_client import PSClient
+from .ps_protocol import check_mode, describe_spec, piece_spec, same_spec, task_key
+from .ps_server import ParameterServer
+from .strategy import DEFAULT_MAX_TO_KEEP, Strategy
+from .variables import VariableStore, is_device_array
+from .wire import dtype_name
+
+#: Default size above which a variable is partitioned across the ps tasks.
+DEFAULT_PARTITION_BYTES = 16 << 20
+#: Seconds between polls while a task waits for the chief to initialise the variables.
+READY_POLL = 0.1
+
+
+class RemoteStore(VariableStore):
+    """A variable whose value lives on the ps tasks; ``cache`` is this task's copy of it.
+
+    ``read()`` refreshes the cache from the shards if an update happened since the last pull, then
+    returns it (the same buffer every time, updated in place). ``write()`` sends the value to the
+    shards. Writing into the returned array changes only this task's copy.
+    """
+
+    live = False
+
+    def __init__(self, owner: "PSStrategyBase", name: str, cache):
+        self._owner, self.name, self.cache = owner, name, cache
+
+    def read(self):
+        self._owner._refresh()
+        return self.cache
+
+    def write(self, array) -> None:
+        self._owner._assign(self.name, array)
+
+
+class PSStrategyBase(Strategy):
+    """Variables on the ps tasks (see the module doc). Subclasses say which tasks push gradients
+    (:meth:`_pushers`) and what a non-ps task does."""
+
+    name = "ps_base"
+    options = {
+        "mode": "async",
+        "replicas_to_aggregate": None,
+        "total_replicas": None,
+        "staleness": None,
+        "placement": "round_robin",
+        "partition_bytes": DEFAULT_PARTITION_BYTES,
+        "partitioner": None,
+        "timeout": None,
+        "checkpoint_dir": None,
+        "pull_with_push": True,
+        "exit_after_serving": True,
+    }
+
+    def __init__(self, transport="zmq", **kwargs):
+        super().__init__(transport, **kwargs)
+        try:
+            self._setup()
+        except BaseException:
+            self.shutdown()
+            raise
+        if self.task.job == "ps":
+            self._serve()
+
+    def _check_config(self) -> None:
+        config = self.config
+        check_mode(config["mode"], config["replicas_to_aggregate"], config["total_replicas"],
+                   config["staleness"], 10**9 if config["total_replicas"] is None else config["total_replicas"])
+        pb = config["partition_bytes"]
+        if pb is not None and (isinstance(pb, bool) or not isinstance(pb, int) or pb < 1):
+            raise ConfigurationError(f"partition_bytes must be an integer >= 1 (or None: never), got {pb!r}")
+        timeout = config["timeout"]
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise ConfigurationError(f"timeout must be a number of seconds > 0 (or None), got {timeout!r}")
+
+    def _setup(self) -> None:
+        cluster = self.cluster
+        if "ps" not in cluster.jobs or not cluster.tasks("ps"):
+            raise ConfigurationError(
+                f"strategy {self.name!r} keeps the variables on 'ps' tasks, and this cluster has none: "
+                f"launch with --ps M (stratagem launch --ps 2 --worker 3 -- ...) or add a 'ps' job"
+            )
+        pushers = self._pushers()
+        self.consistency = check_mode(self.config["mode"], self.config["replicas_to_aggregate"],
+                                      self.config["total_replicas"], self.config["staleness"], len(pushers))
+        self._timeout = self.config["timeout"] or self.transport.timeout
+        self._stop = False
+        self._global_step = 0
+        if self.task.job == "ps":
+            return
+        self._placer = Placer(len(cluster.tasks("ps")), self.config["placement"], self.config["partition_bytes"],
+                              self.config["partitioner"])
+        self._client = PSClient(self.transport, timeout=self._timeout)
+        # Reach every shard now: a ps task that is down fails the job here, naming it, and a shard
+        # that dies later is seen as lost (its connection drops) instead of silently unreachable.
+        self._client.hello()
+        self._pieces: dict[str, list] = {}           # variable name -> its pieces
+        self._where: dict[str, tuple] = {}           # piece name -> (variable name, piece)
+        self._initialized: set[str] = set()          # variables the shards hold and we pulled
+        self._versions: dict[int, int] = {}          # shard index -> its step at our last pull/push
+        self._stale = False
+        self._optimizer_sent = None
+        self._exit_error: str | None = None
+        #: Statuses of the last push, per shard (``"applied"``, ``"dropped"``, ``"stopped"``).
+        self.last_push: dict[int, str] = {}
+        #: The last acknowledgement's bounded-staleness clocks: ``(this task's, the slowest's)``.
+        self.last_clock: tuple | None = None
+
+    def _pushers(self) -> list:
+        """The tasks that push gradients (their task keys, in order). Default: every replica."""
+        return [task_key(t) for t in self.cluster.replicas()]
+
+    def _server_config(self) -> dict:
+        return {**self.consistency, "pushers": self._pushers(), "clock": "ps:0"}
+
+    # -- ps tasks ----------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        try:
+            stats = ParameterServer(self.transport, timeout=self.config["timeout"]).serve()
+        finally:
+            self.shutdown()
+        #: On a ps task (``exit_after_serving=False``): the server's counters when it stopped.
+        self.served = stats
+        if self.config["exit_after_serving"]:
+            raise SystemExit(0)
+
+    def _check_worker(self, what: str) -> None:
+        self._check_open()
+        if self.task.job == "ps":
+            raise ConfigurationError(f"{self.task} is a ps task: it serves the variables and cannot {what}")
+
+    # -- variables ---------------------------------------------------------------------------------
+    def _register_variable(self, variable) -> None:
+        self._check_worker("create variables")
+        try:
+            dtype_name(variable.dtype)
+        except ProtocolError as exc:
+            raise ConfigurationError(f"variable {variable.name!r} cannot live on a ps task: {exc}") from None
+        if is_device_array(variable.value):
+            raise ConfigurationError(
+                f"variable {variable.name!r} holds a GPU (cupy) array; the parameter-server strategies keep "
+                f"host (numpy) copies on the workers: create it from a numpy array"
+            )
+        super()._register_variable(variable)
+        pieces = self._place(variable)
+        self._pieces[variable.name] = pieces
+        for piece in pieces:
+            self._where[piece.name] = (variable.name, piece)
+            self._client.pieces.setdefault(piece.ps, []).append(piece.name)
+        variable._set_store(RemoteStore(self, variable.name, variable.store.read()))
+
+    def _place(self, variable) -> list:
+        """The pieces of a new variable and their shards (the placement policy's choice)."""
+        return self._placer.place(variable.name, variable.shape, variable.dtype)
+
+    def _cache(self, name: str):
+        return self._variables[name].store.cache
+
+    def _piece_value(self, piece, array):
+        if piece.parts == 1:
+            return array
+        return array[piece.lo:piece.hi]
+
+    def _specs_and_values(self, variables) -> tuple[dict, dict]:
+        specs, values = {}, {}
+        for var in variables:
+            cache = self._cache(var.name)
+            for piece in self._pieces[var.name]:
+                specs.setdefault(piece.ps, []).append(piece_spec(piece, var.shape, var.dtype))
+                values.setdefault(piece.ps, []).append(self._piece_value(piece, cache))
+        return specs, values
+
+    def _end_scope(self, created: list, *, first: bool) -> None:
+        if self.task.job == "ps" or not (created or first):
+            return
+        if self.is_chief:
+            self._initialize(created, first)
+        else:
+            self._wait_for(created)
+        self._initialized.update(v.name for v in created)
+        self._pull_all()
+
+    def _initialize(self, created: list, first: bool) -> None:
+        """On the chief: declare the variables (existing values on the shards are kept), restore the
+        latest checkpoint of ``checkpoint_dir`` if there is one, and mark the shards ready."""
+        specs, values = self._specs_and_values(created)
+        replies = self._client.init(specs, values, self._server_config())
+        self._check_declared(replies, created)
+        directory = self.config["checkpoint_dir"]
+        if first and directory and checkpoint.latest_checkpoint(directory) is not None:
+            self._initialized.update(v.name for v in created)
+            self._load_checkpoint(directory)
+        self._client.ready()
+
+    def _check_declared(self, replies: dict, created: list) -> None:
+        """The shards' answer to init: fine, or the job's settings differ (raised as RemoteError)."""
+
+    def _wait_for(self, created: list) -> None:
+        """Until the chief has declared (and readied) ``created`` on the shards; then check their specs."""
+        wanted = {piece.name: (var, piece) for var in created for piece in self._pieces[var.name]}
+        deadline = time.monotonic() + self._timeout
+        while True:
+            catalogs = self._client.catalog()
+            held = {spec["name"]: (index, spec) for index, meta in catalogs.items() for spec in meta["vars"]}
+            ready = all(meta["ready"] for meta in catalogs.values())
+            if ready and all(name in held for name in wanted):
+                break
+            if time.monotonic() > deadline:
+                missing = sorted({var.name for name, (var, _) in wanted.items() if name not in held})
+                what = (f"variable(s) {', '.join(map(repr, missing))}" if missing
+                        else "the variables (they are declared but not marked ready)")
+                raise TransportTimeout(
+                    f"{self.task}: the chief {self.cluster.chief} did not initialise {what} on the ps tasks "
+                    f"within {self._timeout:g} s: is it running, and does it create the same variables?"
+                )
+            time.sleep(READY_POLL)
+        problems = []
+        for name, (var, piece) in wanted.items():
+            index, spec = held[name]
+            mine = piece_spec(piece, var.shape, var.dtype)
+            if index != piece.ps or not same_spec(spec, mine):
+                problems.append(f"{name!r} is {describe_spec(spec)} on /job:ps/task:{index} but "
+                                f"{describe_spec(mine)} on /job:ps/task:{piece.ps} here")
+        if problems:
+            raise ConfigurationError(
+                f"{self.task} declared its variables differently from the chief: {'; '.join(problems)}. Every "
+                f"task must create the same variables in the same order, with the same placement options"
+            )
+        config = next(iter(catalogs.values()))["config"] or {}
+        if config.get("mode") != self.consistency["mode"]:
+            raise ConfigurationError(f"{self.task} runs mode={self.consistency['mode']!r} but the chief "
+                                     f"mode={config.get('mode')!r}; start every task with the same options")
+
+    # -- reading and writing ----------------------------------------------------------------------
+    def _refresh(self) -> None:
+        if self._stale and not self._closed:
+            self._pull_all()
+
+    def _pull_all(self) -> None:
+        self._absorb(self._client.pull())
+
+    def _absorb(self, replies: dict) -> None:
+        """Copy the values in ``replies`` into the caches; record versions, the global step, stop."""
+        for index, reply in replies.items():
+            self._absorb_one(index, reply)
+        self._stale = False
+
+    def _absorb_one(self, index: int, reply) -> None:
+        meta = reply.meta
+        for name, value in zip(meta.get("names") or [], reply.buffers):
+            found = self._where.get(name)
+            if found is None or found[0] not in self._initialized:
+                continue
+            var_name, piece = found
+            np.copyto(self._piece_value(piece, self._cache(var_name)), value, casting="same_kind")
+        self._note(index, meta)
+
+    def _note(self, index: int, meta: dict) -> None:
+        if "step" in meta:
+            self._versions[index] = int(meta["step"])
+            if index == 0:
+                self._global_step = self._step = int(meta["step"])
+        if meta.get("stop"):
+            self._stop = True
+
+    def _assign(self, name: str, array) -> None:
+        var = self._variables[name]
+        cache = var.store.cache
+        np.copyto(cache, np.asarray(array), casting="same_kind")
+        if name not in self._initialized:
+            return  # before the chief declared it: this is (part of) the initial value
+        by_shard: dict[int, tuple[list, list]] = {}
+        for piece in self._pieces[name]:
+            names, arrays = by_shard.setdefault(piece.ps, ([], []))
+            names.append(piece.name)
+            arrays.append(self._piece_value(piece, cache))
+        self._client.assign(by_shard)
+
+    # -- the sync point ----------------------------------------------------------------------------
+    def _apply_gradients(self, optimizer, pairs: list):
+        """Push the gradients to the shards; the servers apply them (by the mode)."""
+        self._check_worker("apply gradients")
+        self._register_optimizer(optimizer)
+        if self._optimizer_sent is not optimizer:
+            self._client.set_optimizer(optimizer.get_config())
+            self._optimizer_sent = optimizer
+        by_shard: dict[int, tuple[list, list]] = {}
+        for grad, var in pairs:
+            pieces = self._pieces.get(var.name)
+            if pieces is None or self._variables.get(var.name) is not var:
+                raise ConfigurationError(f"variable {var.name!r} does not belong to this strategy")
+            grad = grad.get() if is_device_array(grad) else np.asarray(grad)
+            for piece in pieces:
+                names, arrays = by_shard.setdefault(piece.ps, ([], []))
+                names.append(piece.name)
+                arrays.append(self._piece_value(piece, grad))
+        if self._stale and self.consistency["mode"] == "sync":
+            # The step did not read the variables since they changed: it works on the current step.
+            for index, meta in self._client.hello().items():
+                self._note(index, meta)
+        pull = bool(self.config["pull_with_push"])
+        replies = self._client.push(by_shard, versions=self._versions, weight=self._push_weight(), pull=pull,
+                                    on_reply=self._absorb_one if pull else None)
+        self.last_push = {i: r.meta.get("status") for i, r in replies.items()}
+        if pull:
+            self._stale = False      # every reply was copied in as it arrived
+        else:
+            for index, reply in replies.items():
+                self._note(index, reply.meta)
+            self._stale = True
+        clock = replies[0].meta.get("clock") if 0 in replies else None
+        if clock is not None:
+            self.last_clock = (clock, replies[0].meta.get("min_clock"))
+        optimizer.iterations = self._global_step
+        return self.last_push
+
+    def _push_weight(self) -> float:
+        return 1.0 if self._batch_share is None else float(self._batch_share)
+
+    # -- training control --------------------------------------------------------------------------
+    @property
+    def global_step(self) -> int:
+        """The job's step (updates applied on ``ps:0``) as of this task's last exchange with it."""
+        return self._global_step
+
+    def refresh(self) -> int:
+        """Ask the shards for their status now (one small round trip); return the global step."""
+        self._check_worker("ask the shards")
+        for index, meta in self._client.hello().items():
+            self._note(index, meta)
+        return self._global_step
+
+    def should_stop(self) -> bool:
+        """True once the chief called :meth:`request_stop` (as of the last exchange with the shards)."""
+        return self._stop
+
+    def request_stop(self) -> None:
+        """Ask every task to stop: their ``should_stop()`` turns true at their next exchange, and
+        pushes waiting in a sync round or a staleness bound are released."""
+        self._check_worker("request a stop")
+        self._client.stop()
+        self._stop = True
+
+    def ps_stats(self) -> dict[int, dict]:
+        """Every shard's counters (:meth:`ParameterServer.stats`), by shard index."""
+        self._check_worker("ask the shards")
+        return self._client.stats()
+
+    @property
+    def acks(self) -> dict[int, dict]:
+        """This task's acknowledged pushes, ``{shard: {status: count}}``."""
+        return {i: dict(c) for i, c in self._client.acks.items()}
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas whose gradients make one update: ``replicas_to_aggregate`` under ``sync``, else 1."""
+        consistency = getattr(self, "consistency", None)
+        if consistency and consistency["mode"] == "sync":
+            return consistency["replicas_to_aggregate"]
+        return 1
+
+    def distribute_dataset(self, dataset):
+        """This task's shard of each global batch, split over the tasks that push gradients (see
+        ``Strategy.distribute_dataset``); under ``sync`` the shards' row counts weigh the mean."""
+        self._check_worker("take a shard of the data")
+        pushers = self._pushers()
+        me = task_key(self.task)
+        if me not in pushers:
+            raise ConfigurationError(f"{self.task} does not compute gradients under {self.name!r}")
+        try:
+            batches = iter(dataset)
+        except TypeError:
+            raise ConfigurationError(
+                f"distribute_dataset() needs an iterable of global batches, got {type(dataset).__name__}"
+            ) from None
+        return self._shards(batches, pushers.index(me), len(pushers))
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def save(self, path, *, max_to_keep: int = DEFAULT_MAX_TO_KEEP) -> str | None:
+        """On the chief: write a checkpoint of every variable on the shards, the optimizer's state and
+        the global step into directory ``path``; return its file. Other tasks need not call it (they
+        get ``None``). Partitioned variables are reassembled: the checkpoint does not depend on the
+        number of ps tasks."""
+        self._check_worker("save")
+        if not self.is_chief:
+            return None
+        values, state, step = snapshot(self._client)
+        extra = {"strategy": self.name, "mode": self.consistency["mode"], "ps_tasks": self._client.num_shards}
+        return checkpoint.save(path, values, state, step, extra=extra, max_to_keep=max_to_keep)
+
+    def restore(self, path) -> int:
+        """On the chief: load checkpoint ``path`` (a file, or a directory's latest) onto the shards:
+        values, optimizer state, global step; return the step. On other tasks: refresh the values and
+        return the global step (the chief's restore may not have happened yet: to restore before
+        anyone starts, give the strategy ``checkpoint_dir=``)."""
+        self._check_worker("restore")
+        if self.is_chief:
+            self._load_checkpoint(path)
+        self._pull_all()
+        return self._global_step
+
+    def _load_checkpoint(self, path) -> None:
+        self._global_step = self._step = load_onto_shards(self._client, self._pieces, self._variables, path)
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Tell the shards this task is leaving (they stop once every replica has), then close."""
+        client = getattr(self, "_client", None)
+        if client is not None and not self._closed:
+            try:
+                client.bye(self._exit_error)
+            except Exception:  # noqa: BLE001 - leaving anyway
+                pass
+        super().shutdown()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+            self._exit_error = f"{type(exc).__name__}: {exc}"
+        self.shutdown()
+
+    def fail(self, error: BaseException | str) -> None:
+        """Leave with an error: the shards report it (and exit non-zero) once every replica is done."""
+        self._exit_error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self.shutdown()

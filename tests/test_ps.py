@@ -1,0 +1,477 @@
+"""The parameter-server service (core/ps_*.py) and the placement (core/placement.py), over the ``local``
+transport: servers and clients are threads of this process, so these tests are fast.
+
+- placement: round-robin, greedy by bytes (with its load bound), explicit device, device setters,
+  partitioning (and the reassembly of a partitioned variable, bit for bit);
+- the service: batched and concurrent requests, server-side optimizers with slots, the three modes
+  (async, sync with stale gradients dropped, bounded staleness), exact accounting of pushes, the
+  errors a server answers, a lost shard named within the timeout, when a server stops.
+"""
+
+from __future__ import annotations
+
+import doctest
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import stratagem
+from stratagem import ConfigurationError, PeerLostError, StratagemError, TaskId
+from stratagem.core import placement as placement_module
+from stratagem.core import ps as ps_module
+from stratagem.core import ps_checkpoint as checkpoint_module
+from stratagem.core import ps_client as client_module
+from stratagem.core import ps_consistency as consistency_module
+from stratagem.core import ps_protocol as protocol_module
+from stratagem.core import ps_server as server_module
+from stratagem.core import ps_strategy as ps_strategy_module
+from stratagem.core.placement import (
+    GreedyByBytes,
+    Placer,
+    RoundRobin,
+    device,
+    fixed_size_partitioner,
+    min_slice_partitioner,
+    replica_device_setter,
+)
+from stratagem.core.ps import ParameterServer, PSClient, RemoteError, ShardLostError
+from stratagem.transports.local import LocalFabric, LocalTransport
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from ps_harness import cluster_spec, ok, run_cluster  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# -- placement --------------------------------------------------------------------------------------------
+
+MIXED = [("emb", (4000, 16)), ("w1", (784, 256)), ("b1", (256,)), ("w2", (256, 256)), ("b2", (256,)),
+         ("w3", (256, 10)), ("b3", (10,)), ("scale", ()), ("w4", (512, 64)), ("b4", (64,))]
+
+
+def test_round_robin_deals_in_turn_and_explicit_device_wins():
+    placer = Placer(3, "round_robin")
+    got = [placer.place(name, shape, "float32")[0].ps for name, shape in MIXED[:4]]
+    assert got == [0, 1, 2, 0]
+    with stratagem.device("/job:ps/task:2"):
+        assert placer.place("pinned", (5,), "float32")[0].ps == 2
+    with stratagem.device("ps:1/device:CPU:0"):           # a TF-style device suffix is ignored
+        assert placer.place("pinned2", (5,), "float32")[0].ps == 1
+    assert placer.place("next", (5,), "float32")[0].ps == 1   # the explicit ones did not take a turn
+    with pytest.raises(ConfigurationError, match=r"pinned to /job:ps/task:3, but the cluster has 3 ps task"):
+        with device("/job:ps/task:3"):
+            placer.place("too_far", (1,), "float32")
+
+
+def test_greedy_by_bytes_keeps_loads_within_the_largest_piece():
+    """The bound (greedy list scheduling): max load - min load <= the largest piece, and the heaviest
+    shard holds at most total / n + the largest piece. Round-robin breaks it on this model."""
+    for n in (2, 3, 4):
+        greedy, robin = Placer(n, "greedy"), Placer(n, "round_robin")
+        pieces = []
+        for name, shape in MIXED:
+            pieces += greedy.place(name, shape, "float32")
+            robin.place(name, shape, "float32")
+        largest, total = max(p.nbytes for p in pieces), sum(p.nbytes for p in pieces)
+        assert sum(greedy.loads) == total == sum(robin.loads)
+        assert max(greedy.loads) - min(greedy.loads) <= largest
+        assert max(greedy.loads) <= total / n + largest
+        assert max(greedy.loads) <= max(robin.loads)
+    # with the big embedding partitioned, the shards come out much more even
+    split = Placer(4, "greedy", partition_bytes=64 << 10)
+    for name, shape in MIXED:
+        split.place(name, shape, "float32")
+    largest = max(p.nbytes for name, shape in MIXED for p in Placer(4, "greedy", 64 << 10).place(name, shape, "float32"))
+    assert max(split.loads) - min(split.loads) <= largest < 300_000
+    assert max(split.loads) / (sum(split.loads) / 4) < 1.3
+
+
+def test_partitioning_rules_and_setters():
+    placer = Placer(3, "round_robin", partition_bytes=1000)
+    pieces = placer.place("emb", (10, 30), "float32")        # 1200 bytes > 1000: one slice per ps task
+    assert [(p.name, p.ps, p.lo, p.hi) for p in pieces] == [
+        ("emb/part_0", 0, 0, 4), ("emb/part_1", 1, 4, 7), ("emb/part_2", 2, 7, 10)]
+    assert [p.nbytes for p in pieces] == [480, 360, 360]
+    assert placer.place("tiny_rows", (2, 200), "float32")[1].hi == 2   # at most one slice per row
+    assert len(placer.place("scalar", (), "float64")) == 1
+    with replica_device_setter(ps_strategy="greedy", partitioner=fixed_size_partitioner(2)):
+        two = placer.place("emb2", (10, 30), "float32")
+    assert [p.parts for p in two] == [2, 2]
+    with replica_device_setter(ps_tasks=1):                   # only the first ps task
+        assert {p.ps for p in placer.place("first_only", (10, 30), "float32")} == {0}
+    assert min_slice_partitioner(100, max_partitions=8)((10, 30), np.dtype("float32")) == 8
+    with pytest.raises(ConfigurationError, match="unknown placement policy 'best'"):
+        Placer(2, "best")
+
+    class Bad:
+        def choose(self, nbytes, loads):
+            return 7
+    with pytest.raises(ConfigurationError, match=r"chose shard 7 for variable 'x'; it must return an index in \[0, 2\)"):
+        Placer(2, Bad()).place("x", (1,), "float32")
+    with pytest.raises(ConfigurationError, match="at least one 'ps' task"):
+        Placer(0)
+
+
+def test_policy_objects():
+    robin, greedy = RoundRobin(), GreedyByBytes()
+    assert [robin.choose(1, [0, 0]) for _ in range(3)] == [0, 1, 0]
+    assert greedy.choose(5, [10, 3, 3]) == 1
+
+
+def test_lazy_exports_of_the_package():
+    assert stratagem.device is placement_module.device
+    assert stratagem.replica_device_setter is placement_module.replica_device_setter
+
+
+# -- a partitioned variable through the strategy -----------------------------------------------------------------
+
+def test_a_partitioned_variable_reassembles_exactly(tmp_path):
+    value = np.random.default_rng(0).standard_normal((1001, 7)).astype(np.float32)
+    ckpt = str(tmp_path / "ckpt")
+
+    def body(strategy, rank):
+        with strategy.scope():
+            emb = stratagem.Variable(value, name="emb")
+            small = stratagem.Variable(np.arange(3.0), name="small")
+            opt = stratagem.optimizers.SGD(learning_rate=1.0)
+        pieces = [(p.name, p.ps, p.lo, p.hi) for p in strategy._pieces["emb"]]
+        stats = strategy.ps_stats()
+        got = emb.numpy()
+        grad = np.ones_like(value)
+        opt.apply_gradients([(grad, emb), (np.zeros(3), small)])
+        path = strategy.save(ckpt)
+        emb.assign(np.zeros_like(value))
+        zeroed = emb.numpy()
+        restored_step = strategy.restore(ckpt)
+        return pieces, stats, got, zeroed, emb.numpy(), path, restored_step
+
+    results = ok(run_cluster(3, 1, body, partition_bytes=10_000))
+    pieces, stats, got, zeroed, after, path, step = results["worker:0"]
+    assert [p[0] for p in pieces] == ["emb/part_0", "emb/part_1", "emb/part_2"]
+    assert {p[1] for p in pieces} == {0, 1, 2} and (pieces[0][2], pieces[-1][3]) == (0, 1001)
+    assert {i: s["pieces"] for i, s in stats.items()} == {0: ["emb/part_0", "small"], 1: ["emb/part_1"],
+                                                          2: ["emb/part_2"]}
+    np.testing.assert_array_equal(got, value)                        # bit for bit
+    assert not zeroed.any()
+    np.testing.assert_array_equal(after, value - 1.0)                 # restored after the zero assign
+    assert step == 1
+    saved = stratagem.core.checkpoint.load(path)                      # one ordinary, whole array
+    np.testing.assert_array_equal(saved.variables["emb"], value - 1.0)
+    assert saved.step == 1 and saved.extra["ps_tasks"] == 3
+
+
+# -- the service, driven by a client ------------------------------------------------------------------------
+
+class Service:
+    """``ps`` servers as threads and client endpoints, over one local fabric."""
+
+    def __init__(self, ps: int = 2, workers: int = 1, *, timeout: float = 10.0, poll: float = 0.02):
+        self.cluster = cluster_spec(ps, workers)
+        self.fabric = LocalFabric()
+        self.servers, self.threads, self.outcomes = [], [], {}
+        for index in range(ps):
+            transport = LocalTransport(self.cluster, f"ps:{index}", fabric=self.fabric, timeout=timeout)
+            transport.start()
+            server = ParameterServer(transport, poll=poll, linger=timeout)
+            self.servers.append(server)
+            thread = threading.Thread(target=self._serve, args=(index, server), daemon=True)
+            thread.start()
+            self.threads.append(thread)
+        self.clients = []
+        for index in range(workers):
+            transport = LocalTransport(self.cluster, f"worker:{index}", fabric=self.fabric, timeout=timeout)
+            transport.start()
+            self.clients.append(PSClient(transport, timeout=timeout))
+
+    def _serve(self, index, server):
+        try:
+            self.outcomes[index] = server.serve()
+        except BaseException as exc:  # noqa: BLE001 - checked by the tests
+            self.outcomes[index] = exc
+
+    def init(self, config, values=None, optimizer=None):
+        """One float32 piece 'w<i>' of 4 values per shard (or ``values``: {shard: {name: array}})."""
+        values = values or {i: {f"w{i}": np.zeros(4, np.float32)} for i in range(len(self.servers))}
+        specs = {i: [spec(name, v) for name, v in vs.items()] for i, vs in values.items()}
+        arrays = {i: list(vs.values()) for i, vs in values.items()}
+        self.clients[0].init(specs, arrays, {"pushers": [f"worker:{i}" for i in range(len(self.clients))],
+                                             "clock": "ps:0", **config})
+        self.clients[0].ready()
+        if optimizer is not None:
+            self.clients[0].set_optimizer(optimizer)
+
+    def close(self, join: float = 10.0):
+        for client in self.clients:
+            if any(t.is_alive() for t in self.threads):
+                client.bye(timeout=2)
+            client.transport.close()
+        for thread in self.threads:
+            thread.join(join)
+        for server in self.servers:
+            server.transport.close()
+        assert not any(t.is_alive() for t in self.threads), "a server did not stop"
+
+
+def spec(name, value):
+    return {"name": name, "var": name, "shape": list(value.shape), "dtype": str(value.dtype), "part": 0,
+            "parts": 1, "lo": 0, "hi": value.shape[0] if value.ndim else 0}
+
+
+ASYNC = {"mode": "async", "replicas_to_aggregate": None, "total_replicas": None, "staleness": None}
+SGD1 = {"name": "SGD", "learning_rate": 1.0, "momentum": 0.0, "nesterov": False}
+
+
+@pytest.fixture
+def service():
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(Service(*args, **kwargs))
+        return made[-1]
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_requests_are_batched_per_shard_and_sent_to_all_shards_before_any_reply(service):
+    svc = service(ps=3)
+    values = {i: {f"a{i}": np.zeros(4, np.float32), f"b{i}": np.zeros(2, np.float32)} for i in range(3)}
+    svc.init(ASYNC, values, SGD1)
+    client = svc.clients[0]
+    events = []
+    send, recv = client.transport.send, client.transport.recv
+    client.transport.send = lambda dst, tag, msg, timeout=None: (events.append(("send", dst.index, len(msg.buffers))),
+                                                                 send(dst, tag, msg, timeout))[1]
+
+    def spy_recv(src, tag, timeout=None):
+        reply = recv(src, tag, timeout)
+        events.append(("reply", reply.src.index))
+        return reply
+    client.transport.recv = spy_recv
+    grads = {i: ([f"a{i}", f"b{i}"], [np.ones(4, np.float32), np.ones(2, np.float32)]) for i in range(3)}
+    client.push(grads)
+    sends = [e for e in events if e[0] == "send"]
+    assert sorted(sends) == [("send", 0, 2), ("send", 1, 2), ("send", 2, 2)]   # one message per shard
+    assert [e[0] for e in events[:3]] == ["send"] * 3                          # all sent before any reply
+    replies = client.pull()
+    assert [r.buffers[0].tolist() for _, r in sorted(replies.items())] == [[-1.0] * 4] * 3
+
+
+def test_server_side_optimizer_with_slots_matches_a_local_one(service):
+    svc = service(ps=2)
+    config = stratagem.optimizers.Adam(learning_rate=0.05).get_config()
+    init = np.linspace(-1, 1, 8, dtype=np.float32)
+    svc.init(ASYNC, {0: {"w/part_0": init[:4].copy()}, 1: {"w/part_1": init[4:].copy()}}, config)
+    local = stratagem.Variable(init.copy(), name="adam_local")
+    opt = stratagem.optimizers.from_config(config)
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        g = rng.standard_normal(8).astype(np.float32)
+        svc.clients[0].push({0: (["w/part_0"], [g[:4]]), 1: (["w/part_1"], [g[4:]])})
+        opt.apply_gradients([(g, local)])
+    got = np.concatenate([r.buffers[0] for _, r in sorted(svc.clients[0].pull().items())])
+    np.testing.assert_array_equal(got, local.numpy())                   # bit for bit
+    snapshot = svc.clients[0].snapshot()
+    assert snapshot[0].meta["iterations"] == 5 and snapshot[0].meta["slots"] == {"w/part_0": ["m", "v"]}
+
+
+def test_async_pushes_from_many_workers_exact_accounting(service):
+    svc = service(ps=2, workers=3)
+    svc.init(ASYNC, optimizer=SGD1)
+
+    def worker(client, n):
+        for _ in range(n):
+            client.push({0: (["w0"], [np.ones(4, np.float32)]), 1: (["w1"], [np.ones(4, np.float32)])}, pull=True)
+    threads = [threading.Thread(target=worker, args=(c, 20 + 5 * i)) for i, c in enumerate(svc.clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    stats = svc.clients[0].stats()
+    total = 20 + 25 + 30
+    for shard in (0, 1):
+        acked = sum(c.acks[shard]["applied"] for c in svc.clients)
+        assert acked == stats[shard]["applied"] == stats[shard]["updates"] == stats[shard]["step"] == total
+        for i, c in enumerate(svc.clients):
+            assert stats[shard]["by_replica"][f"worker:{i}"]["applied"] == c.acks[shard]["applied"]
+    assert svc.clients[0].pull()[0].buffers[0].tolist() == [-float(total)] * 4
+
+
+def test_sync_aggregates_weighted_means_and_drops_stale_gradients(service):
+    svc = service(ps=1, workers=3)
+    svc.init({"mode": "sync", "replicas_to_aggregate": 2, "total_replicas": 3, "staleness": None}, optimizer=SGD1)
+    results = {}
+
+    def push(index, value, weight, version):
+        reply = svc.clients[index].push({0: (["w0"], [np.full(4, value, np.float32)])}, versions={0: version},
+                                        weight=weight, pull=True)
+        results[index] = reply[0].meta["status"], reply[0].meta["step"], reply[0].buffers[0].tolist()
+
+    first = threading.Thread(target=push, args=(0, 1.0, 3.0, 0))
+    first.start()
+    time.sleep(0.2)
+    assert first.is_alive() and 0 not in results           # waits for the round to fill
+    push(1, 5.0, 1.0, 0)                                     # the second: the round applies
+    first.join(5)
+    expected = -(1.0 * 3 + 5.0 * 1) / 4                      # the weighted mean, lr 1
+    assert results[0] == results[1] == ("applied", 1, [expected] * 4)
+    push(2, 100.0, 1.0, 0)                                   # the straggler, still at step 0: dropped
+    assert results[2] == ("dropped", 1, [expected] * 4)      # ...and told the current values
+    stats = svc.clients[0].stats()[0]
+    assert (stats["applied"], stats["dropped"], stats["updates"], stats["step"]) == (2, 1, 1, 1)
+    assert svc.clients[2].acks[0]["dropped"] == 1
+
+
+def test_sync_round_completes_when_a_pusher_leaves(service):
+    svc = service(ps=1, workers=2)
+    svc.init({"mode": "sync", "replicas_to_aggregate": 2, "total_replicas": 2, "staleness": None}, optimizer=SGD1)
+    results = {}
+    t = threading.Thread(target=lambda: results.setdefault(0, svc.clients[0].push(
+        {0: (["w0"], [np.ones(4, np.float32)])}, versions={0: 0})[0].meta["status"]))
+    t.start()
+    time.sleep(0.1)
+    svc.clients[1].bye()                                     # only one pusher left: the round needs one
+    t.join(5)
+    assert results == {0: "applied"}
+
+
+def test_bounded_staleness_holds_the_fast_worker(service):
+    svc = service(ps=2, workers=2)
+    svc.init({"mode": "bounded", "replicas_to_aggregate": None, "total_replicas": None, "staleness": 1},
+             optimizer=SGD1)
+    fast, slow = svc.clients
+    grads = {0: (["w0"], [np.ones(4, np.float32)]), 1: (["w1"], [np.ones(4, np.float32)])}
+    assert fast.push(grads)[0].meta["clock"] == 1            # 1 ahead of the slow worker: allowed
+    done = threading.Event()
+    replies = {}
+    t = threading.Thread(target=lambda: (replies.setdefault("r", fast.push(grads)), done.set()))
+    t.start()
+    assert not done.wait(0.3)                                # 2 ahead: held
+    assert fast.acks[1]["applied"] == 1                      # (the other shard does not hold)
+    slow.push(grads)
+    assert done.wait(5)
+    meta = replies["r"][0].meta
+    assert (meta["clock"], meta["min_clock"]) == (2, 1)
+    assert svc.clients[0].stats()[0]["max_gap"] == 1
+    assert svc.clients[0].stats()[0]["applied"] == 3          # applied on arrival, acknowledged later
+
+
+def test_stop_releases_waiters_and_refuses_further_pushes(service):
+    svc = service(ps=1, workers=2)
+    svc.init({"mode": "sync", "replicas_to_aggregate": 2, "total_replicas": 2, "staleness": None}, optimizer=SGD1)
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("r", svc.clients[0].push(
+        {0: (["w0"], [np.ones(4, np.float32)])}, versions={0: 0})[0].meta))
+    t.start()
+    time.sleep(0.1)
+    svc.clients[1].stop()
+    t.join(5)
+    assert got["r"]["status"] == "stopped" and got["r"]["stop"] is True
+    assert svc.clients[1].push({0: (["w0"], [np.ones(4, np.float32)])}, versions={0: 0})[0].meta["status"] == "stopped"
+    stats = svc.clients[0].stats()[0]
+    assert (stats["updates"], stats["stopped"], stats.get("applied", 0)) == (0, 2, 0)
+
+
+def test_servers_answer_errors_and_keep_serving(service):
+    svc = service(ps=1, workers=2)
+    client = svc.clients[0]
+    with pytest.raises(RemoteError, match="no variables yet: the chief must create them first"):
+        client.push({0: (["w0"], [np.ones(4, np.float32)])})
+    svc.init(ASYNC)
+    with pytest.raises(RemoteError, match="has no optimizer: send the optimizer's config first"):
+        client.push({0: (["w0"], [np.ones(4, np.float32)])})
+    client.set_optimizer(SGD1)
+    with pytest.raises(RemoteError, match=r"uses optimizer .*Adam.* but the job's is .*SGD"):
+        svc.clients[1].set_optimizer(stratagem.optimizers.Adam().get_config())
+    with pytest.raises(RemoteError, match="holds no piece 'nope'; it holds 'w0'"):
+        client.pull({0: ["nope"]})
+    with pytest.raises(RemoteError, match=r"the gradient of piece 'w0' has shape \(3,\), expected \(4,\)"):
+        client.push({0: (["w0"], [np.ones(3, np.float32)])})
+    with pytest.raises(RemoteError, match=r"piece 'w0' exists on /job:ps/task:0 as shape \(4,\), float32, "
+                                          r"/job:worker/task:1 declares it as shape \(5,\)"):
+        svc.clients[1].init({0: [spec("w0", np.zeros(5, np.float32))]}, {0: [np.zeros(5, np.float32)]},
+                            {"pushers": [], **ASYNC})
+    with pytest.raises(RemoteError, match="asks for .*'sync'.* but the job runs with .*'async'"):
+        svc.clients[1].init({}, {}, {**ASYNC, "mode": "sync", "pushers": []})
+    with pytest.raises(RemoteError, match="unknown operation 'explode'"):
+        client.broadcast({"op": "explode"})
+    assert client.push({0: (["w0"], [np.ones(4, np.float32)])})[0].meta["status"] == "applied"
+
+
+def test_a_lost_shard_is_named_within_the_timeout(service):
+    svc = service(ps=2, workers=1, timeout=30)
+    svc.init(ASYNC, optimizer=SGD1)
+    client = svc.clients[0]
+    client.pieces = {0: ["w0"], 1: ["w1"]}
+    svc.servers[1].transport.abort()                          # the shard dies (no goodbye)
+    began = time.monotonic()
+    with pytest.raises(ShardLostError) as info:
+        client.push({0: (["w0"], [np.ones(4, np.float32)]), 1: (["w1"], [np.ones(4, np.float32)])})
+    assert time.monotonic() - began < 5
+    assert isinstance(info.value, PeerLostError) and info.value.task == TaskId("ps", 1)
+    assert "parameter-server shard /job:ps/task:1 (holding w1) is gone" in str(info.value)
+    assert "restore" in str(info.value)
+
+
+def test_a_silent_shard_times_out_naming_it():
+    cluster = cluster_spec(1, 1)
+    fabric = LocalFabric()
+    ps = LocalTransport(cluster, "ps:0", fabric=fabric)
+    ps.start()                                                # started, but nobody serves
+    worker = LocalTransport(cluster, "worker:0", fabric=fabric)
+    worker.start()
+    try:
+        with pytest.raises(stratagem.TransportTimeout, match=r"no reply from parameter-server shard\(s\) /job:ps/task:0 within 0.3 s"):
+            PSClient(worker, timeout=0.3).hello()
+    finally:
+        worker.close()
+        ps.close()
+
+
+def test_server_stops_when_every_replica_left_and_reports_failures(service):
+    svc = service(ps=1, workers=2)
+    svc.init(ASYNC, optimizer=SGD1)
+    svc.clients[1].bye("ValueError: boom")
+    svc.clients[0].bye()
+    svc.threads[0].join(5)
+    outcome = svc.outcomes[0]
+    assert isinstance(outcome, StratagemError)
+    assert "training failed: worker:1 failed: ValueError: boom" in str(outcome)
+
+    svc2 = service(ps=1, workers=2)
+    svc2.init(ASYNC)
+    svc2.clients[1].bye()
+    svc2.clients[0].transport.abort()                          # the chief dies
+    svc2.threads[0].join(5)
+    assert "the chief /job:worker/task:0 disappeared before training ended" in str(svc2.outcomes[0])
+
+    svc3 = service(ps=1, workers=2)
+    svc3.init(ASYNC)
+    svc3.clients[0].bye()
+    svc3.clients[1].transport.abort()                          # a non-chief worker dies: not a failure
+    svc3.threads[0].join(5)
+    assert isinstance(svc3.outcomes[0], dict) and not svc3.threads[0].is_alive()
+
+
+def test_mode_options_are_checked():
+    check = protocol_module.check_mode
+    assert check("bounded", None, None, 2, 3)["staleness"] == 2
+    for args, message in [(("sometimes", None, None, None, 3), "unknown mode 'sometimes'"),
+                          (("async", 2, None, None, 3), "apply to mode='sync' only"),
+                          (("sync", None, None, 1, 3), "staleness applies to mode='bounded' only"),
+                          (("bounded", None, None, None, 3), "needs staleness=S"),
+                          (("sync", None, 4, None, 3), "total_replicas=4 but 3 replica"),
+                          (("sync", 0, None, None, 3), "replicas_to_aggregate must be an integer >= 1")]:
+        with pytest.raises(ConfigurationError, match=message):
+            check(*args)
+
+
+def test_docstring_examples():
+    for module in (placement_module, ps_module, client_module, protocol_module, server_module, ps_strategy_module,
+                   consistency_module, checkpoint_module):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0, f"{module.__name__}: {result.failed} doctest example(s) failed"
