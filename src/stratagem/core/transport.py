@@ -27,6 +27,7 @@ Example (two endpoints of the in-process transport)::
 from __future__ import annotations
 
 import abc
+import copy
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
@@ -59,6 +60,11 @@ class Message:
     @property
     def nbytes(self) -> int:
         return sum(int(b.nbytes) for b in self.buffers)
+
+    def delivered_copy(self, src: TaskId) -> "Message":
+        """A copy as delivered to a mailbox from ``src``: the sender may reuse its buffers at once
+        (used for in-process delivery, and by every transport for a task sending to itself)."""
+        return Message(copy.deepcopy(self.meta), [b.copy() for b in self.buffers], src)
 
 
 class SendHandle:

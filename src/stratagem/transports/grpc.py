@@ -77,7 +77,6 @@ Helpers live beside this module: ``grpc_config`` (options, TLS files, bind addre
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import queue
@@ -86,7 +85,6 @@ import time
 from concurrent import futures
 
 import grpc
-import numpy as np
 
 from ..core import handshake, wire
 from ..core.cluster import TaskId
@@ -273,8 +271,7 @@ class GrpcTransport(Acceptor, Transport):
         self._require_started()
         dst = self._check_peer(dst)
         if dst == self.task:
-            self._mailbox.put(self.task, tag, Message(copy.deepcopy(msg.meta),
-                                                      [np.array(b, copy=True) for b in msg.buffers], self.task))
+            self._mailbox.put(self.task, tag, msg.delivered_copy(self.task))
             return COMPLETED
         reason = self._mailbox.is_lost(dst)
         if reason is not None:

@@ -18,7 +18,6 @@ Sends copy the buffers, so the sender may reuse them at once, as with any other 
 
 from __future__ import annotations
 
-import copy
 import threading
 
 from ..core.cluster import TaskId
@@ -122,7 +121,7 @@ class LocalTransport(Transport):
         if gone:
             raise PeerLostError(dst, gone)
         # Copy so the sender may reuse its buffers at once, as every transport promises.
-        delivered = Message(copy.deepcopy(msg.meta), [b.copy() for b in msg.buffers], self.task)
+        delivered = msg.delivered_copy(self.task)
         self.fabric.mailbox(dst).put(self.task, tag, delivered)
 
     def recv(self, src, tag, timeout=None) -> Message:

@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import copy
 import logging
 import os
 import sys
@@ -72,7 +71,6 @@ import time
 import weakref
 from typing import Callable, ClassVar, Mapping
 
-import numpy as np
 
 from ..core import wire
 from ..core.cluster import MPI_RANK_VARS, TaskId
@@ -305,8 +303,7 @@ class MpiTransport(MpiProgress, Transport):
         self._require_started()
         dst = self._check_peer(dst)
         if dst == self.task:
-            self._mailbox.put(self.task, tag, Message(copy.deepcopy(msg.meta),
-                                                      [np.array(b, copy=True) for b in msg.buffers], self.task))
+            self._mailbox.put(self.task, tag, msg.delivered_copy(self.task))
             return COMPLETED
         reason = self._mailbox.is_lost(dst)
         if reason is not None:

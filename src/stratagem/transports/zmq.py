@@ -38,7 +38,6 @@ limits), even for a peer that has not authenticated yet.
 
 from __future__ import annotations
 
-import copy
 import ipaddress
 import logging
 import os
@@ -47,7 +46,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -277,8 +275,7 @@ class ZmqTransport(Transport):
         self._require_started()
         dst = self._check_peer(dst)
         if dst == self.task:
-            self._mailbox.put(self.task, tag, Message(copy.deepcopy(msg.meta),
-                                                      [np.array(b, copy=True) for b in msg.buffers], self.task))
+            self._mailbox.put(self.task, tag, msg.delivered_copy(self.task))
             return COMPLETED
         reason = self._mailbox.is_lost(dst)
         if reason is not None:
