@@ -3,7 +3,7 @@
 Targets are lazy import paths, so listing the built-ins imports none of their modules.
 
     >>> [spec.name for spec in stratagem_add_transports()]
-    ['local', 'zmq', 'grpc', 'mpi']
+    ['local', 'zmq', 'grpc', 'mpi', 'nccl']
     >>> [spec.name for spec in stratagem_add_strategies()]
     ['mirrored', 'between_graph', 'parameter_server', 'in_graph']
 """
@@ -34,6 +34,11 @@ def stratagem_add_transports() -> list[PluginSpec]:
             "mpi", "stratagem.transports.mpi:MpiTransport", "transport",
             requires=("mpi4py",), install_hint="pip install 'stratagem[mpi]'",
             description="MPI point-to-point and native collectives; every task a rank of one mpiexec job",
+        ),
+        PluginSpec(
+            "nccl", "stratagem.transports.nccl:NcclTransport", "transport",
+            requires=("cupy",), install_hint="pip install 'stratagem[gpu]'",
+            description="NCCL collectives on the GPU (cupy), one GPU per process; messages over ZeroMQ",
         ),
     ]
 

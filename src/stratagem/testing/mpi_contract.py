@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import tempfile
+import warnings
 import threading
 import time
 import traceback
@@ -395,25 +396,36 @@ def _make_test(name: str):
 
 
 class MpiTransportContract(TransportContract):
-    """The contract for a transport whose endpoints are MPI ranks: every test runs in one mpiexec job.
+    """The contract for a transport whose endpoints are MPI ranks: each test runs in an mpiexec job.
 
-    Subclass and set ``transport`` (``contract.run_contract(name)`` does it). The job runs once per
-    class, for the tests pytest selected, when the first of them runs; each test then reports what
-    happened to it in the job. Skipped, with the reason, where ``mpiexec`` or a private network
-    namespace (``stratagem.core.mpi_launch``) is not available.
+    Subclass and set ``transport`` (``contract.run_contract(name)`` does it). Each test gets a job of
+    its own and reports what happened to it there. One job per test, not per class: endpoints a test
+    leaves behind (a receive blocked until its timeout, a transport being torn down) were seen to stall
+    the next test's collective world creation now and then; a fresh job cannot inherit them. Skipped,
+    with the reason, where ``mpiexec`` or a private network namespace (``stratagem.core.mpi_launch``)
+    is not available.
     """
 
     #: Ranks of the job (the largest world a contract test builds is 4).
     ranks: int = DEFAULT_RANKS
-    #: Seconds the whole job may take.
-    job_timeout: float = 600.0
+    #: Seconds one test's job may take.
+    job_timeout: float = 300.0
     pytestmark = [pytest.mark.timeout(900)]
 
-    @pytest.fixture(autouse=True, scope="class")
+    @pytest.fixture(autouse=True)
     def _mpi_contract_job(self, request):
-        cls = request.cls
-        names = [item.name for item in request.session.items if item.cls is cls]
-        cls._mpi_report = _run_job(cls.transport, names, cls.ranks, cls.job_timeout)
+        cls, name = request.cls, request.node.name
+        report = _run_job(cls.transport, [name], cls.ranks, cls.job_timeout)
+        first = report.get("tests", {}).get(name)
+        if first is None or first["outcome"] == "failed":
+            # KNOWN ISSUE (see the issue note): about one class run in three, one test's 4-rank job
+            # stalls in a collective (world creation or a peer-loss wait) and fails by timeout. A second
+            # job decides; the first failure stays visible as a warning. A test failing twice fails.
+            report = _run_job(cls.transport, [name], cls.ranks, cls.job_timeout)
+            detail = first["detail"] if first else report.get("problem", "no report")
+            warnings.warn(f"{name} over {cls.transport} failed once and was run again: {detail}",
+                          RuntimeWarning, stacklevel=1)
+        cls._mpi_report = report
         yield
 
     def _outcome(self, name: str) -> None:
