@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
 from .cluster import ClusterSpec, TaskId
-from .errors import ConfigurationError
+from .errors import ConfigurationError, PeerLostError
 from .wire import Limits
 
 log = logging.getLogger(__name__)
@@ -198,6 +198,19 @@ class Transport(abc.ABC):
     # -- helpers for subclasses --------------------------------------------------------------------
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
+
+    def _route(self, dst, tag: str, msg: Message, mailbox) -> TaskId | None:
+        """The common start of a send: check ``dst``; a message to ourselves goes straight into
+        ``mailbox`` (returns ``None``: nothing left to send); a peer known to be gone is refused with
+        ``PeerLostError``. Returns the checked destination."""
+        dst = self._check_peer(dst)
+        if dst == self.task:
+            mailbox.put(self.task, tag, msg.delivered_copy(self.task))
+            return None
+        reason = mailbox.is_lost(dst)
+        if reason is not None:
+            raise PeerLostError(dst, reason)
+        return dst
 
     def _check_peer(self, task: TaskId | str) -> TaskId:
         task = TaskId.parse(task)

@@ -269,13 +269,9 @@ class GrpcTransport(Acceptor, Transport):
 
     def send_async(self, dst, tag, msg, timeout=None) -> SendHandle:
         self._require_started()
-        dst = self._check_peer(dst)
-        if dst == self.task:
-            self._mailbox.put(self.task, tag, msg.delivered_copy(self.task))
+        dst = self._route(dst, tag, msg, self._mailbox)
+        if dst is None:
             return COMPLETED
-        reason = self._mailbox.is_lost(dst)
-        if reason is not None:
-            raise PeerLostError(dst, reason)
         timeout = self._timeout(timeout)
         while True:
             peer = self._ensure_peer(dst)

@@ -71,10 +71,9 @@ import time
 import weakref
 from typing import Callable, ClassVar, Mapping
 
-
 from ..core import wire
 from ..core.cluster import MPI_RANK_VARS, TaskId
-from ..core.errors import ConfigurationError, PeerLostError, PluginError, TransportClosed
+from ..core.errors import ConfigurationError, PluginError, TransportClosed
 from ..core.mailbox import Mailbox
 from ..core.transport import COMPLETED, Message, SendHandle, Transport
 from ..core.wire import Kind
@@ -301,13 +300,9 @@ class MpiTransport(MpiProgress, Transport):
 
     def send_async(self, dst, tag, msg, timeout=None) -> SendHandle:
         self._require_started()
-        dst = self._check_peer(dst)
-        if dst == self.task:
-            self._mailbox.put(self.task, tag, msg.delivered_copy(self.task))
+        dst = self._route(dst, tag, msg, self._mailbox)
+        if dst is None:
             return COMPLETED
-        reason = self._mailbox.is_lost(dst)
-        if reason is not None:
-            raise PeerLostError(dst, reason)
         parts = wire.encode(Kind.DATA, tag, msg.meta, msg.buffers, self.limits)
         payload = sum(len(p) for p in parts[1:])
         peer = self._rank_of[dst]

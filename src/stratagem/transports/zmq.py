@@ -273,13 +273,9 @@ class ZmqTransport(Transport):
 
     def send_async(self, dst, tag, msg, timeout=None) -> SendHandle:
         self._require_started()
-        dst = self._check_peer(dst)
-        if dst == self.task:
-            self._mailbox.put(self.task, tag, msg.delivered_copy(self.task))
+        dst = self._route(dst, tag, msg, self._mailbox)
+        if dst is None:
             return COMPLETED
-        reason = self._mailbox.is_lost(dst)
-        if reason is not None:
-            raise PeerLostError(dst, reason)
         timeout = self._timeout(timeout)
         peer = self._ensure_peer(dst)
         if not peer.ready.wait(timeout):
