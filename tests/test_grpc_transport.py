@@ -293,7 +293,8 @@ def test_oversized_frame_is_refused_and_others_are_served(caplog):
                 assert "exceeds the limit" in str(exc)
                 raised = True
             assert wait_for(lambda: server.stats["rejected_frames"] >= 1)
-        assert any("exceeds the limit" in r.getMessage() for r in caplog.records)
+            # The refusal is counted, then logged, on gRPC's thread: wait for the log line too.
+            assert wait_for(lambda: any("exceeds the limit" in r.getMessage() for r in caplog.records))
         with pytest.raises((TransportTimeout, PeerLostError)):
             server.recv(big_sender.task, "ok", timeout=1.0)
         assert still_serves(honest, server)

@@ -49,7 +49,6 @@ The same from Python (``stratagem bench`` and the tests use it)::
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import secrets
@@ -61,7 +60,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence, TextIO
+from typing import Mapping, Sequence, TextIO
 
 from .cluster import ClusterSpec, TaskId
 from .errors import ConfigurationError
@@ -84,7 +83,6 @@ EXIT_SIGNALLED = {signal.SIGINT: 128 + signal.SIGINT, signal.SIGTERM: 128 + sign
 
 _POLL_INTERVAL = 0.05  # how often exits, deadlines and signals are checked when no output arrives
 _DRAIN_SECONDS = 1.0  # how long to wait for the last output once every task has exited
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _EPILOG = """\
 example:
   stratagem launch --worker 2 --ps 1 -- python train.py --epochs 3
@@ -214,27 +212,28 @@ class _RunningTask:
         return TaskResult(self.task, self.process.pid, self.process.returncode, self.stopped_by_launcher)
 
 
-def _die_with_launcher() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get SIGKILL when the launcher dies (Linux only).
+#: Run between the fork and the task's own program: ask for SIGKILL when the launcher dies, make
+#: sure it has not died already, then exec the task. A tiny Python program (``-S``: no site import)
+#: instead of a ``preexec_fn``, because a ``preexec_fn`` makes subprocess use fork() and run Python
+#: code in the child, where libraries with fork handlers (gRPC's event engine) abort the child.
+_DEATHSIG_SHIM = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)  # the launcher died before prctl took effect\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _die_with_launcher(command: Sequence[str]) -> list[str]:
+    """``command``, started so that it gets SIGKILL when the launcher dies (Linux only).
 
     ``PR_SET_PDEATHSIG`` fires when the *thread* that started the child exits; :func:`launch` waits
-    for its tasks in that same thread, so that is the launcher's lifetime.
+    for its tasks in that same thread, so that is the launcher's lifetime. It survives ``exec``.
     """
     if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: keep work after fork small
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    launcher = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != launcher:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    return preexec
+        return list(command)
+    return [sys.executable, "-S", "-c", _DEATHSIG_SHIM, str(os.getpid()), *command]
 
 
 def _format_address(ip: str, port: int) -> str:
@@ -266,12 +265,11 @@ def _task_env(base: Mapping[str, str], cluster: ClusterSpec, task: TaskId, secre
     return env
 
 
-def _start_task(task: TaskId, command: Sequence[str], env: dict[str, str],
-                preexec: Callable[[], None] | None) -> subprocess.Popen:
+def _start_task(task: TaskId, command: Sequence[str], env: dict[str, str]) -> subprocess.Popen:
     try:
         return subprocess.Popen(
-            list(command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=preexec,
+            _die_with_launcher(command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True,
         )
     except OSError as exc:
         raise ConfigurationError(
@@ -453,14 +451,13 @@ def launch(
     cluster, port_holders = _plan_cluster(workers, ps, chief, host)
     tasks: list[_RunningTask] = []
     pump = OutputPump()
-    preexec = _die_with_launcher()
     started = time.monotonic()
     try:
         with _SignalTrap() as trap:
             for i, task in enumerate(cluster.tasks()):
                 color = COLORS[i % len(COLORS)]
                 port_holders.pop(task).close()  # free the port as late as possible: see core.ports
-                process = _start_task(task, command, _task_env(base_env, cluster, task, secret, transport), preexec)
+                process = _start_task(task, command, _task_env(base_env, cluster, task, secret, transport))
                 tasks.append(_RunningTask(task, process))
                 pump.add(process.stdout, PipeReader(task_prefix(task, color, out.stream), out))
                 pump.add(process.stderr, PipeReader(task_prefix(task, color, err.stream), err))

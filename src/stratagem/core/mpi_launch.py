@@ -40,7 +40,9 @@ from .errors import ConfigurationError
 _NETNS_SCRIPT = 'ip link set lo up 2>/dev/null || exit 97; exec "$@"'
 #: Run before each rank's command (Linux): the rank gets SIGKILL when its parent, Open MPI's launcher,
 #: dies (PR_SET_PDEATHSIG survives exec), so no rank outlives a launcher that was killed outright.
-_DIE_WITH_MPIEXEC = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
+_DIE_WITH_MPIEXEC = ("import ctypes, os, signal, sys; parent = os.getppid(); "
+                     "ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
+                     "os.getppid() == parent or os._exit(1); "   # it died before prctl took effect
                      "os.execvp(sys.argv[1], sys.argv[1:])")
 #: Output tag Open MPI 5 puts before every line with ``--output tag``: ``[1,3]<stdout>: ``.
 _TAG = re.compile(rb"^\[\d+,(\d+)\]<std(?:out|err)>: ?")
@@ -275,7 +277,7 @@ def launch_mpi(command: Sequence[str], workers: int = 1, ps: int = 0, chief: boo
     running: list = []
     try:
         with L._SignalTrap() as trap:
-            process = L._start_task(job_task, cmd, base_env, L._die_with_launcher())
+            process = L._start_task(job_task, cmd, base_env)
             running.append(L._RunningTask(job_task, process))
             tasks = cluster.tasks()
             color = lambda i: COLORS[i % len(COLORS)]  # noqa: E731
