@@ -64,7 +64,7 @@ from typing import Mapping, Sequence, TextIO
 
 from .cluster import ClusterSpec, TaskId
 from .errors import ConfigurationError
-from .ports import reserve_ports
+from .ports import format_address, reserve_ports
 from .task_output import COLORS, OutputPump, PipeReader, Sink, task_prefix
 
 #: Seconds between SIGTERM and SIGKILL when the launcher stops tasks.
@@ -236,17 +236,13 @@ def _die_with_launcher(command: Sequence[str]) -> list[str]:
     return [sys.executable, "-S", "-c", _DEATHSIG_SHIM, str(os.getpid()), *command]
 
 
-def _format_address(ip: str, port: int) -> str:
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-
-
 def _plan_cluster(workers: int, ps: int, chief: bool, host: str) -> tuple[ClusterSpec, dict[TaskId, socket.socket]]:
     """The cluster to launch, and for each task the socket holding its port until it starts."""
     counts = {"chief": 1 if chief else 0, "worker": workers, "ps": ps}
     ip, held = reserve_ports(host, sum(counts.values()))
     ports = iter(held)
     jobs = {job: [next(ports) for _ in range(n)] for job, n in counts.items() if n}
-    cluster = ClusterSpec({job: [_format_address(ip, s.getsockname()[1]) for s in socks]
+    cluster = ClusterSpec({job: [format_address(ip, s.getsockname()[1]) for s in socks]
                            for job, socks in jobs.items()})
     holders = {TaskId(job, i): sock for job, socks in jobs.items() for i, sock in enumerate(socks)}
     return cluster, holders

@@ -15,6 +15,8 @@ range, where the kernel never assigns ports on its own, and held open together u
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import random
 import socket
 
@@ -77,3 +79,27 @@ def _bind_one(family, sockaddr, low: int, rng: random.Random) -> socket.socket:
     except BaseException:
         sock.close()
         raise
+
+
+def bind_host(address_host: str, explicit: str | None = None) -> str:
+    """Where a task binds: ``explicit``, else ``STRATAGEM_BIND_HOST``, else the host of its cluster
+    address if that is an IP of this machine (or localhost), else every interface (a Kubernetes
+    service name resolves to a virtual IP that no pod can bind).
+
+    >>> bind_host("worker-1.svc"), bind_host("localhost"), bind_host("10.0.0.7", "127.0.0.1")
+    ('0.0.0.0', '127.0.0.1', '127.0.0.1')
+    """
+    if explicit or os.environ.get("STRATAGEM_BIND_HOST"):
+        return explicit or os.environ["STRATAGEM_BIND_HOST"]
+    if address_host in ("localhost", "127.0.0.1", "::1"):
+        return "::1" if address_host == "::1" else "127.0.0.1"
+    try:
+        ipaddress.ip_address(address_host)
+        return address_host
+    except ValueError:
+        return "0.0.0.0"
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, with brackets around an IPv6 host: ``[::1]:2222``."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -78,7 +78,6 @@ Helpers live beside this module: ``grpc_config`` (options, TLS files, bind addre
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -86,7 +85,7 @@ from concurrent import futures
 
 import grpc
 
-from ..core import handshake, wire
+from ..core import handshake, ports, wire
 from ..core.cluster import TaskId
 from ..core.errors import (
     AuthenticationError,
@@ -106,8 +105,6 @@ from .grpc_config import (
     METHOD,
     SERVICE,
     channel_options,
-    default_bind_host,
-    host_port,
     load_tls,
     server_options,
 )
@@ -154,7 +151,7 @@ class GrpcTransport(Acceptor, Transport):
             )
         host, _, port = address.rpartition(":")
         self._host, self._port = host.strip("[]"), int(port)
-        self._bind_host = bind_host or os.environ.get("STRATAGEM_BIND_HOST") or default_bind_host(self._host)
+        self._bind_host = ports.bind_host(self._host, bind_host)
         if not 1 <= int(chunk_bytes) <= MAX_MESSAGE_BYTES:
             raise ConfigurationError(f"chunk_bytes must be between 1 and {MAX_MESSAGE_BYTES} (gRPC's message "
                                      f"limit), got {chunk_bytes}")
@@ -193,7 +190,7 @@ class GrpcTransport(Acceptor, Transport):
                                           thread_name_prefix=f"stratagem-grpc-{self.task.short}")
         server = grpc.server(pool, handlers=[handler], options=server_options(self.peer_timeout),
                              maximum_concurrent_rpcs=self._max_workers)
-        endpoint = host_port(self._bind_host, self._port)
+        endpoint = ports.format_address(self._bind_host, self._port)
         try:
             if self._tls is None:
                 port = server.add_insecure_port(endpoint)

@@ -4,13 +4,10 @@ imports grpc: options are plain ``(name, value)`` pairs.
 
     >>> dict(channel_options(peer_timeout=30.0))["grpc.keepalive_time_ms"]
     12000
-    >>> default_bind_host("worker-1.svc"), default_bind_host("localhost"), host_port("::1", 2222)
-    ('0.0.0.0', '127.0.0.1', '[::1]:2222')
 """
 
 from __future__ import annotations
 
-import ipaddress
 
 from ..core.errors import ConfigurationError
 
@@ -93,19 +90,3 @@ def _read_pem(path, option: str) -> bytes:
             return f.read()
     except OSError as exc:
         raise ConfigurationError(f"{option}={path!r} cannot be read: {exc}") from None
-
-
-def default_bind_host(address_host: str) -> str:
-    """Bind where the cluster says, if that is an IP of this machine; else on every interface
-    (a Kubernetes service name resolves to a virtual IP that no pod can bind). The zmq rule."""
-    if address_host in ("localhost", "127.0.0.1", "::1"):
-        return "127.0.0.1" if address_host != "::1" else "::1"
-    try:
-        ipaddress.ip_address(address_host)
-        return address_host
-    except ValueError:
-        return "0.0.0.0"
-
-
-def host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

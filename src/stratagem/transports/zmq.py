@@ -38,9 +38,7 @@ limits), even for a peer that has not authenticated yet.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import os
 import queue
 import threading
 import time
@@ -49,7 +47,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..core import handshake, wire
+from ..core import handshake, ports, wire
 from ..core.cluster import TaskId
 from ..core.errors import (
     AuthenticationError,
@@ -104,18 +102,6 @@ class _Incoming:
     nonce_s: bytes = b""
 
 
-def _bind_host(address_host: str) -> str:
-    """Bind where the cluster says, if that is an IP of this machine; else on every interface
-    (a Kubernetes service name resolves to a virtual IP that no pod can bind)."""
-    if address_host in ("localhost", "127.0.0.1", "::1"):
-        return "127.0.0.1" if address_host != "::1" else "::1"
-    try:
-        ipaddress.ip_address(address_host)
-        return address_host
-    except ValueError:
-        return "0.0.0.0"
-
-
 class ZmqTransport(Transport):
     """ZeroMQ transport (see the module docstring for the design).
 
@@ -140,7 +126,7 @@ class ZmqTransport(Transport):
             )
         host, _, port = address.rpartition(":")
         self._host, self._port = host, int(port)
-        self._bind_host = bind_host or os.environ.get("STRATAGEM_BIND_HOST") or _bind_host(host)
+        self._bind_host = ports.bind_host(host, bind_host)
         if io_threads < 1:
             raise ConfigurationError(f"io_threads must be >= 1, got {io_threads}")
         self._io_threads = io_threads
