@@ -10,7 +10,8 @@ transport's ``zero_copy_bytes`` (messages of at least that many buffer bytes are
 reference and ``send`` waits until ZeroMQ releases them; smaller ones are copied and ``send`` returns
 at once), optionally ``io_threads``. A ring message carries one chunk, so a cell is in zero-copy mode
 (Z) when chunk >= zero_copy, else in copy mode (C): cells of the same mode in a row measure the same
-thing, which shows the run-to-run noise. Same timing method as benchmarks/allreduce.py.
+thing, which shows the run-to-run noise. Same timing method as ``stratagem bench collectives`` (whose
+job runner it uses).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import allreduce as ab  # noqa: E402  (benchmarks/allreduce.py)
+from stratagem.bench.collectives import make_console, run_job, transport_contender
+from stratagem.bench.environment import describe_environment
+from stratagem.bench.units import human_bytes, parse_size
 
 OFF = 1 << 62  # zero_copy_bytes that no message reaches: always copy
 
@@ -35,20 +36,28 @@ def parse_list(text: str) -> list[int]:
     for item in text.split(","):
         item = item.strip()
         if item:
-            out.append(OFF if item.lower() in ("off", "never", "inf") else ab.parse_bytes(item))
+            out.append(OFF if item.lower() in ("off", "never", "inf") else parse_size(item))
     if not out:
         raise argparse.ArgumentTypeError("empty list")
     return out
 
 
 def label(v: int) -> str:
-    return "off" if v == OFF else ab.human(v)
+    return "off" if v == OFF else human_bytes(v)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", type=ab.parse_bytes, default=ab.parse_bytes("64M"), help="bytes (default 64M)")
+    p.add_argument("--size", type=parse_size, default=parse_size("64M"), help="bytes (default 64M)")
     p.add_argument("--np", type=int, default=2, help="processes (default 2)")
     p.add_argument("--transport", default="zmq")
     p.add_argument("--chunks", type=parse_list, default=parse_list("256K,1M,4M,16M"),
@@ -63,14 +72,15 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=300, help="seconds per job (default 300)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, ab._terminate)
+    signal.signal(signal.SIGTERM, _terminate)
 
     repeats = args.repeats or max(5, min(200, (1 << 30) // args.size))
-    plan = [{"bytes": args.size, "warmup": args.warmup, "repeats": repeats}]
+    plan = [{"bytes": args.size, "warmup": args.warmup, "iters": repeats}]
     combos = [(io, c, z) for io in args.io_threads for c in args.chunks for z in args.zero_copy]
-    ab.log(f"sweep: {ab.human(args.size)}, np={args.np}, {len(combos)} combinations x {args.rounds} round(s), "
+    log(f"sweep: {human_bytes(args.size)}, np={args.np}, {len(combos)} combinations x {args.rounds} round(s), "
            f"{args.warmup}+{repeats} iterations each")
-    env = ab.environment()
+    env = describe_environment(np=args.np, transport=args.transport, size=args.size)
+    contender = transport_contender(args.transport)
     times: dict[tuple, list[float]] = {k: [] for k in combos}
     medians: dict[tuple, list[float]] = {k: [] for k in combos}
     failed: dict[tuple, str] = {}
@@ -80,29 +90,31 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             for combo in (combos if r % 2 == 0 else combos[::-1]):
                 io, chunk, zc = combo
-                ab.log(f"-- io_threads={io} chunk_bytes={label(chunk)} zero_copy_bytes={label(zc)}")
+                log(f"-- io_threads={io} chunk_bytes={label(chunk)} zero_copy_bytes={label(zc)}")
                 opts = {"chunk_bytes": chunk, "transport_options": {"zero_copy_bytes": zc, "io_threads": io}}
-                res = ab.run_stratagem(args.np, plan, args.transport, opts, args.timeout)
+                res = run_job(contender, args.np, plan, options=opts, timeout=args.timeout)
+                if res.status == "interrupted":
+                    raise KeyboardInterrupt
                 e = res.by_size().get(args.size)
-                if res.skipped or not e or not e["correct"]:
-                    failed[combo] = res.skipped or "wrong result"
+                if res.status != "ok" or not e or not e["correct"]:
+                    failed[combo] = f"{res.status}: {res.reason}" if res.status != "ok" else "wrong result"
                     continue
                 times[combo] += e["times_s"]
                 medians[combo].append(statistics.median(e["times_s"]))
     except KeyboardInterrupt:
         interrupted = True
-        ab.log("interrupted: every child process has been stopped; reporting what finished")
+        log("interrupted: every child process has been stopped; reporting what finished")
     env["loadavg_at_end"] = os.getloadavg()
     env["total_seconds"] = round(time.monotonic() - started, 1)
 
     from rich.table import Table
 
-    console = ab.make_console()
+    console = make_console()
     factor = 2 * (args.np - 1) / args.np
     best = None
     rows = []
     for io in args.io_threads:
-        table = Table(title=f"stratagem-{args.transport} all-reduce, {ab.human(args.size)}, {args.np} processes, "
+        table = Table(title=f"stratagem-{args.transport} all-reduce, {human_bytes(args.size)}, {args.np} processes, "
                             f"io_threads={io}: busbw GB/s from the median (and from the min); "
                             f"Z = zero-copy sends, C = copied", title_justify="left")
         table.add_column("chunk_bytes \\ zero_copy_bytes", justify="right")
@@ -143,8 +155,8 @@ def main(argv=None) -> int:
                        "failed": [{"io_threads": k[0], "chunk_bytes": k[1],
                                    "zero_copy_bytes": None if k[2] == OFF else k[2], "why": v}
                                   for k, v in failed.items()]}, f, indent=1)
-        ab.log(f"wrote {args.json}")
-    ab.log(f"total {env['total_seconds']}s")
+        log(f"wrote {args.json}")
+    log(f"total {env['total_seconds']}s")
     return 130 if interrupted else 0
 
 

@@ -14,6 +14,7 @@ import sys
 SUBCOMMANDS = {
     "info": ("stratagem.plugins.report", "list the plugins, where each came from, and whether it is usable here"),
     "launch": ("stratagem.core.launcher", "start a local cluster: one process per task, output prefixed by task"),
+    "bench": ("stratagem.bench.cli", "compare strategies x transports training a model here (and `bench collectives`)"),
 }
 
 

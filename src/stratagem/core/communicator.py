@@ -300,10 +300,16 @@ class Communicator:
         session = self._session
         session.next_seq()  # keep "collective #N" counting every call, native or not
         try:
-            return native(session) if collective == "barrier" else native(session, x, **kwargs)
+            result = native(session) if collective == "barrier" else native(session, x, **kwargs)
         except Exception as exc:
             session.broken = exc
             raise
+        if collective != "barrier":
+            sized = x if x is not None else result       # a broadcast's non-roots pass no input
+            nbytes = _ring_bytes(collective, int(getattr(sized, "nbytes", 0)), session.size)
+            self.transport.traffic.count_sent(None, nbytes)
+            self.transport.traffic.count_received(None, nbytes)
+        return result
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -417,3 +423,15 @@ def local_world(size: int, **options) -> list[Communicator]:
         transport.start()
         comms.append(Communicator(transport, owns_transport=True, **options))
     return comms
+
+
+def _ring_bytes(collective: str, nbytes: int, size: int) -> int:
+    """What one rank would send (and receive) running ``collective`` on ``nbytes`` with a ring: the
+    traffic a native collective is booked at, since the library moving it cannot be watched."""
+    if size <= 1:
+        return 0
+    if collective == "allreduce":
+        return 2 * (size - 1) * nbytes // size
+    if collective == "allgather":          # x is this rank's piece: it passes on the others'
+        return (size - 1) * nbytes
+    return (size - 1) * nbytes // size     # broadcast, reduce_scatter

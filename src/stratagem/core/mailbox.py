@@ -24,8 +24,10 @@ _RETRY_READ = 0.002
 class Mailbox:
     """Thread-safe store of delivered messages, keyed by (source, tag)."""
 
-    def __init__(self, owner: TaskId):
+    def __init__(self, owner: TaskId, traffic=None):
         self.owner = owner
+        #: The owner transport's :class:`~stratagem.core.traffic.Traffic`: deliveries from peers are counted.
+        self.traffic = traffic
         self._cond = threading.Condition()
         self._queues: dict[tuple[TaskId, str], deque] = {}
         self._sources_by_tag: dict[str, set[TaskId]] = defaultdict(set)
@@ -42,6 +44,8 @@ class Mailbox:
             if queue is None:
                 queue = self._queues[(src, tag)] = deque()
             queue.append((next(self._arrival), message))
+            if self.traffic is not None and src != self.owner:
+                self.traffic.count_received(src, message.nbytes)
             self._sources_by_tag[tag].add(src)
             self._cond.notify_all()
 

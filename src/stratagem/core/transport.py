@@ -34,6 +34,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 from .cluster import ClusterSpec, TaskId
 from .errors import ConfigurationError, PeerLostError
+from .traffic import Traffic
 from .wire import Limits
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,8 @@ class Transport(abc.ABC):
         self.timeout = timeout
         self.peer_timeout = float(peer_timeout)
         self.limits = limits or Limits()
+        #: Payload bytes and messages moved, per peer (see :mod:`stratagem.core.traffic`).
+        self.traffic = Traffic()
 
     # -- construction helpers ----------------------------------------------------------------------
     @classmethod
@@ -210,6 +213,7 @@ class Transport(abc.ABC):
         reason = mailbox.is_lost(dst)
         if reason is not None:
             raise PeerLostError(dst, reason)
+        self.traffic.count_sent(dst, msg.nbytes)
         return dst
 
     def _check_peer(self, task: TaskId | str) -> TaskId:

@@ -28,8 +28,9 @@ When a worker dies, the steps it was running run again on the others, and it is 
 as a new process of that task is back (steps run at least once). A lost ps task makes ``join()``, and
 every worker, raise :class:`~stratagem.core.ps_protocol.ShardLostError` naming it.
 
-Options: those of :class:`~stratagem.core.ps_strategy.PSStrategyBase` (``mode``: ``async`` by
-default; under ``sync`` and ``bounded`` a worker without a step to run does not hold the others up),
+Options: those of :class:`~stratagem.core.ps_strategy.PSStrategyBase` (``pull_with_push`` is off:
+each step pulls when it starts; ``mode``: ``async`` by default; under ``sync`` and ``bounded`` a
+worker without a step to run does not hold the others up),
 plus ``functions``: ``"auto"`` (by name when possible, else cloudpickle on an authenticated cluster),
 ``"name"`` or ``"cloudpickle"``.
 
@@ -86,7 +87,9 @@ class ParameterServerStrategy(PSStrategyBase):
     """A coordinator schedules steps onto workers; variables on ps tasks (see the module doc)."""
 
     name = "parameter_server"
-    options = {"functions": "auto"}
+    # A worker pulls fresh values when each step starts (it may have been idle, others pushed since),
+    # so values riding back on the push reply would be thrown away: a third of a step's bytes.
+    options = {"functions": "auto", "pull_with_push": False}
 
     def __init__(self, transport="zmq", **kwargs):
         self._coordinator: Coordinator | None = None

@@ -101,6 +101,20 @@ class TransportContract:
                 by_source.setdefault(m.meta["rank"], []).append(m.meta["i"])
             assert by_source == {r: list(range(20)) for r in range(1, 4)}  # ordered per source
 
+    def test_traffic_counts_payload_bytes_per_peer(self):
+        # Read on one endpoint only (the others may be proxies in another process, as over MPI).
+        with self.world(2) as (a, b):
+            before = a.traffic.snapshot()
+            a.send(b.task, "t", Message({"step": 1}, [np.zeros(1000, np.float32), np.zeros(3, np.int8)]))
+            b.recv(a.task, "t", timeout=CALL_TIMEOUT)
+            b.send(a.task, "u", Message({}, [np.zeros(10, np.float64)]))
+            a.recv(b.task, "u", timeout=CALL_TIMEOUT)
+            a.send(a.task, "me", Message({}, [np.zeros(7, np.float64)]))   # to itself: not traffic
+            a.recv(a.task, "me", timeout=CALL_TIMEOUT)
+            delta = a.traffic.snapshot() - before
+            assert delta.peers == {b.task: (4003, 1, 80, 1)}
+            assert delta.sent_bytes() == 4003 and delta.received_bytes(jobs={b.task.job}) == 80
+
     def test_send_to_self(self):
         with self.world(1) as (a,):
             a.send(a.task, "me", Message({"x": 1}, [np.arange(3)]))

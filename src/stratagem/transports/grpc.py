@@ -164,7 +164,7 @@ class GrpcTransport(Acceptor, Transport):
         self._tls = load_tls(tls_cert, tls_key, tls_ca, bool(tls_client_auth))
         self._tls_server_name = tls_server_name
         self._cluster_id = self.cluster.cluster_id
-        self._mailbox = Mailbox(self.task)
+        self._mailbox = Mailbox(self.task, traffic=self.traffic)
         self._lock = threading.RLock()            # peers, incoming streams, epochs
         self._peers: dict[TaskId, Outgoing] = {}
         self._incoming: dict[TaskId, Incoming] = {}

@@ -97,6 +97,7 @@ class LocalTransport(Transport):
     def start(self) -> None:
         if self._mailbox is None:
             self._mailbox = self.fabric.join(self.task)
+            self._mailbox.traffic = self.traffic
 
     def close(self) -> None:
         self._leave(f"{self.task} closed its transport")
@@ -122,6 +123,8 @@ class LocalTransport(Transport):
             raise PeerLostError(dst, gone)
         # Copy so the sender may reuse its buffers at once, as every transport promises.
         delivered = msg.delivered_copy(self.task)
+        if dst != self.task:
+            self.traffic.count_sent(dst, msg.nbytes)
         self.fabric.mailbox(dst).put(self.task, tag, delivered)
 
     def recv(self, src, tag, timeout=None) -> Message:

@@ -155,7 +155,7 @@ class MpiTransport(MpiProgress, Transport):
         self._base = comm
         self._comm = None          # point-to-point traffic (a duplicate of the base communicator)
         self.coll_comm = None      # parent of the collectives' communicators (another duplicate)
-        self._mailbox = Mailbox(self.task)
+        self._mailbox = Mailbox(self.task, traffic=self.traffic)
         self._closed = False
         self._stopping = False
         self.mpi_lock: contextlib.AbstractContextManager = contextlib.nullcontext()

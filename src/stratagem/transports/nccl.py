@@ -124,6 +124,7 @@ class NcclTransport(Transport):
         from .zmq import ZmqTransport
 
         self.control = ZmqTransport(self.cluster, self.task, **common, **(control_options or {}))
+        self.traffic = self.control.traffic   # point-to-point goes over the control transport
         self._comms: dict[tuple, object] = {}
         self._streams: dict[tuple, object] = {}
         self._lock = threading.RLock()

