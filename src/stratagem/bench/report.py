@@ -98,7 +98,9 @@ def plot(outcomes: Sequence[Outcome], path: str, title: str) -> None:
         curves.plot(t, loss, label=labels[i], color=colors[i % len(colors)])
     if ran:
         curves.axhline(ran[0].figures["target_loss"], color="grey", linestyle=":", label="target")
-        curves.set_yscale("log")
+        losses = [loss for o in ran for _, loss in o.figures["loss_curve"] if loss > 0]
+        if losses and max(losses) / min(losses) > 20:   # log only where the losses span decades
+            curves.set_yscale("log")
         curves.legend(fontsize="small")
     curves.set_xlabel("seconds since the first step")
     curves.set_ylabel("training loss")

@@ -109,7 +109,7 @@ def _launch(combination: Combination, spec_path: str, settings: RunSettings, cap
     cluster = combination.cluster
     env = {"STRATAGEM_BENCH_SPEC": spec_path, **ONE_THREAD}
     command = [sys.executable, TRAIN_TASK]
-    if combination.transport == "mpi":
+    if combination.mpi_job:
         from ..core.mpi_launch import launch_mpi
 
         return launch_mpi(command, workers=cluster.workers, ps=cluster.ps, transport="mpi", env=env,

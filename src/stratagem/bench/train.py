@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ps tasks for between_graph and parameter_server (default 1)")
     parser.add_argument("--model", default="mlp", metavar="NAME",
                         help=f"{', '.join(BUILTIN)}, or package.module:build (default mlp)")
-    parser.add_argument("--steps", type=int, default=50, metavar="N", help="steps per replica (default 50)")
+    parser.add_argument("--steps", type=int, default=200, metavar="N", help="steps per replica (default 200)")
     parser.add_argument("--warmup", type=int, default=3, metavar="N",
                         help="first steps of each replica left out of the timings (default 3)")
     parser.add_argument("--target-loss", type=float, metavar="LOSS",
