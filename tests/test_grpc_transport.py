@@ -36,7 +36,8 @@ from stratagem.core.wire import Kind, Limits  # noqa: E402
 from stratagem.testing.peer import spawn_peer  # noqa: E402
 from stratagem.testing.world import local_cluster  # noqa: E402
 from stratagem.transports.grpc import FULL_METHOD, MAX_MESSAGE_BYTES, GrpcTransport  # noqa: E402
-from stratagem.transports.grpc_framing import CONTROL_LIMITS, Reassembler, chunks  # noqa: E402
+from stratagem.transports.grpc_config import MAX_RECEIVE_BYTES  # noqa: E402
+from stratagem.transports.grpc_framing import CONTROL_LIMITS, HEAD_ROOM, Reassembler, chunks  # noqa: E402
 
 TIMEOUT = 20.0
 PEER_TIMEOUT = 3.0  # as the contract suite: keepalive pings every 1.2 s
@@ -123,7 +124,9 @@ def _sample_frames():
 def test_frames_survive_any_chunking_and_any_resplitting(chunk_bytes):
     sent = _sample_frames()
     stream = b"".join(m for frame in sent for m in chunks(wire.encode(*frame), chunk_bytes))
-    assert all(len(m) <= chunk_bytes for frame in sent for m in chunks(wire.encode(*frame), chunk_bytes))
+    # At most a chunk, plus the head of a frame riding with the first piece of a large buffer.
+    sizes = [len(m) for frame in sent for m in chunks(wire.encode(*frame), chunk_bytes)]
+    assert max(sizes) <= chunk_bytes + HEAD_ROOM
     rng = random.Random(chunk_bytes)
     cuts = sorted(rng.sample(range(1, len(stream)), min(50, len(stream) - 1)))
     pieces = [stream[i:j] for i, j in zip([0, *cuts], [*cuts, len(stream)])]
@@ -138,11 +141,26 @@ def test_frames_survive_any_chunking_and_any_resplitting(chunk_bytes):
 
 
 def test_a_buffer_that_fits_a_chunk_is_never_split():
-    buffers = [np.zeros(10, np.uint8), np.ones(1000, np.uint8), np.ones(4000, np.uint8)]
+    buffers = [np.zeros(10, np.uint8), np.full(1000, 1, np.uint8), np.full(4000, 2, np.uint8)]
     parts = wire.encode(Kind.DATA, "t", {}, buffers)
     messages = list(chunks(parts, 1000))
-    assert any(m == b"\x01" * 1000 for m in messages)  # the 1000-byte buffer has a message of its own
-    assert [len(m) for m in messages][-4:] == [1000] * 4  # the larger one is cut at its own boundaries
+    assert any(b"\x01" * 1000 in m for m in messages)  # the 1000-byte buffer arrives whole in one message
+    # The larger one is cut at its own boundaries; what came before it (here under HEAD_ROOM) rides
+    # with its first piece.
+    assert messages[-4:] == [b"\x01" * 1000 + b"\x02" * 1000] + [b"\x02" * 1000] * 3
+
+
+def test_the_head_of_a_large_frame_rides_with_its_first_piece():
+    parts = wire.encode(Kind.DATA, "t", {"k": 1}, [np.arange(4000, dtype=np.uint8)])
+    head = len(parts[0])
+    assert [len(m) for m in chunks(parts, 1000)] == [head + 1000, 1000, 1000, 1000]  # 4 messages, not 5
+    # A head over the room fills what is left of its message instead; nothing exceeds the chunk then.
+    messages = list(chunks(parts, 1000, head_room=head - 1))
+    assert [len(m) for m in messages] == [1000, 1000, 1000, 1000, head]
+    assert frames_of(messages, wire.DEFAULT_LIMITS)[0].buffers[0].tolist() == \
+        np.arange(4000, dtype=np.uint8).tolist()
+    # The receivers' limit leaves room for the head above the largest chunk.
+    assert MAX_RECEIVE_BYTES >= MAX_MESSAGE_BYTES + HEAD_ROOM
 
 
 def test_header_is_checked_before_anything_is_read_or_allocated():

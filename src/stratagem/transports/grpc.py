@@ -13,8 +13,9 @@ its channel to B's server (one channel per peer, with its own connection). A's f
 DATA, GOODBYE) travel as requests; B's control frames (CHALLENGE, WELCOME, REJECT, GOODBYE) as
 responses. One stream per pair keeps every frame from A to B in order, which gives the contract's
 per-(src, dst, tag) ordering. The frames are one byte stream cut into messages of at most
-``chunk_bytes`` (1 MiB by default, never above :data:`MAX_MESSAGE_BYTES`), so gRPC's per-message limit
-never bites; the receiver reassembles them with every limit checked before it allocates (see
+``chunk_bytes`` (1 MiB by default, never above :data:`MAX_MESSAGE_BYTES`; the first piece of a large
+buffer also carries the frame's head, up to 16 KiB), so gRPC's per-message limit never bites; the
+receiver reassembles them with every limit checked before it allocates (see
 :mod:`stratagem.transports.grpc_framing`).
 
 **Handshake.** The stream starts with the protocol's handshake (``core/handshake.py``): HELLO →
@@ -28,8 +29,9 @@ every other stream.
 **Sending.** A message whose frame fits in one chunk is copied into it at once (``send`` returns
 immediately; queued small frames are coalesced into one gRPC message). A larger one is cut into
 chunks by gRPC's request thread, straight from the caller's arrays (one copy, into the ``bytes``
-that gRPC's Python API requires); ``send_async`` returns a handle that completes when the last chunk
-has been made, after which the arrays may be reused, and ``send`` waits for it.
+that gRPC's Python API requires), the frame's head riding with the first one (a 4 MiB array goes in
+four messages, not five); ``send_async`` returns a handle that completes when the last chunk has been
+made, after which the arrays may be reused, and ``send`` waits for it.
 
 **Receiving.** A reader thread per incoming stream files each frame into the shared
 :class:`~stratagem.core.mailbox.Mailbox`; ``recv`` waits on the mailbox. (The zmq transport lets a
@@ -41,8 +43,28 @@ contiguous anyway).
 
 **Copies.** gRPC's Python API moves ``bytes`` only, so on top of the kernel's copies a byte costs
 one copy of ours when sent (into the message) and one when received (into its array), plus gRPC's
-own (into and out of its slices). Chunks of about 1 MiB are the sweet spot: smaller ones multiply
-per-message work, larger ones make gRPC's per-message allocations go to fresh pages every time.
+own: one when sent (into its slice) and two when received (grpcio 1.85 copies each slice into a
+``bytes``, then joins them). zmq needs one in all.
+
+**Throughput (profiled).** A 64 MiB float32 all-reduce between two processes on 2 cores is CPU-bound:
+about 37 ms of CPU per process and call, against 18 for zmq (per-thread CPU from
+``/proc/<pid>/task/*/schedstat``, perf, strace). Per process: gRPC's request thread (our copy, gRPC's
+copy, ``sendmsg``) about 9 ms; gRPC's event-engine threads (TCP reads, HTTP/2) 7 to 9; the reader
+thread here (the copy into the array, gRPC's request iterator) 5 to 7; the server's completion-queue
+thread (gRPC's two receive copies) 5 to 6; the reduction 6. Each gRPC message also costs about 25
+futex calls (thread hand-offs through condition variables on both sides), and the receive buffers
+gRPC allocates fault in fresh pages whenever glibc has trimmed its arenas. A bare grpcio exchange of
+the same bytes in 1 MiB messages, with no stratagem code and no copy into arrays, takes as long as
+our whole all-reduce: that is grpcio's floor on this machine, about 0.5 to 0.6 x zmq, and no setting
+below moves it. Measured and left at gRPC's defaults: flow control (``grpc.http2.bdp_probe`` off with
+``grpc.http2.lookahead_bytes`` from 64 KiB to 16 MiB: small windows cut the page faults but stall
+traffic that flows both ways at once, large ones change nothing), ``grpc.http2.max_frame_size`` 16 MiB,
+``grpc.experimental.tcp_{min,max}_read_chunk_size``, ``grpc.http2.write_buffer_size``,
+``grpc.optimization_target=throughput``, Unix-domain sockets, ``grpc.aio`` (more CPU than the
+threaded API), and two streams per direction (no faster: the run is CPU-bound). Messages of 1 MiB
+are the sweet spot: at 256 KiB the hand-offs cost more, 2 MiB is no better, and at 4 MiB gRPC's
+receive path touches fresh pages and misses the cache, so much that letting the receiver keep
+gRPC's ``bytes`` instead of copying them (possible once a buffer arrives whole) still loses.
 
 **Failure detection.** Channels and server send HTTP/2 keepalive pings every ``peer_timeout × 0.4``
 and drop a connection whose ping is not answered within ``peer_timeout × 0.4``, so a silent peer
@@ -123,7 +145,8 @@ class GrpcTransport(Acceptor, Transport):
     Options:
         bind_host: interface to bind (default: the host of this task's address if it is an IP
             literal or localhost, else all interfaces; ``STRATAGEM_BIND_HOST`` overrides).
-        chunk_bytes: largest gRPC message sent (frames are cut into chunks of this size).
+        chunk_bytes: size of the pieces frames are cut into, each one gRPC message (the first piece of
+            a large buffer also carries the frame's head, up to 16 KiB).
         tls_cert, tls_key: PEM files of this task's certificate and key; enable TLS.
         tls_ca: PEM file of the CA that signed the peers' certificates.
         tls_client_auth: require and verify a client certificate (mutual TLS; needs ``tls_ca``).

@@ -15,11 +15,12 @@ SERVICE = "stratagem.Transport"
 METHOD = "Stream"
 #: The full name of the one gRPC method every task serves.
 FULL_METHOD = f"/{SERVICE}/{METHOD}"
-#: The largest gRPC message a task sends (gRPC's own default receive limit); frames are cut to fit.
+#: The largest piece a frame is cut into (gRPC's own default receive limit): ``chunk_bytes`` is at most this.
 MAX_MESSAGE_BYTES = 4 << 20
 #: The default size of the messages a frame is cut into (larger ones cost more in gRPC's allocator).
 DEFAULT_CHUNK_BYTES = 1 << 20
-#: What a task accepts in one gRPC message: the largest chunk plus slack; gRPC refuses anything larger
+#: What a task accepts in one gRPC message: the largest chunk plus slack (for a frame's head riding with
+#: the first piece of a large buffer: ``grpc_framing.HEAD_ROOM``); gRPC refuses anything larger
 #: (RESOURCE_EXHAUSTED) from its length prefix, before reading it.
 MAX_RECEIVE_BYTES = MAX_MESSAGE_BYTES + (64 << 10)
 

@@ -3,13 +3,14 @@
 Helpers of the ``grpc`` transport (:mod:`stratagem.transports.grpc`); nothing here imports grpc.
 
 A frame is the very same header, envelope and buffers that every byte-stream transport sends. On a
-gRPC stream the concatenation of all frames is cut into messages of at most ``chunk_bytes``, so
+gRPC stream the concatenation of all frames is cut into messages of at most ``chunk_bytes`` (plus
+up to :data:`HEAD_ROOM` bytes of a frame's head riding with the first piece of a large buffer), so
 gRPC's per-message size limit never bites whatever the size of an array, and the receiver never
 needs to trust a message boundary: :class:`Reassembler` accepts the stream split anywhere.
 
 Sending (:func:`chunks`): gRPC's Python API takes each message as a ``bytes`` object, so each chunk
 costs exactly one copy out of the caller's arrays (a slice of a ``memoryview``, or a join where a
-chunk spans several small parts); nothing else is copied.
+chunk spans several parts); nothing else is copied.
 
 Receiving (:class:`Reassembler`): the fixed header is parsed and checked against the limits first
 (``wire.read_header``: kind, envelope and payload lengths), then the envelope (``wire.read_envelope``:
@@ -23,7 +24,7 @@ limits, so an unauthenticated peer cannot make us allocate anything of size.
     >>> parts = wire.encode(wire.Kind.DATA, "t", {"k": 1}, [np.arange(10, dtype=np.int32)])
     >>> messages = list(chunks(parts, 16))
     >>> [len(m) for m in messages], sum(len(m) for m in messages) == sum(len(p) for p in parts)
-    ([16, 16, 11, 16, 16, 8], True)
+    ([16, 16, 27, 16, 8], True)
     >>> got = []
     >>> r = Reassembler(wire.DEFAULT_LIMITS)
     >>> for m in messages:
@@ -42,17 +43,24 @@ from ..core import wire
 from ..core.errors import ProtocolError
 from ..core.wire import HEADER_SIZE, Frame, Kind, Limits
 
+#: The most bytes of a frame's head that ride with the first piece of a large buffer (see :func:`chunks`);
+#: the receive limit (``grpc_config.MAX_RECEIVE_BYTES``) leaves room for them above the largest chunk.
+HEAD_ROOM = 16 << 10
 #: Limits for the frames of the handshake and the other control frames: no buffers, a small envelope.
 CONTROL_LIMITS = Limits(max_envelope_bytes=64 << 10, max_payload_bytes=0, max_buffers=0)
 
 
-def chunks(parts: Sequence, chunk_bytes: int) -> Iterator[bytes]:
-    """Cut an encoded frame (``wire.encode``'s ``[head, buffer views...]``) into ``bytes`` messages
-    of at most ``chunk_bytes``; every byte is copied once, when its message is made.
+def chunks(parts: Sequence, chunk_bytes: int, head_room: int = HEAD_ROOM) -> Iterator[bytes]:
+    """Cut an encoded frame (``wire.encode``'s ``[head, buffer views...]``) into ``bytes`` messages;
+    every byte is copied once, when its message is made.
 
-    Small parts share a message; a part that does not fit in what is left of the current message
-    starts a new one, so every buffer of at most ``chunk_bytes`` arrives whole in one message (which
-    lets the receiver use it without copying it again).
+    Small parts share a message of at most ``chunk_bytes``. A part that fits in a message of its
+    own but not in what is left of the current one starts a new message, so it arrives whole. A
+    part larger than ``chunk_bytes`` is cut into pieces of ``chunk_bytes``; the small parts before
+    it (a frame's head) ride with its first piece if they add up to at most ``head_room`` bytes (a
+    message of at most ``chunk_bytes + head_room``), else they fill what is left of their message.
+    So a frame of a 4 MiB array travels in four 1 MiB messages, not five: every gRPC message costs
+    thread hand-offs on both sides, whatever its size.
     """
     pending: list = []
     size = 0
@@ -62,10 +70,13 @@ def chunks(parts: Sequence, chunk_bytes: int) -> Iterator[bytes]:
             pending.append(part)
             size += length
             continue
-        if pending:
-            yield _join(pending)
-            pending, size = [], 0
         pos = 0
+        if pending:
+            if length > chunk_bytes:
+                pos = chunk_bytes if size <= head_room else chunk_bytes - size
+                pending.append(part[:pos])
+            yield _join(pending)
+            pending = []
         while length - pos > chunk_bytes:
             yield bytes(part[pos:pos + chunk_bytes])
             pos += chunk_bytes
