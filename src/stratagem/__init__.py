@@ -35,18 +35,23 @@ __all__ = [
     "CommunicationError", "ConfigurationError", "IncompatibleError", "PeerLostError", "PluginError",
     "ProtocolError", "StratagemError", "TaskId", "TransportClosed", "TransportTimeout",
     "communicator", "strategy", "transport", "plugin_manager", "__version__",
-    "Variable", "optimizers", "device", "replica_device_setter",
+    "Variable", "IndexedSlices", "optimizers", "device", "replica_device_setter",
 ]
 
 
 def __getattr__(name: str):
-    """``stratagem.Variable``, ``stratagem.optimizers``, ``stratagem.device`` and
-    ``stratagem.replica_device_setter``, imported at first use (keeps the import light)."""
+    """``stratagem.Variable``, ``stratagem.IndexedSlices``, ``stratagem.optimizers``, ``stratagem.device``
+    and ``stratagem.replica_device_setter``, imported at first use (keeps the import light)."""
     if name == "Variable":
         from .core.variables import Variable
 
         globals()["Variable"] = Variable
         return Variable
+    if name == "IndexedSlices":
+        from .core.sparse import IndexedSlices
+
+        globals()["IndexedSlices"] = IndexedSlices
+        return IndexedSlices
     if name in ("device", "replica_device_setter"):
         from .core import placement
 

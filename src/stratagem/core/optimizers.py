@@ -49,6 +49,7 @@ from typing import Any, ClassVar, Iterable, Mapping
 import numpy as np
 
 from .errors import ConfigurationError, StratagemError
+from .sparse import IndexedSlices, densify, is_sparse
 from .variables import Variable, _detach, array_module, current_strategy, is_device_array, to_module
 
 __all__ = ["Optimizer", "SGD", "Adam", "Adagrad", "from_config", "compute_dtype"]
@@ -216,8 +217,11 @@ class Optimizer:
                     f"variable {var.name!r} is not trainable (trainable=False); leave it out of "
                     f"apply_gradients or create it with trainable=True"
                 )
-            grad = _as_gradient(grad, var.name)
-            self._check_pair(grad, var)
+            if is_sparse(grad):
+                grad = self._sparse_gradient(grad, var)
+            else:
+                grad = _as_gradient(grad, var.name)
+                self._check_pair(grad, var)
             pairs.append((grad, var))
         if not pairs:
             raise ConfigurationError(
@@ -258,6 +262,23 @@ class Optimizer:
             f"variable {var.name!r} and this {self.name} optimizer belong to different strategies; "
             f"create both inside the same strategy.scope()"
         )
+
+    def _sparse_gradient(self, grad: IndexedSlices, var: Variable):
+        """Check an ``IndexedSlices`` gradient against its variable; keep it for a strategy that moves
+        rows (``sparse_gradients = True``: the parameter servers), else make it dense, so every other
+        path sees the same arrays as before (and the update is exactly the dense one)."""
+        if grad.dense_shape != var.shape:
+            raise ConfigurationError(
+                f"the sparse gradient of {var.name!r} is for shape {grad.dense_shape}, the variable is "
+                f"{var.shape}; build IndexedSlices(values, indices, dense_shape=var.shape)"
+            )
+        grad = IndexedSlices(_as_gradient(grad.values, var.name), grad.indices, grad.dense_shape)
+        if getattr(self.strategy, "sparse_gradients", False):
+            self._check_pair(densify(IndexedSlices(grad.values[:0], grad.indices[:0], grad.dense_shape)), var)
+            return grad.merged()
+        dense = densify(grad)
+        self._check_pair(dense, var)
+        return dense
 
     def apply_dense(self, pairs: Iterable[tuple[Any, Variable]]) -> None:
         """The local update: ``iterations += 1``, then :meth:`update_array` for each (grad, variable).

@@ -161,6 +161,11 @@ class VariableStore:
         """Make ``array`` (the variable's shape and dtype) the value."""
         raise NotImplementedError
 
+    def gather(self, indices):
+        """A copy of the rows ``indices`` (checked, int64) of the value. A remote store overrides it to
+        fetch just those rows."""
+        return self.read()[indices]
+
 
 class LocalStore(VariableStore):
     """The default store: one local array (numpy or cupy), written in place so views stay valid.
@@ -364,6 +369,29 @@ class Variable:
     def value(self):
         """The live array (numpy or cupy): writes into it are writes to the variable (for a local store)."""
         return self._store.read()
+
+    def gather(self, indices):
+        """A copy of rows ``indices`` of the value (``value[indices]``), for a step that reads a few rows
+        of a large table: on parameter servers only those rows are pulled. Pair it with an
+        :class:`~stratagem.core.sparse.IndexedSlices` gradient of the same rows.
+
+        >>> table = Variable(np.arange(12.0).reshape(6, 2), name="table")
+        >>> table.gather([4, 1]).tolist()
+        [[8.0, 9.0], [2.0, 3.0]]
+        """
+        if not self._shape:
+            raise ConfigurationError(f"variable {self._name!r} is a scalar: it has no rows to gather")
+        current = self._store.read() if self._store.live else None
+        xp = array_module(current) if current is not None else np
+        rows = xp.asarray(indices)
+        if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
+            raise ConfigurationError(f"gather from {self._name!r}: indices must be a 1-D array of integers, "
+                                     f"got {rows.dtype} of shape {tuple(rows.shape)}")
+        rows = rows.astype(np.int64, copy=False)
+        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= self._shape[0]):
+            raise ConfigurationError(f"gather from {self._name!r}: indices must be rows 0 to "
+                                     f"{self._shape[0] - 1}, got {int(rows.min())} to {int(rows.max())}")
+        return self._store.gather(rows)
 
     def numpy(self) -> np.ndarray:
         """A host numpy copy of the value (copied from the device for a cupy variable)."""
