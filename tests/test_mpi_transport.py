@@ -1,10 +1,10 @@
 """What the mpi transport does beyond the shared contract, in real mpiexec jobs.
 
 The contract itself runs over ``mpi`` in tests/test_transport_contract.py (``run_contract("mpi")``
-gives ``stratagem.testing.mpi_contract.MpiTransportContract``: the same tests, inside one job).
+gives ``stratagem.testing.mpi_contract.MpiTransportContract``: the same tests, one job per test).
 Here: the native collectives against numpy, a rank killed with SIGKILL (with and without ULFM), the
-cluster and roles an MPI world gives, ``stratagem launch --mpi``, and the errors for a world and a
-cluster that disagree.
+cluster and roles an MPI world gives, ``stratagem launch --mpi``, the errors for a world and a
+cluster that disagree, and ``start()`` with a rank that is late or never starts.
 
 Every job runs in a private network namespace holding only loopback (``unshare -n``, see
 ``stratagem.core.mpi_launch``), so nothing listens where another machine could reach it, and every
@@ -235,3 +235,43 @@ def test_mpiexec_command_runs_in_a_private_namespace_with_shared_memory_only():
         assert "btl" in cmd and cmd[cmd.index("btl") + 1].startswith("self,")
     with pytest.raises(ConfigurationError, match="mpiexec is not on PATH"):
         mpi_launch.launch_mpi([sys.executable, "-c", "pass"], workers=1, env={"PATH": "/nonexistent"})
+
+
+# -- starting: a collective with a timeout ---------------------------------------------------------
+
+_LATE_RANK = """
+    import os, time
+    from stratagem.core.cluster import ClusterResolver
+    from stratagem.core.errors import TransportTimeout
+    from stratagem.transports.mpi import MpiTransport
+    resolved = ClusterResolver.from_env()
+    rank = resolved.cluster.tasks().index(resolved.task)
+    t = MpiTransport(resolved.cluster, resolved.task, timeout=30)
+    if rank == 2:
+        time.sleep(1)  # late: the others wait for it
+    t.start()
+    print(f"STARTED {rank}", flush=True)
+    t.close()
+    if rank == 2:
+        time.sleep(4)  # never starts the second world's transport
+    else:
+        t = MpiTransport(resolved.cluster, resolved.task, timeout=2)
+        began = time.monotonic()
+        try:
+            t.start()
+        except TransportTimeout as exc:
+            print(f"TIMEOUT {rank} after {time.monotonic() - began:.1f} s: {exc}", flush=True)
+    os._exit(0)  # the abandoned MPI_Comm_idup is still outstanding: do not let MPI_Finalize wait on it
+"""
+
+
+def test_start_waits_for_a_late_rank_and_times_out_on_one_that_never_starts():
+    """start() duplicates the communicator, a collective: it waits for every rank, and a rank that
+    never starts its transport makes the others' start() raise TransportTimeout, not hang."""
+    job = mpi_launch.run_mpi_job(3, [sys.executable, "-c", textwrap.dedent(_LATE_RANK)], timeout=120, env=_env())
+    assert not job.timed_out, job.output[-3000:]
+    assert sorted(re.findall(r"^STARTED (\d)", job.output, re.M)) == ["0", "1", "2"], job.output[-3000:]
+    timeouts = re.findall(r"^TIMEOUT (\d) after ([\d.]+) s: (.*)$", job.output, re.M)
+    assert sorted(r for r, _, _ in timeouts) == ["0", "1"], job.output[-3000:]
+    for _, seconds, message in timeouts:
+        assert 1.9 <= float(seconds) < 10 and "every rank of the MPI world must start its transport" in message

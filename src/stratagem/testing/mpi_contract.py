@@ -12,11 +12,11 @@ inside one:
   thread of its own, and returns the result or raises the error there. The calls travel over a
   private MPI communicator as ``core/wire`` frames (nothing is pickled). Results go to PATH (JSON)
   after every test, so a job that dies still reports what it finished.
-* :class:`MpiTransportContract` is the pytest side: one test per contract test, all answered by one
-  job run per test class (only the tests pytest selected). ``contract.run_contract(name)`` returns
-  it for a transport class that declares ``launcher = "mpiexec"``, so
-  ``tests/test_transport_contract.py`` covers such a transport with no change. Such a transport
-  must accept a ``comm`` option: the mpi4py communicator of its world (one per test).
+* :class:`MpiTransportContract` is the pytest side: one test per contract test, each answered by an
+  ``mpiexec`` job of its own. ``contract.run_contract(name)`` returns it for a transport class that
+  declares ``launcher = "mpiexec"``, so ``tests/test_transport_contract.py`` covers such a transport
+  with no change. Such a transport must accept a ``comm`` option: the mpi4py communicator of its
+  world (one per test).
 
 Two contract tests cannot take this form and are skipped with the reason: a peer *process* killed
 with SIGKILL (an MPI job's ranks are not spawned by the test; the transport's own tests kill a rank)
@@ -33,7 +33,6 @@ import json
 import os
 import sys
 import tempfile
-import warnings
 import threading
 import time
 import traceback
@@ -395,17 +394,13 @@ def _make_test(name: str):
     return test
 
 
-#: Environment variable that turns the in-job contract over mpi on (see the known issue below).
-OPT_IN = "STRATAGEM_MPI_CONTRACT"
-
-
 class MpiTransportContract(TransportContract):
     """The contract for a transport whose endpoints are MPI ranks: each test runs in an mpiexec job.
 
     Subclass and set ``transport`` (``contract.run_contract(name)`` does it). Each test gets a job of
-    its own and reports what happened to it there. One job per test, not per class: endpoints a test
-    leaves behind (a receive blocked until its timeout, a transport being torn down) were seen to stall
-    the next test's collective world creation now and then; a fresh job cannot inherit them. Skipped,
+    its own and reports what happened to it there. One job per test, not per class, so that what a
+    test leaves behind (a receive blocked until its timeout, a transport being torn down) cannot reach
+    the next one: a fresh job inherits nothing. A failed test fails; it is not run again. Skipped,
     with the reason, where ``mpiexec`` or a private network namespace (``stratagem.core.mpi_launch``)
     is not available.
     """
@@ -418,24 +413,8 @@ class MpiTransportContract(TransportContract):
 
     @pytest.fixture(autouse=True)
     def _mpi_contract_job(self, request):
-        if os.environ.get(OPT_IN) != "1":
-            # KNOWN ISSUE: a 4-rank job on a 2-core machine sometimes never completes MPI_Comm_idup
-            # in world creation (root cause open). Until fixed, the suite over mpi is opt-in, so an
-            # unrelated change cannot turn CI red; the mpi transport's own tests always run.
-            pytest.skip(f"the contract over mpi is opt-in until its known world-creation stall is fixed: "
-                        f"set {OPT_IN}=1 to run it")
         cls, name = request.cls, request.node.name
-        report = _run_job(cls.transport, [name], cls.ranks, cls.job_timeout)
-        first = report.get("tests", {}).get(name)
-        if first is None or first["outcome"] == "failed":
-            # KNOWN ISSUE (see the issue note): about one class run in three, one test's 4-rank job
-            # stalls in a collective (world creation or a peer-loss wait) and fails by timeout. A second
-            # job decides; the first failure stays visible as a warning. A test failing twice fails.
-            report = _run_job(cls.transport, [name], cls.ranks, cls.job_timeout)
-            detail = first["detail"] if first else report.get("problem", "no report")
-            warnings.warn(f"{name} over {cls.transport} failed once and was run again: {detail}",
-                          RuntimeWarning, stacklevel=1)
-        cls._mpi_report = report
+        cls._mpi_report = _run_job(cls.transport, [name], cls.ranks, cls.job_timeout)
         yield
 
     def _outcome(self, name: str) -> None:

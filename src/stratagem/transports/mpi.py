@@ -6,11 +6,12 @@ Run every task as one rank of an MPI job (``mpiexec -n N python train.py``, or
 last M ranks ``ps`` tasks); in general MPI rank ``r`` is ``cluster.tasks()[r]`` (chief, workers, then
 the other jobs), and ``start()`` checks that the world and the cluster agree.
 
-Messages. ``start()`` duplicates the communicator (``MPI_Comm_idup``: collective, so every rank must
-start its transport; one that never does is a timeout), so our traffic never meets the application's
-own MPI messages. The duplicates are never freed (see ``_shutdown``). A message is the
-wire frame of ``core/wire.py`` (header, msgpack envelope with the tag, metadata, dtypes and shapes --
-bfloat16 included -- then the raw buffers) sent under fixed MPI tags:
+Messages. ``start()`` duplicates the communicator twice, one ``MPI_Comm_idup`` after the other
+(collective, so every rank must start its transport; one that never does is a timeout), so our
+traffic never meets the application's own MPI messages. The duplicates are never freed (see
+``_shutdown``). A message is the wire frame of ``core/wire.py`` (header, msgpack envelope with the
+tag, metadata, dtypes and shapes -- bfloat16 included -- then the raw buffers) sent under fixed MPI
+tags:
 
 * ``TAG_ENVELOPE``: the header and envelope. Small messages (``inline_bytes``, 64 KiB) carry their
   buffers in the same MPI message (one copy, one message); larger ones are followed by
@@ -223,19 +224,16 @@ class MpiTransport(MpiProgress, Transport):
                 f"let ClusterResolver.from_env() find the task"
             )
         # Duplicating is collective: it completes once every rank starts its transport. Nonblocking,
-        # so that a rank that never comes is a timeout, not a hang.
-        with self.mpi_lock:
-            (comm, first), (coll, second) = base.Idup(), base.Idup()
-        self._comm = comm  # wait_requests translates errors on it
-        try:
-            self.wait_requests([first, second], self.timeout, (), "start() (MPI_Comm_idup: every rank of the "
-                               "MPI world must start its transport)")
-        except BaseException:
-            self._comm = None
-            self.abandon([first, second], [comm, coll])
-            raise
-        for c in (comm, coll):
-            c.Set_errhandler(MPI.ERRORS_RETURN)
+        # so that a rank that never comes is a timeout, not a hang. One duplicate at a time (issue #6):
+        # with two MPI_Comm_idup outstanding on one communicator, Open MPI 5 runs their context-id
+        # agreements side by side (it serialises concurrent agreements by parent communicator, and here
+        # both have the same parent), each issuing its next internal collective on the parent when its
+        # previous one completes. That order can differ between ranks, so now and then one rank goes
+        # into a round the others never join and its duplicate never completes.
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        comm = self._duplicate(base, deadline)
+        coll = self._duplicate(base, deadline)
+        self._comm = comm
         self.coll_comm = coll
         now = time.monotonic()
         self._last_heard = {t: now for t in self._tasks if t != self.task}
@@ -244,6 +242,20 @@ class MpiTransport(MpiProgress, Transport):
                                             name=f"stratagem-mpi-{self.task.short}")
         self._background.start()
         _LIVE.add(self)
+
+    def _duplicate(self, base, deadline: float | None):
+        """``MPI_Comm_idup(base)``, polled until ``deadline``; errors on the duplicate are returned."""
+        with self.mpi_lock:
+            comm, request = base.Idup()
+        try:
+            self.wait_requests([request], None if deadline is None else max(0.0, deadline - time.monotonic()),
+                               (), "start() (MPI_Comm_idup: every rank of the MPI world must start its "
+                               "transport)", comm=base)
+        except BaseException:
+            self.abandon([request], [comm])
+            raise
+        comm.Set_errhandler(self.MPI.ERRORS_RETURN)
+        return comm
 
     def close(self) -> None:
         self._shutdown(graceful=True)
