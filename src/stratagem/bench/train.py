@@ -6,7 +6,7 @@
     stratagem bench --strategies mirrored,parameter_server:sync,parameter_server:async \\
                     --transports zmq,grpc,mpi --worker 3 --ps 2 --model mlp --steps 300 \\
                     --json results.json --plot results.png
-    stratagem bench --model embedding              # a sparse embedding: where parameter servers shine
+    stratagem bench --model embedding              # a 100k-row table a step reads ~2K rows of
     stratagem bench --model mypkg.models:build     # your own model (see stratagem.bench.models)
 
 Every combination runs as a local cluster of its own (``stratagem launch``; ``mpiexec`` for ``mpi``),

@@ -2,10 +2,10 @@
 
 A step that reads a few rows of a table (``var.gather(ids)``) has a gradient that is zero everywhere
 else. :class:`IndexedSlices` carries just those rows, as TensorFlow's type of the same name does, so
-that a strategy that can move rows moves rows: the parameter servers pull and push only them, and
-apply the update to only them. Strategies that all-reduce whole arrays (``mirrored``, ``in_graph``)
-turn the slices into the dense gradient first (:func:`densify`), as TensorFlow's ``MirroredStrategy``
-does, which is why the parameter servers shine on embeddings.
+that a strategy that can move rows may move only rows (it says so with ``sparse_gradients = True``
+and gets the merged slices in ``_apply_gradients``). Every built-in strategy turns them into the
+dense gradient first (:func:`densify`), as TensorFlow's ``MirroredStrategy`` does, so the update is
+exactly the dense one; the parameter servers pulling and pushing only the rows is the next step.
 
     >>> import numpy as np
     >>> grad = IndexedSlices(np.ones((2, 3), np.float32), np.array([4, 1]), dense_shape=(5, 3))
