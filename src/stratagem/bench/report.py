@@ -53,15 +53,39 @@ def print_table(outcomes: Sequence[Outcome], header: str, console) -> None:
     if fastest is not None:
         console.print(f"* fastest: {fastest.combination.label}"
                       + (f"; first to the target loss: {first.combination.label}" if first else ""))
-    others = [o for o in outcomes if o.status != "ok"]
-    for status in ("skipped", "failed", "timeout"):
-        group = [o for o in others if o.status == status]
+    skipped = [o for o in outcomes if o.status == "skipped"]
+    if skipped:
+        console.print(f"skipped ({len(skipped)}):")
+        for line in _skipped_lines(skipped):
+            console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+    for status in ("failed", "timeout"):
+        group = [o for o in outcomes if o.status == status]
         if group:
             console.print(f"{status} ({len(group)}):")
             for o in group:
                 console.print(f"  {o.combination.label}: {o.reason}", markup=False, highlight=False, soft_wrap=True)
                 for line in o.errors or o.output_tail[-4:]:
                     console.print(f"      {line}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _skipped_lines(skipped: Sequence[Outcome]) -> list[str]:
+    """One line per reason: ``a, b x local: why`` when the reason is one transport's (or
+    ``parameter_server:async x zmq, grpc: why`` one strategy's), so a transport that cannot run here
+    is one line, not one per strategy."""
+    by_reason: dict[str, list] = {}
+    for o in skipped:
+        by_reason.setdefault(o.reason, []).append(o.combination)
+    lines = []
+    for reason, combos in by_reason.items():
+        transports = list(dict.fromkeys(c.transport for c in combos))
+        strategies = list(dict.fromkeys(c.strategy.label for c in combos))
+        if len(transports) == 1:
+            lines.append(f"{', '.join(strategies)} x {transports[0]}: {reason}")
+        elif len(strategies) == 1:
+            lines.append(f"{strategies[0]} x {', '.join(transports)}: {reason}")
+        else:
+            lines.extend(f"{c.label}: {reason}" for c in combos)
+    return lines
 
 
 def to_json(outcomes: Sequence[Outcome], config: dict, environment: dict) -> dict:
