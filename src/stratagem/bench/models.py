@@ -82,9 +82,10 @@ def _f32(x) -> np.ndarray:
 # -- linear -----------------------------------------------------------------------------------------
 
 class Linear(BenchModel):
-    """y = 0.1 x + 0.3 learnt by W and b (TensorFlow's first tutorial)."""
+    """y = 0.1 x + 0.3 learnt by W and b (TensorFlow's first tutorial). The learning rate leaves room
+    for stale gradients: at 0.5 (the largest stable rate of one process) asynchronous workers diverge."""
 
-    name, batch_size, learning_rate, target_loss = "linear", 100, 0.5, 0.002
+    name, batch_size, learning_rate, target_loss = "linear", 100, 0.2, 0.002
 
     def init_params(self, seed):
         return {"W": _f32(_rng(seed, 1).uniform(-1.0, 1.0, 1)), "b": np.zeros(1, np.float32)}
