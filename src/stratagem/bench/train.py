@@ -152,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
     header = (f"stratagem bench: model {model.name} ({human_bytes(param_bytes)} of parameters, "
               f"batch {model.batch_size} per replica), {args.worker} replicas, {args.ps} ps, "
               f"{args.steps} steps ({args.warmup} warm-up)")
+    environment = describe_environment(workers=args.worker, ps=args.ps)   # load average before the runs
     display = _Display(err, len(combinations))
     outcomes = []
     started = time.monotonic()
@@ -171,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
               "target_loss": target, "strategies": [s.label for s in strategies], "transports": transports,
               "timeout": args.timeout}
     if args.json:
-        document = report.to_json(outcomes, config, describe_environment(workers=args.worker, ps=args.ps))
+        document = report.to_json(outcomes, config, environment)
         with open(args.json, "w") as f:
             json.dump(document, f, indent=1)
         err.print(f"wrote {args.json}", markup=False, highlight=False)
