@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import stratagem
+from stratagem.core import optimizer_chunks as chunks_module
 from stratagem.core import optimizers as optimizers_module
 from stratagem.core.errors import ConfigurationError, StratagemError
 from stratagem.core.optimizers import SGD, Adagrad, Adam, Optimizer, compute_dtype, from_config
@@ -473,6 +474,93 @@ def test_update_array_for_a_parameter_server_shard():
     np.testing.assert_allclose(shard, np.float32(0.9), rtol=1e-5)
     with pytest.raises(ConfigurationError, match="shape"):
         opt.update_array("shard", shard, np.ones(2, np.float32))
+
+
+# -- chunked updates and updates out of place -------------------------------------------------------
+
+def chunks_from(monkeypatch, nbytes, chunk=64):
+    """Every built-in rule updates variables of at least ``nbytes`` in chunks of ``chunk`` elements."""
+    monkeypatch.setattr(chunks_module, "CHUNK", chunk)
+    for cls in (SGD, Adam, Adagrad):
+        monkeypatch.setattr(cls, "chunk_from_bytes", nbytes)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 64 elements, so that small arrays take the chunked path (large ones do for real)."""
+    chunks_from(monkeypatch, 0)
+
+
+def updated(make, initial, grads, *, out=False):
+    """Run ``update_array`` over ``grads``; returns the final value and the slots (in place, or with
+    ``out=`` into alternating buffers, checking each time that the input is left alone)."""
+    opt, value = make(), np.array(initial, copy=True)
+    for g in grads:
+        opt.iterations += 1
+        if out:
+            before, target = value.copy(), np.full_like(value, 7)
+            opt.update_array("w", value, g, out=target)
+            assert value.tobytes() == before.tobytes()
+            value = target
+        else:
+            opt.update_array("w", value, g)
+    return value, {k: v.copy() for k, v in opt._slots.get("w", {}).items()}
+
+
+@pytest.mark.parametrize("grad_dtype", [np.float32, np.float64, np.int32])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("make", [c[1] for c in CASES], ids=[c[0] for c in CASES])
+def test_chunked_and_out_of_place_updates_give_the_same_bits(make, dtype, grad_dtype, monkeypatch):
+    """The whole-array update is the reference: chunked (an odd length, so the last chunk is short)
+    and out of place must give the very same bits, for the value and the slots."""
+    initial = np.random.default_rng(9).standard_normal(1000 + 3).astype(dtype)
+    grads = [(g * 3).astype(grad_dtype) for g in gradients(1003, steps=4, seed=10)]
+    chunks_from(monkeypatch, 1 << 62)                                    # whole arrays
+    whole, whole_slots = updated(make, initial, grads)
+    chunks_from(monkeypatch, 0)
+    for out in (False, True):
+        value, slots = updated(make, initial, grads, out=out)
+        assert value.tobytes() == whole.tobytes()
+        assert {k: v.tobytes() for k, v in slots.items()} == {k: v.tobytes() for k, v in whole_slots.items()}
+
+
+@pytest.mark.parametrize("make, reference", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_chunked_updates_match_the_reference(make, reference, small_chunks):
+    initial = np.random.default_rng(1).standard_normal((40, 7))
+    grads = gradients((40, 7))
+    w = run(make(), initial, grads)
+    np.testing.assert_allclose(w.numpy(), reference(initial, grads), rtol=1e-12, atol=1e-14)
+
+
+def test_chunked_update_with_the_variable_as_its_gradient(small_chunks):
+    w = Variable(np.linspace(-1, 1, 300), name="w")
+    reference = Variable(np.linspace(-1, 1, 300), name="w_ref")
+    opt, opt_ref = Adam(0.1), Adam(0.1)
+    for _ in range(3):
+        opt.apply_gradients([(w.value, w)])
+        opt_ref.apply_gradients([(reference.numpy(), reference)])
+    np.testing.assert_array_equal(w.numpy(), reference.numpy())
+
+
+def test_a_subclass_overriding_update_is_not_chunked_unless_it_says_so(small_chunks):
+    """Clipping by the gradient's norm is not elementwise: run in chunks it would clip each chunk."""
+    class Clipped(SGD):
+        def _update(self, xp, w, g, slots, t):
+            super()._update(xp, w, g / max(1.0, float(np.linalg.norm(g))), slots, t)
+
+    w = Variable(np.zeros(1000), name="w")
+    Clipped(1.0).apply_gradients([(np.ones(1000), w)])
+    np.testing.assert_allclose(w.numpy(), -1.0 / np.sqrt(1000))
+
+
+def test_update_array_out_must_be_a_separate_array_like_the_value():
+    opt = SGD(0.1)
+    opt.iterations += 1
+    value = np.ones(4, np.float32)
+    for bad in (np.ones(3, np.float32), np.ones(4, np.float64), value, value[::-1]):
+        with pytest.raises(ConfigurationError, match="out="):
+            opt.update_array("w", value, np.ones(4, np.float32), out=bad)
+    np.testing.assert_array_equal(value, 1.0)
 
 
 def test_a_variable_with_a_remote_store_is_written_back():

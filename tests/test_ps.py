@@ -5,7 +5,9 @@ transport: servers and clients are threads of this process, so these tests are f
   partitioning (and the reassembly of a partitioned variable, bit for bit);
 - the service: batched and concurrent requests, server-side optimizers with slots, the three modes
   (async, sync with stale gradients dropped, bounded staleness), exact accounting of pushes, the
-  errors a server answers, a lost shard named within the timeout, when a server stops.
+  errors a server answers, a lost shard named within the timeout, when a server stops;
+- replies in parts (each copied in as it arrives) and the double buffering of values that replies
+  still send (a reply keeps its version however many updates follow).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from stratagem.core.placement import (
     replica_device_setter,
 )
 from stratagem.core.ps import ParameterServer, PSClient, RemoteError, ShardLostError
+from stratagem.core.transport import SendHandle
 from stratagem.transports.local import LocalFabric, LocalTransport
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -455,6 +458,71 @@ def test_server_stops_when_every_replica_left_and_reports_failures(service):
     svc3.clients[1].transport.abort()                          # a non-chief worker dies: not a failure
     svc3.threads[0].join(5)
     assert isinstance(svc3.outcomes[0], dict) and not svc3.threads[0].is_alive()
+
+
+# -- replies in parts; replies still being sent ---------------------------------------------------------------
+
+def test_large_replies_come_in_parts_each_handed_over_as_it_arrives(service, monkeypatch):
+    monkeypatch.setattr(protocol_module, "REPLY_PART_BYTES", 32)         # two 16-byte pieces a part
+    svc = service(ps=1)
+    names = [f"p{i}" for i in range(5)]
+    svc.init(ASYNC, {0: {n: np.full(4, i, np.float32) for i, n in enumerate(names)}}, SGD1)
+    client = svc.clients[0]
+    reply = client.pull()[0]
+    assert reply.meta["names"] == names and "part" not in reply.meta
+    assert [b.tolist() for b in reply.buffers] == [[float(i)] * 4 for i in range(5)]
+    seen = []
+    grads = {0: (["p1", "p3"], [np.ones(4, np.float32)] * 2)}
+    replies = client.push(grads, pull=True, on_reply=lambda i, r: seen.append((r.meta["names"], "status" in r.meta)))
+    assert seen == [(["p0", "p1"], False), (["p2", "p3"], False), (["p4"], True)]   # only the last has the status
+    assert replies[0].meta["status"] == "applied" and replies[0].meta["names"] == names
+    assert [b[0] for b in replies[0].buffers] == [0.0, 0.0, 2.0, 2.0, 4.0]          # p1 and p3 updated
+    assert svc.servers[0].step == 1 and client.acks[0]["applied"] == 1
+
+
+class _Unfinished(SendHandle):
+    """A send the transport has not finished reading: the server must leave its arrays alone."""
+
+    def __init__(self):
+        self.finished = False
+
+    def done(self):
+        return self.finished
+
+    def wait(self, timeout=None):
+        self.finished = True
+
+
+def test_a_reply_still_being_sent_keeps_its_version(service):
+    svc = service(ps=1)
+    svc.init(ASYNC, optimizer=SGD1)
+    server, client = svc.servers[0], svc.clients[0]
+    sends = []                                       # (handle, the arrays the reply sends, by reference)
+    deliver = server.transport.send_async
+
+    def unfinished_send(dst, tag, msg, timeout=None):
+        deliver(dst, tag, msg, timeout)              # the local transport hands the requester a copy
+        sends.append((_Unfinished(), list(msg.buffers)))
+        return sends[-1][0]
+    server.transport.send_async = unfinished_send
+
+    def push():
+        return client.push({0: (["w0"], [np.ones(4, np.float32)])}, pull=True)[0].buffers[0][0]
+
+    assert push() == -1.0
+    first = sends[-1][1][0]
+    assert push() == -2.0                            # written into a second array
+    assert server.values["w0"] is not first and first.tolist() == [-1.0] * 4
+    assert push() == -3.0 and server.replies.allocated == 2
+    second = sends[-2][1][0]
+    assert first.tolist() == [-1.0] * 4 and second.tolist() == [-2.0] * 4
+    assert push() == -4.0                            # 3 arrays, all being read: waits for the oldest
+    assert server.replies.allocated == 2 and sends[0][0].finished and server.values["w0"] is first
+    assert second.tolist() == [-2.0] * 4
+    for handle, _ in sends:
+        handle.finished = True
+    current = server.values["w0"]
+    assert push() == -5.0 and server.values["w0"] is current    # nothing reads it: in place
 
 
 def test_mode_options_are_checked():

@@ -36,19 +36,23 @@ the update into ``m / epsilon``. Everything else about a slot is "like the varia
 array module (numpy or cupy), created lazily at the variable's first update, keyed by its name.
 
 Updates are deterministic (the same inputs give the same bits) and never write into the gradient.
-An optimizer is not thread-safe: callers serialise ``apply_dense`` (distinct variables may be updated
-from different threads with ``update_array``).
+The built-in rules are elementwise, so large numpy variables are updated in cache-sized chunks with
+reused temporaries (:mod:`stratagem.core.optimizer_chunks`): the same bits, without allocating and
+streaming a variable-sized temporary per step. An optimizer is not thread-safe: callers serialise
+``apply_dense`` (distinct variables may be updated from different threads with ``update_array``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
-from typing import Any, ClassVar, Iterable, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import numpy as np
 
 from .errors import ConfigurationError, StratagemError
+from .optimizer_chunks import chunkable, scratch, update_chunked
 from .sparse import IndexedSlices, densify, is_sparse
 from .variables import Variable, _detach, array_module, current_strategy, is_device_array, to_module
 
@@ -117,7 +121,13 @@ class Optimizer:
 
     A subclass sets ``name``, lists its slots in :meth:`slot_names` and implements
     ``_update(xp, w, g, slots, t)``, which updates ``w`` and the slot arrays in place (all of the
-    compute dtype, all of module ``xp``).
+    compute dtype, all of module ``xp``). It may also implement ``_update_into(xp, src, w, g, slots,
+    t)``, which writes the update of ``src`` into ``w`` (``src`` itself or another array of its
+    shape), so that an update out of place (``update_array(..., out=)``) costs no extra copy; and set
+    ``elementwise = True`` when each element of its update depends only on the same element of ``w``,
+    ``g`` and the slots, so that large numpy variables are updated chunk by chunk. A subclass of a
+    built-in that overrides ``_update`` gets its own rule, whole arrays at a time, unless it sets
+    ``elementwise = True`` itself.
 
     >>> import numpy as np
     >>> from stratagem.core.variables import Variable
@@ -133,6 +143,12 @@ class Optimizer:
 
     #: The optimizer's name, as written in ``get_config()["name"]`` and looked up by ``from_config``.
     name: ClassVar[str] = "Optimizer"
+    #: True when an element of the update depends only on the same element of the variable, the
+    #: gradient and the slots: the update may then run over chunks of the flat arrays.
+    elementwise: ClassVar[bool] = False
+    #: Bytes of a variable from which an elementwise update runs in chunks (``None``: the default,
+    #: :data:`~stratagem.core.optimizer_chunks.CHUNK_FROM_BYTES`; rules of many passes set less).
+    chunk_from_bytes: ClassVar[int | None] = None
 
     def __init__(self, learning_rate: float):
         self.learning_rate = learning_rate
@@ -310,12 +326,15 @@ class Optimizer:
         if owner is None:
             self._owners[var.name] = weakref.ref(var)
 
-    def update_array(self, name: str, value, grad) -> None:
+    def update_array(self, name: str, value, grad, out=None) -> None:
         """Update the array ``value`` (numpy or cupy) in place with ``grad``, using the slots of ``name``.
 
         The per-variable step of :meth:`apply_dense`, also usable where there is no ``Variable`` (a
         parameter server applying a pushed gradient to its shard). It uses ``iterations`` as it is:
-        increment it first (``apply_dense`` does).
+        increment it first (``apply_dense`` does). With ``out`` (an array of ``value``'s shape, dtype
+        and module) the new value is written there and ``value`` is left as it was; the slots are
+        updated either way. A parameter server uses it to update into a second buffer while the
+        first is still being sent.
 
         >>> import numpy as np
         >>> opt = Adagrad(learning_rate=0.1, initial_accumulator_value=0.0, epsilon=0.0)
@@ -341,18 +360,47 @@ class Optimizer:
                 f"the gradient of {name!r} has shape {tuple(grad.shape)}, the variable "
                 f"{tuple(value.shape)}; gradients must have their variable's shape"
             )
+        if out is None:
+            out = value
+        elif (tuple(out.shape) != tuple(value.shape) or np.dtype(out.dtype) != dtype
+              or array_module(out) is not xp or xp.may_share_memory(out, value)):
+            raise ConfigurationError(
+                f"update_array(out=) of {name!r} must be a separate array of the variable's shape "
+                f"{tuple(value.shape)}, dtype {dtype} and module {xp.__name__}"
+            )
+        if xp.may_share_memory(grad, value) or (out is not value and xp.may_share_memory(grad, out)):
+            grad = grad.copy()  # the update must not change the gradient while reading it
         work_dtype = compute_dtype(dtype)
-        w = value if work_dtype == dtype else value.astype(work_dtype)
-        g = grad.astype(work_dtype, copy=False)
-        if g is grad and xp.may_share_memory(g, value):
-            g = g.copy()  # the update must not change the gradient while reading it
         slots = self._slots_for(name, xp, tuple(value.shape), work_dtype)
-        self._update(xp, w, g, slots, self.iterations)
-        if w is not value:
-            xp.copyto(value, w, casting="unsafe")
+        update_into, elementwise = self._rule()
+        if elementwise and chunkable(value, out, grad, slots, self.chunk_from_bytes):
+            update_chunked(update_into, value, out, grad, slots, self.iterations, work_dtype)
+            return
+        g = grad.astype(work_dtype, copy=False)
+        if work_dtype == dtype:
+            update_into(xp, value, out, g, slots, self.iterations)
+            return
+        w = value.astype(work_dtype)
+        update_into(xp, w, w, g, slots, self.iterations)
+        xp.copyto(out, w, casting="unsafe")
 
     def _update(self, xp, w, g, slots: dict[str, Any], t: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement _update(xp, w, g, slots, t)")
+
+    def _rule(self) -> tuple[Callable, bool]:
+        """The update to run, ``(update_into, may run in chunks)``, by :func:`_rule_of` its class."""
+        into, chunked = _rule_of(type(self))
+        return into.__get__(self), chunked
+
+    def _update_into(self, xp, src, w, g, slots: dict[str, Any], t: int) -> None:
+        """Write the update of ``src`` into ``w`` (``src`` itself, or an array of its shape and dtype).
+
+        The default copies ``src`` into ``w`` and calls ``_update``; the built-in rules read ``src``
+        and write ``w`` directly.
+        """
+        if w is not src:
+            xp.copyto(w, src)
+        self._update(xp, w, g, slots, t)
 
     def _slots_for(self, name: str, xp, shape, dtype) -> dict[str, Any]:
         slots = self._slots.get(name)
@@ -483,6 +531,7 @@ class SGD(Optimizer):
     """
 
     name = "SGD"
+    elementwise = True
 
     def __init__(self, learning_rate: float = 0.01, momentum: float = 0.0, nesterov: bool = False):
         super().__init__(learning_rate)
@@ -498,19 +547,27 @@ class SGD(Optimizer):
         return {**super().get_config(), "momentum": self.momentum, "nesterov": self.nesterov}
 
     def _update(self, xp, w, g, slots, t):
-        scaled = xp.multiply(g, self.learning_rate)           # lr * g
+        self._update_into(xp, w, w, g, slots, t)
+
+    def _update_into(self, xp, src, w, g, slots, t):
+        # The same ufuncs, in the same order and dtypes, as ``scaled = lr * g; w -= scaled`` etc.
+        # over whole arrays (bit-for-bit), with the temporaries from ``scratch``.
         if self.momentum == 0:
-            w -= scaled
+            scaled, = scratch(xp, g, 1)
+            xp.multiply(g, self.learning_rate, out=scaled)    # lr * g
+            xp.subtract(src, scaled, out=w)
             return
+        scaled, step = scratch(xp, g, 2) if self.nesterov else (*scratch(xp, g, 1), None)
+        xp.multiply(g, self.learning_rate, out=scaled)
         v = slots["momentum"]
         v *= self.momentum
         v -= scaled                                           # v = momentum * v - lr * g
         if self.nesterov:
-            step = xp.multiply(v, self.momentum)
+            xp.multiply(v, self.momentum, out=step)
             step -= scaled                                    # momentum * v - lr * g
-            w += step
+            xp.add(src, step, out=w)
         else:
-            w += v
+            xp.add(src, v, out=w)
 
 
 class Adam(Optimizer):
@@ -530,6 +587,8 @@ class Adam(Optimizer):
     """
 
     name = "Adam"
+    elementwise = True
+    chunk_from_bytes = 1 << 20     # ten passes over the arrays: chunks pay from the smallest size
 
     def __init__(self, learning_rate: float = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
                  epsilon: float = 1e-7):
@@ -545,10 +604,14 @@ class Adam(Optimizer):
         return {**super().get_config(), "beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon}
 
     def _update(self, xp, w, g, slots, t):
+        self._update_into(xp, w, w, g, slots, t)
+
+    def _update_into(self, xp, src, w, g, slots, t):
         b1, b2 = self.beta_1, self.beta_2
         lr_t = self.learning_rate * math.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t)
         m, v = slots["m"], slots["v"]
-        tmp = xp.subtract(g, m)
+        tmp, step = scratch(xp, g, 2)
+        xp.subtract(g, m, out=tmp)
         tmp *= 1.0 - b1
         m += tmp                                              # m += (g - m) * (1 - beta_1)
         xp.multiply(g, g, out=tmp)
@@ -557,9 +620,9 @@ class Adam(Optimizer):
         v += tmp                                              # v += (g*g - v) * (1 - beta_2)
         xp.sqrt(v, out=tmp)
         tmp += self.epsilon                                   # sqrt(v) + epsilon
-        step = xp.multiply(m, lr_t)
+        xp.multiply(m, lr_t, out=step)
         step /= tmp
-        w -= step                                             # w -= lr_t * m / (sqrt(v) + epsilon)
+        xp.subtract(src, step, out=w)                         # w -= lr_t * m / (sqrt(v) + epsilon)
 
 
 class Adagrad(Optimizer):
@@ -577,6 +640,8 @@ class Adagrad(Optimizer):
     """
 
     name = "Adagrad"
+    elementwise = True
+    chunk_from_bytes = 1 << 20     # seven passes over the arrays: chunks pay from the smallest size
 
     def __init__(self, learning_rate: float = 0.001, initial_accumulator_value: float = 0.1,
                  epsilon: float = 1e-7):
@@ -595,14 +660,42 @@ class Adagrad(Optimizer):
                 "epsilon": self.epsilon}
 
     def _update(self, xp, w, g, slots, t):
+        self._update_into(xp, w, w, g, slots, t)
+
+    def _update_into(self, xp, src, w, g, slots, t):
         acc = slots["accumulator"]
-        tmp = xp.multiply(g, g)
+        tmp, step = scratch(xp, g, 2)
+        xp.multiply(g, g, out=tmp)
         acc += tmp                                            # acc += g*g
         xp.sqrt(acc, out=tmp)
         tmp += self.epsilon
-        step = xp.multiply(g, self.learning_rate)
+        xp.multiply(g, self.learning_rate, out=step)
         step /= tmp
-        w -= step                                             # w -= lr * g / (sqrt(acc) + epsilon)
+        xp.subtract(src, step, out=w)                         # w -= lr * g / (sqrt(acc) + epsilon)
+
+
+@functools.lru_cache(maxsize=None)
+def _rule_of(cls: type) -> tuple[Callable, bool]:
+    """``(the _update_into function, whether it may run in chunks)`` for an optimizer class.
+
+    The most derived class that defines ``_update`` or ``_update_into`` decides: its ``_update_into``
+    if it defines one, else the generic ``Optimizer._update_into`` around its ``_update`` (e.g. a
+    subclass of SGD clipping the gradient by its norm); in chunks only if that class or a subclass
+    of it says ``elementwise = True``.
+
+    >>> class Clipped(SGD):
+    ...     def _update(self, xp, w, g, slots, t):
+    ...         super()._update(xp, w, g / max(1.0, float(np.linalg.norm(g))), slots, t)
+    >>> _rule_of(SGD) == (SGD._update_into, True), _rule_of(Clipped) == (Optimizer._update_into, False)
+    (True, True)
+    """
+    mro = cls.__mro__
+    for index, klass in enumerate(mro):
+        if "_update_into" in vars(klass) or "_update" in vars(klass):
+            into = klass._update_into if "_update_into" in vars(klass) else Optimizer._update_into
+            declared = next((vars(k)["elementwise"] for k in mro[:index + 1] if "elementwise" in vars(k)), False)
+            return into, bool(declared)
+    return Optimizer._update_into, False
 
 
 # -- configs ------------------------------------------------------------------------------------------

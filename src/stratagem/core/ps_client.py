@@ -16,6 +16,7 @@ See :mod:`stratagem.core.ps_server` for an example.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter, defaultdict
@@ -60,9 +61,11 @@ class PSClient:
         """Send ``requests`` (``{shard index: Message}``), all first, then wait for every reply.
 
         Returns ``{shard index: reply}``; ``on_reply(index, reply)``, if given, is called with each
-        successful reply as it arrives (so its data can be used while other shards still answer). A
-        refused request raises ``RemoteError`` with the server's message (after every reply has
-        arrived, so the next call starts clean).
+        successful reply as it arrives (so its data can be used while other shards still answer), and
+        with each part of a reply that comes in parts (see :mod:`~stratagem.core.ps_protocol`): only
+        the last part has the reply's status. The reply returned holds every part's names and
+        buffers. A refused request raises ``RemoteError`` with the server's message (after every
+        reply has arrived, so the next call starts clean).
         """
         timeout = self.timeout if timeout is None else timeout
         with self._lock:
@@ -71,18 +74,49 @@ class PSClient:
                 self._next_id += 1
                 ids[index] = self._next_id
                 message.meta["id"] = self._next_id
-                try:
-                    self.transport.send(self.shards[index], REQUEST_TAG, message, timeout=timeout)
-                except PeerLostError as exc:
-                    raise self._lost(index, exc) from None
-                except TransportTimeout as exc:
-                    raise TransportTimeout(f"parameter-server shard {self.shards[index]}{self._holding(index)} "
-                                           f"cannot be reached: {exc}") from None
+            self._send_all(requests, timeout)
             return self._gather(ids, timeout, on_reply)
+
+    def _send_all(self, requests: Mapping[int, Message], timeout: float | None) -> None:
+        """Start every request, then wait until the transport is done with their arrays.
+
+        Not one by one: every shard's request is on its way before any is finished, so the shards
+        start working together (a blocking send per shard made the last shard wait for the others'
+        bytes). Waiting before any reply is absorbed means a reply is never copied into memory that
+        a request still reads (a gradient may be a view of a variable).
+        """
+        handles = []
+        try:
+            for index, message in requests.items():
+                with self._naming(index):
+                    handles.append((index, self.transport.send_async(self.shards[index], REQUEST_TAG, message,
+                                                                     timeout=timeout)))
+            for index, handle in handles:
+                with self._naming(index):
+                    handle.wait(timeout)
+            handles = []
+        finally:
+            for _, handle in handles:  # failing: the caller may change its arrays once we raise
+                try:
+                    handle.wait(timeout)
+                except CommunicationError:
+                    pass
+
+    @contextlib.contextmanager
+    def _naming(self, index: int):
+        """Errors sending to shard ``index`` name the shard and the pieces it holds."""
+        try:
+            yield
+        except PeerLostError as exc:
+            raise self._lost(index, exc) from None
+        except TransportTimeout as exc:
+            raise TransportTimeout(f"parameter-server shard {self.shards[index]}{self._holding(index)} "
+                                   f"cannot be reached: {exc}") from None
 
     def _gather(self, ids: dict[int, int], timeout: float | None, on_reply=None) -> dict[int, Message]:
         by_task = {self.shards[index]: index for index in ids}
         replies: dict[int, Message] = {}
+        parts: dict[int, list[Message]] = {}     # the earlier parts of replies that come in parts
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(replies) < len(ids):
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -101,9 +135,15 @@ class PSClient:
             index = by_task.get(reply.src)
             if index is None or reply.meta.get("id") != ids[index]:
                 continue  # the late reply to an earlier call that timed out
-            replies[index] = reply
-            if on_reply is not None and "error" not in reply.meta:
+            ok = "error" not in reply.meta
+            if ok and on_reply is not None:
                 on_reply(index, reply)
+            if ok and reply.meta.get("part", 0) + 1 < reply.meta.get("parts", 1):
+                parts.setdefault(index, []).append(reply)
+                continue
+            if ok and index in parts:
+                reply = _joined(parts.pop(index) + [reply])
+            replies[index] = reply
             self._check_lost(ids, replies)
         errors = [(i, r) for i, r in sorted(replies.items()) if "error" in r.meta]
         if errors:
@@ -199,3 +239,11 @@ class PSClient:
                 self.call({index: Message({"op": "bye", "error": error})}, timeout=timeout)
             except (CommunicationError, RemoteError):
                 pass
+
+
+def _joined(parts: list[Message]) -> Message:
+    """One reply from its parts: the last part's metadata with every part's names and buffers."""
+    last = parts[-1]
+    meta = {key: value for key, value in last.meta.items() if key not in ("part", "parts")}
+    meta["names"] = [name for part in parts for name in part.meta.get("names") or []]
+    return Message(meta, [buffer for part in parts for buffer in part.buffers], last.src)

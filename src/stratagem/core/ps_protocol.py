@@ -7,6 +7,12 @@ reply) and the operation's plain-data arguments; ``buffers`` hold the arrays (va
 the order ``meta["names"]`` lists them. The reply comes back under the tag ``ps.reply``, with
 ``ok: True`` or ``error`` (a message) and ``error_type``. Nothing is pickled.
 
+A reply carrying values (``pull``, and ``push`` with ``pull``) of more than :data:`REPLY_PART_BYTES`
+comes in parts: messages with ``part`` (0, 1, ...) and ``parts``, each with the ``names`` of its
+buffers; only the last has ``ok`` and the rest of the reply. The requester copies a part into place
+while the next is still on the wire, and a ps task answering an ``async`` push sends each part as
+soon as its pieces are updated. Every part of a reply holds the same version of the values.
+
 Operations (the server's ``_op_<name>`` methods):
 
 ==============  ==========================================================================================
@@ -47,6 +53,34 @@ MODES = ("async", "sync", "bounded")
 
 #: Outcomes of a push, as the reply's ``status`` says.
 APPLIED, DROPPED, STOPPED = "applied", "dropped", "stopped"
+
+#: Value bytes per part of a reply (see the module doc). Parts of a few MB keep the per-message cost
+#: small next to the bytes and still give the requester something to copy while the rest arrives.
+REPLY_PART_BYTES = 8 << 20
+
+
+def split_parts(sizes, part_bytes: int | None = None) -> list[list[int]]:
+    """Group the indices of buffers of ``sizes`` bytes, in order, into parts of at least
+    ``part_bytes`` (default :data:`REPLY_PART_BYTES`; the last part may be smaller, but not less than
+    half of it unless it is the only one).
+
+    >>> split_parts([4, 4, 4, 4, 1], part_bytes=8)
+    [[0, 1], [2, 3, 4]]
+    >>> split_parts([3, 3], part_bytes=8)
+    [[0, 1]]
+    """
+    part_bytes = REPLY_PART_BYTES if part_bytes is None else part_bytes
+    parts: list[list[int]] = [[]]
+    filled = 0
+    for index, size in enumerate(sizes):
+        if filled >= part_bytes:
+            parts.append([])
+            filled = 0
+        parts[-1].append(index)
+        filled += int(size)
+    if len(parts) > 1 and sum(int(sizes[i]) for i in parts[-1]) < part_bytes // 2:
+        parts[-2].extend(parts.pop())  # no small tail part: it would cost a message for little
+    return parts
 
 
 class ShardLostError(PeerLostError):

@@ -18,6 +18,10 @@ How a push is applied depends on the job's mode:
   *clock*) and holds the acknowledgement of a replica more than ``s`` pushes ahead of the slowest
   active one, until the slowest catches up.
 
+Replies carry the values by reference and are not waited for: an update that finds a piece's array
+still being sent writes the new version into another array of the piece
+(:mod:`stratagem.core.ps_buffers`), so a reply carries one version of every piece, never a torn mix.
+
 A push is applied before it is acknowledged, so an acknowledged push is never lost; the counters
 (:meth:`ParameterServer.stats`) let a test check that updates applied equal pushes acknowledged.
 
@@ -67,6 +71,7 @@ from .errors import (
     TransportTimeout,
 )
 from .optimizers import from_config
+from .ps_buffers import ReplyBuffers
 from .ps_consistency import StalenessGate, SyncRound
 from .ps_protocol import (
     APPLIED,
@@ -78,6 +83,7 @@ from .ps_protocol import (
     piece_shape,
     same_spec,
     spec_dtype,
+    split_parts,
     task_key,
 )
 from .transport import Message, Transport
@@ -134,6 +140,8 @@ class ParameterServer:
         self._round = SyncRound()
         self._gate: StalenessGate | None = None    # bounded, on the clock shard
         self._serving = False
+        #: The value arrays unfinished replies read, and the spare arrays updates write into meanwhile.
+        self.replies = ReplyBuffers(timeout if timeout is not None else transport.timeout)
 
     # -- the loop ----------------------------------------------------------------------------------
     def serve(self) -> dict:
@@ -158,6 +166,8 @@ class ParameterServer:
                         break
         finally:
             self._serving = False
+            # The last replies may still be going out: let them finish before the transport closes.
+            self.replies.wait_all(self.linger)
         failure = self._failure()
         if failure:
             raise StratagemError(f"{self.task}: {failure}")
@@ -171,6 +181,7 @@ class ParameterServer:
         who = task_key(src)
         if who in self._bye and op != "bye":
             del self._bye[who]  # a new incarnation of a replica that had left
+        self.replies.prune()
         try:
             if handler is None:
                 raise _RequestError(f"unknown operation {op!r}")
@@ -187,13 +198,42 @@ class ParameterServer:
             self._send(src, {"id": request_id, "ok": True, **reply_meta}, buffers)
 
     def _send(self, dst: TaskId, meta: dict, buffers=()) -> None:
-        # A blocking send: the transport is done with the values when it returns, so the next update
-        # may change them. (Sending from a snapshot without waiting was measured slower: the copy costs
-        # more CPU than the overlap saves when the tasks share few cores.)
+        """Send a reply; one whose buffers are the values of ``meta["names"]`` goes in parts."""
+        buffers = list(buffers)
+        names = meta.get("names")
+        if not buffers or not isinstance(names, list) or len(names) != len(buffers):
+            self._send_part(dst, meta, buffers)
+            return
+        groups = split_parts([b.nbytes for b in buffers])
+        for k, group in enumerate(groups):
+            part = {"id": meta.get("id"), "names": [names[i] for i in group], "part": k, "parts": len(groups)}
+            if k == len(groups) - 1:
+                part = {**meta, **part}
+            if not self._send_part(dst, part, [buffers[i] for i in group]):
+                return
+
+    def _send_part(self, dst: TaskId, meta: dict, buffers: list) -> bool:
+        # Not waited for: the server goes on with the next request while the transport still reads
+        # the value arrays, and ``self.replies`` keeps the next update out of them. (A blocking send
+        # held the server idle for the whole transfer; copying the values into the reply instead
+        # cost a full pass over them.)
         try:
-            self.transport.send(dst, REPLY_TAG, Message(meta, list(buffers)), timeout=self.timeout)
+            handle = self.transport.send_async(dst, REPLY_TAG, Message(meta, buffers), timeout=self.timeout)
         except CommunicationError as exc:  # the requester is gone: what it asked for stays done
             log.warning("%s: could not answer %s: %s", self.task, dst, exc)
+            return False
+        self.replies.sent(handle, buffers)
+        return True
+
+    def _replace(self, name: str, write) -> None:
+        """Give piece ``name`` a new version: ``write(old, target)`` writes it into ``target``, which
+        is ``old`` itself unless a reply still reads ``old`` (then a spare array, made current)."""
+        old = self.values[name]
+        target = self.replies.target(name, old)
+        write(old, target)
+        if target is not old:
+            self.values[name] = target
+            self.replies.retire(name, old)
 
     # -- membership --------------------------------------------------------------------------------
     def _check_members(self, now: float) -> bool:
@@ -304,7 +344,7 @@ class ParameterServer:
         for name, value in zip(names, buffers):
             self._check_value(self.specs[name], value, "the assigned value")
         for name, value in zip(names, buffers):
-            np.copyto(self.values[name], value, casting="same_kind")
+            self._replace(name, lambda old, target, value=value: np.copyto(target, value, casting="same_kind"))
         return self._status(), []
 
     def _op_optimizer(self, src, request_id, meta, buffers):
@@ -347,7 +387,7 @@ class ParameterServer:
         for name, value in zip(names, buffers):
             self._check_value(self.specs[name], value, "the checkpoint value")
         for name, value in zip(names, buffers):
-            np.copyto(self.values[name], value, casting="same_kind")
+            self._replace(name, lambda old, target, value=value: np.copyto(target, value, casting="same_kind"))
         rest = iter(buffers[len(names):])
         state_slots = {}
         for name, slot_names in slots.items():
@@ -434,6 +474,9 @@ class ParameterServer:
             self._round.add(who, names, buffers, weight, (src, request_id, pull))
             self._maybe_finish_round()
             return None  # answered when the round completes
+        if mode == "async" and pull and len(set(names)) == len(names):
+            self._apply_streaming(src, request_id, who, names, buffers)
+            return None  # answered part by part
         self._apply(names, buffers)
         self.counters["updates"] += 1
         if mode == "bounded" and self.config.get("clock") == task_key(self.task):
@@ -453,11 +496,41 @@ class ParameterServer:
 
     def _apply(self, names: list[str], grads: list) -> None:
         """One optimizer step over ``names`` (no names: the step still counts, as for every shard)."""
-        optimizer = self.optimizer
-        optimizer.iterations += 1
+        self.optimizer.iterations += 1
         for name, grad in zip(names, grads):
-            optimizer.update_array(name, self.values[name], grad)
+            self._update(name, grad)
         self.step += 1
+
+    def _update(self, name: str, grad) -> None:
+        optimizer = self.optimizer
+        self._replace(name, lambda old, target: optimizer.update_array(
+            name, old, grad, out=None if target is old else target))
+
+    def _apply_streaming(self, src: TaskId, request_id, who: str, names: list[str], grads: list) -> None:
+        """An ``async`` push that asks for the values back: :meth:`_apply`, with the reply sent in
+        parts, each as soon as its pieces are updated, so that the update of the next part overlaps
+        the transfer of this one. No other request is handled in between, so every part carries the
+        values of this step, as one reply would."""
+        pieces = list(self.specs)
+        grad_of = dict(zip(names, grads))
+        groups = [[pieces[i] for i in group] for group in split_parts([self.values[n].nbytes for n in pieces])]
+        self.optimizer.iterations += 1
+        sending = True
+        for k, group in enumerate(groups):
+            for name in group:
+                if name in grad_of:
+                    self._update(name, grad_of[name])
+            if sending and k < len(groups) - 1:
+                # A requester that is gone gets no more parts; the update still completes.
+                sending = self._send_part(src, {"id": request_id, "names": group, "part": k, "parts": len(groups)},
+                                          [self.values[n] for n in group])
+        self.step += 1
+        self.counters["updates"] += 1
+        reply_meta, _ = self._count(who, APPLIED, False)
+        if sending:
+            last = {"names": groups[-1], "part": len(groups) - 1, "parts": len(groups)}
+            self._send_part(src, {"id": request_id, "ok": True, **reply_meta, **last},
+                            [self.values[n] for n in groups[-1]])
 
     # sync
     def _maybe_finish_round(self) -> None:

@@ -339,8 +339,12 @@ class PSStrategyBase(Strategy):
             for index, meta in self._client.hello().items():
                 self._note(index, meta)
         pull = bool(self.config["pull_with_push"])
-        replies = self._client.push(by_shard, versions=self._versions, weight=self._push_weight(), pull=pull,
-                                    on_reply=self._absorb_one if pull else None)
+        try:
+            replies = self._client.push(by_shard, versions=self._versions, weight=self._push_weight(), pull=pull,
+                                        on_reply=self._absorb_one if pull else None)
+        except BaseException:
+            self._stale = True   # some parts of the replies may be copied in already: read afresh
+            raise
         self.last_push = {i: r.meta.get("status") for i, r in replies.items()}
         if pull:
             self._stale = False      # every reply was copied in as it arrived
