@@ -21,7 +21,8 @@ import os
 import sys
 
 from stratagem.bench import collectives
-from stratagem.bench.collectives import child_env, make_console
+from stratagem.bench.collectives import make_console
+from stratagem.bench.collectives_jobs import child_env
 from stratagem.bench.environment import describe_environment as environment
 from stratagem.bench.units import human_bytes as human, parse_size as parse_bytes
 

@@ -24,7 +24,8 @@ import statistics
 import sys
 import time
 
-from stratagem.bench.collectives import make_console, run_job, transport_contender
+from stratagem.bench.collectives import make_console
+from stratagem.bench.collectives_jobs import run_job, transport_contender
 from stratagem.bench.environment import describe_environment
 from stratagem.bench.units import human_bytes, parse_size
 
