@@ -1,7 +1,8 @@
 """The optimizers: ``stratagem.optimizers.SGD``, ``Adam``, ``Adagrad`` (Keras/TF update rules).
 
 Create them inside ``strategy.scope()`` so that ``apply_gradients`` synchronises the replicas; see
-:mod:`stratagem.core.optimizers` for the update rules and precision.
+:mod:`stratagem.core.optimizers` for the update rules and :mod:`stratagem.core.optimizer_base` for
+precision.
 
 >>> import numpy as np, stratagem
 >>> w = stratagem.Variable(np.ones(2, np.float32), name="optimizers_demo")
