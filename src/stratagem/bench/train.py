@@ -98,9 +98,10 @@ class _Display:
         self.live = console.is_terminal
         self.index, self.label = 0, ""
 
-    def start(self, index: int, label: str) -> None:
+    def start(self, index: int, label: str, announce: bool = True) -> None:
         self.index, self.label = index, label
-        self._show(f"[{index}/{self.total}] {label}: starting", final=not self.live)
+        if announce:     # (a skipped combination gets only its "skipped: why" line)
+            self._show(f"[{index}/{self.total}] {label}: starting", final=not self.live)
 
     def progress(self, update: dict) -> None:
         if self.live:
@@ -157,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     outcomes = []
     started = time.monotonic()
     for index, combination in enumerate(combinations, start=1):
-        display.start(index, combination.label)
+        display.start(index, combination.label, announce=not combination.skipped)
         outcome = run_combination(combination, settings, on_progress=display.progress)
         display.done(outcome)
         outcomes.append(outcome)
