@@ -275,3 +275,34 @@ def test_start_waits_for_a_late_rank_and_times_out_on_one_that_never_starts():
     assert sorted(r for r, _, _ in timeouts) == ["0", "1"], job.output[-3000:]
     for _, seconds, message in timeouts:
         assert 1.9 <= float(seconds) < 10 and "every rank of the MPI world must start its transport" in message
+
+
+_FAKE_MPIEXEC = """#!/bin/sh
+# Stands in for mpiexec: fails like Open MPI's launcher when its PMIx listener does not start, as many
+# times as $FAKE_FAILURES says, then runs the command (after "-n N").
+[ "$1" = "--version" ] && { echo "fake mpiexec 1.0"; exit 0; }
+count=$(cat "$FAKE_COUNT" 2>/dev/null || echo 0)
+echo $((count + 1)) > "$FAKE_COUNT"
+if [ "$count" -lt "$FAKE_FAILURES" ]; then
+  echo "$FAKE_MESSAGE"
+  exit 213
+fi
+shift 2
+exec "$@"
+"""
+
+
+@pytest.mark.parametrize("message, failures, runs, ok", [
+    ("The PMIx server's listener thread failed to start. We cannot", 2, 3, True),   # retried twice
+    ("The PMIx server's listener thread failed to start. We cannot", 5, 3, False),  # then given up
+    ("some other launcher error", 1, 1, False),                                     # never retried
+])
+def test_a_launcher_that_failed_to_start_is_started_again(tmp_path, message, failures, runs, ok):
+    fake = tmp_path / "mpiexec"
+    fake.write_text(_FAKE_MPIEXEC)
+    fake.chmod(0o755)
+    env = _env(FAKE_COUNT=str(tmp_path / "count"), FAKE_FAILURES=str(failures), FAKE_MESSAGE=message)
+    job = mpi_launch.run_mpi_job(1, [sys.executable, "-c", "print('the rank ran')"], timeout=60, env=env,
+                                 mpiexec=str(fake))
+    assert int((tmp_path / "count").read_text()) == runs
+    assert (job.returncode == 0 and "the rank ran" in job.output) == ok, job.output

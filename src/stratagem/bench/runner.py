@@ -121,13 +121,26 @@ def _launch(combination: Combination, spec_path: str, settings: RunSettings, cap
                   error_output=capture, ps_grace=10.0)
 
 
+def _launch_once_started(combination: Combination, spec_path: str, settings: RunSettings,
+                         on_progress: Callable[[dict], None]):
+    """:func:`_launch`, again when Open MPI's launcher failed to start (``mpi_launch.LAUNCHER_FLAKE``:
+    no rank ran, so nothing is measured twice); (launch result, its capture)."""
+    from ..core.mpi_launch import LAUNCHER_FLAKE, LAUNCHER_RETRIES
+
+    for attempt in range(LAUNCHER_RETRIES + 1):
+        capture = _Capture(on_progress)
+        result = _launch(combination, spec_path, settings, capture)
+        flaked = combination.mpi_job and not result.ok and any(LAUNCHER_FLAKE in line for line in capture.tail)
+        if not flaked or attempt == LAUNCHER_RETRIES:
+            return result, capture
+
+
 def run_combination(combination: Combination, settings: RunSettings,
                     on_progress: Callable[[dict], None] = lambda update: None) -> Outcome:
     """Run one combination as a job of its own; its figures, or why there are none."""
     if combination.skipped:
         return Outcome(combination, "skipped", combination.skipped)
     started = time.monotonic()
-    capture = _Capture(on_progress)
     with tempfile.TemporaryDirectory(prefix="stratagem-bench-") as out:
         spec = {"strategy": combination.strategy.name, "mode": combination.strategy.mode,
                 "options": combination.strategy.options(), "transport": combination.transport,
@@ -139,7 +152,7 @@ def run_combination(combination: Combination, settings: RunSettings,
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         try:
-            result = _launch(combination, spec_path, settings, capture)
+            result, capture = _launch_once_started(combination, spec_path, settings, on_progress)
         except ConfigurationError as exc:
             return Outcome(combination, "skipped", str(exc), seconds=time.monotonic() - started)
         seconds = time.monotonic() - started
