@@ -15,6 +15,7 @@ way to make the namespace.
 from __future__ import annotations
 
 import importlib.util
+import io
 import os
 import re
 import subprocess
@@ -306,3 +307,18 @@ def test_a_launcher_that_failed_to_start_is_started_again(tmp_path, message, fai
                                  mpiexec=str(fake))
     assert int((tmp_path / "count").read_text()) == runs
     assert (job.returncode == 0 and "the rank ran" in job.output) == ok, job.output
+
+
+def test_launch_mpi_starts_a_launcher_that_failed_to_start_again(tmp_path):
+    fake = tmp_path / "mpiexec"
+    fake.write_text(_FAKE_MPIEXEC)
+    fake.chmod(0o755)
+    env = _env(FAKE_COUNT=str(tmp_path / "count"), FAKE_FAILURES="1",
+               FAKE_MESSAGE="The PMIx server's listener thread failed to start. We cannot",
+               PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    out, err = io.StringIO(), io.StringIO()
+    result = mpi_launch.launch_mpi([sys.executable, "-c", "print('the rank ran')"], workers=1, env=env,
+                                   timeout=60, output=out, error_output=err)
+    assert result.ok, err.getvalue()
+    assert int((tmp_path / "count").read_text()) == 2
+    assert "the rank ran" in out.getvalue() and "starting the job again" in err.getvalue()

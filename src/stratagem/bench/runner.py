@@ -121,20 +121,6 @@ def _launch(combination: Combination, spec_path: str, settings: RunSettings, cap
                   error_output=capture, ps_grace=10.0)
 
 
-def _launch_once_started(combination: Combination, spec_path: str, settings: RunSettings,
-                         on_progress: Callable[[dict], None]):
-    """:func:`_launch`, again when Open MPI's launcher failed to start (``mpi_launch.LAUNCHER_FLAKE``:
-    no rank ran, so nothing is measured twice); (launch result, its capture)."""
-    from ..core.mpi_launch import LAUNCHER_FLAKE, LAUNCHER_RETRIES
-
-    for attempt in range(LAUNCHER_RETRIES + 1):
-        capture = _Capture(on_progress)
-        result = _launch(combination, spec_path, settings, capture)
-        flaked = combination.mpi_job and not result.ok and any(LAUNCHER_FLAKE in line for line in capture.tail)
-        if not flaked or attempt == LAUNCHER_RETRIES:
-            return result, capture
-
-
 def run_combination(combination: Combination, settings: RunSettings,
                     on_progress: Callable[[dict], None] = lambda update: None) -> Outcome:
     """Run one combination as a job of its own; its figures, or why there are none."""
@@ -151,8 +137,9 @@ def run_combination(combination: Combination, settings: RunSettings,
         spec_path = os.path.join(out, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
+        capture = _Capture(on_progress)
         try:
-            result, capture = _launch_once_started(combination, spec_path, settings, on_progress)
+            result = _launch(combination, spec_path, settings, capture)
         except ConfigurationError as exc:
             return Outcome(combination, "skipped", str(exc), seconds=time.monotonic() - started)
         seconds = time.monotonic() - started

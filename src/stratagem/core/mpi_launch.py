@@ -169,9 +169,23 @@ class MpiJob:
 
 #: What Open MPI's launcher prints when it fails to start its PMIx listener: an intermittent failure
 #: of PRRTE (about once in a few hundred jobs here), before any rank runs. Such a job may simply be
-#: started again (:func:`run_mpi_job` does, ``LAUNCHER_RETRIES`` times; so does ``stratagem bench``).
+#: started again (:func:`run_mpi_job` and :func:`launch_mpi` do, at most ``LAUNCHER_RETRIES`` times).
 LAUNCHER_FLAKE = "PMIx server's listener thread failed to start"
 LAUNCHER_RETRIES = 2
+
+
+class _WatchedSink:
+    """A task_output Sink that notes (in ``seen``) whether the launcher said :data:`LAUNCHER_FLAKE`."""
+
+    def __init__(self, stream: TextIO, seen: list):
+        from .task_output import Sink
+
+        self._sink, self.stream, self._seen = Sink(stream), stream, seen
+
+    def write(self, text: str) -> None:
+        if LAUNCHER_FLAKE in text:
+            self._seen.append(text)
+        self._sink.write(text)
 
 
 def run_mpi_job(n: int, command: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None,
@@ -258,7 +272,7 @@ def launch_mpi(command: Sequence[str], workers: int = 1, ps: int = 0, chief: boo
     with one entry, ``mpiexec:0``.
     """
     from . import launcher as L
-    from .task_output import COLORS, OutputPump, Sink
+    from .task_output import COLORS, OutputPump
 
     if chief:
         raise ConfigurationError("--chief does not apply to --mpi: MPI rank 0 is worker:0, the chief")
@@ -286,28 +300,36 @@ def launch_mpi(command: Sequence[str], workers: int = 1, ps: int = 0, chief: boo
     if secret:
         base_env["STRATAGEM_SECRET"] = secret
     cluster = ClusterResolver.from_mpi(0, n, num_ps=ps).cluster
-    out = Sink(output if output is not None else sys.stdout)
-    err = Sink(error_output if error_output is not None else sys.stderr)
     job_task = TaskId("mpiexec", 0)
-    pump = OutputPump()
     started = time.monotonic()
-    running: list = []
-    try:
-        with L._SignalTrap() as trap:
-            process = L._start_task(job_task, cmd, base_env)
-            running.append(L._RunningTask(job_task, process))
-            tasks = cluster.tasks()
-            color = lambda i: COLORS[i % len(COLORS)]  # noqa: E731
-            pump.add(process.stdout, _rank_reader(tasks, out.stream, out, color))
-            pump.add(process.stderr, _rank_reader(tasks, err.stream, err, color))
-            outcome = L._supervise(running, pump, trap, timeout=timeout, ps_grace=0.0, started=started)
-            L._stop(running, pump, trap, grace)
-            pump.drain(L._DRAIN_SECONDS, L._POLL_INTERVAL)
-    finally:
-        L._kill_and_reap(running)
-        for r in running:
-            kill_session(r.process.pid)  # ranks prterun left behind
-        pump.close()
+    for attempt in range(LAUNCHER_RETRIES + 1):
+        # Open MPI's launcher sometimes fails before any rank runs (LAUNCHER_FLAKE): start it again.
+        failed_to_start: list = []
+        out = _WatchedSink(output if output is not None else sys.stdout, failed_to_start)
+        err = _WatchedSink(error_output if error_output is not None else sys.stderr, failed_to_start)
+        pump = OutputPump()
+        running: list = []
+        try:
+            with L._SignalTrap() as trap:
+                process = L._start_task(job_task, cmd, base_env)
+                running.append(L._RunningTask(job_task, process))
+                tasks = cluster.tasks()
+                color = lambda i: COLORS[i % len(COLORS)]  # noqa: E731
+                pump.add(process.stdout, _rank_reader(tasks, out.stream, out, color))
+                pump.add(process.stderr, _rank_reader(tasks, err.stream, err, color))
+                outcome = L._supervise(running, pump, trap, timeout=timeout, ps_grace=0.0, started=started)
+                L._stop(running, pump, trap, grace)
+                pump.drain(L._DRAIN_SECONDS, L._POLL_INTERVAL)
+        finally:
+            L._kill_and_reap(running)
+            for r in running:
+                kill_session(r.process.pid)  # ranks prterun left behind
+            pump.close()
+        if (outcome.exit_code == L.EXIT_OK or not failed_to_start or outcome.timed_out
+                or outcome.interrupted_by or attempt == LAUNCHER_RETRIES):
+            break
+        err.write("stratagem launch: mpiexec failed to start (an intermittent failure of Open MPI's "
+                  "launcher, before any rank ran); starting the job again\n")
     code = running[0].process.returncode
     reason = outcome.reason
     if outcome.exit_code == L.EXIT_OK:
