@@ -39,7 +39,6 @@ from stratagem.bench.models import build_model  # noqa: E402
 with open(os.environ["STRATAGEM_BENCH_SPEC"]) as _f:
     SPEC = json.load(_f)
 MODEL = build_model(SPEC["model"])
-NAMES = sorted(MODEL.init_params(SPEC["seed"]))
 
 
 def read_params(variables: dict, batch: tuple) -> dict:
@@ -60,7 +59,7 @@ def as_gradients(variables: dict, batch: tuple, grads: dict) -> list:
     library has them, else scattered into a dense gradient."""
     rows = MODEL.sparse_rows(batch)
     pairs = []
-    for name in NAMES:
+    for name in sorted(variables):
         grad, var = grads[name], variables[name]
         if name in rows:
             slices = getattr(stratagem, "IndexedSlices", None)
@@ -159,19 +158,18 @@ def write_record(record: dict) -> None:
 
 def replica_loop() -> dict:
     """mirrored and between_graph: this worker's own steps."""
-    me, steps, records = strategy.task.index, [], []
+    me, steps = strategy.task.index, []
     progress = Progress(SPEC["steps"]) if strategy.is_chief else None
     for step in range(SPEC["steps"]):
         batch = MODEL.batch(SPEC["seed"], me, step, MODEL.batch_size)
         before = strategy.transport.traffic.snapshot()
         loss, compute, took, t0, t1 = strategy.run(one_step, args=(variables, opt, batch))
         traffic = strategy.transport.traffic.snapshot() - before
-        records.append({"task": strategy.task.short, "loss": loss, "compute_s": compute, "step_s": took,
-                        "t0": t0, "t1": t1, "rows": len(batch[0]),
-                        "bytes": section_bytes(SPEC["strategy"], "step", traffic)})
+        steps.append({"task": strategy.task.short, "loss": loss, "compute_s": compute, "step_s": took,
+                      "t0": t0, "t1": t1, "rows": len(batch[0]),
+                      "bytes": section_bytes(SPEC["strategy"], "step", traffic)})
         if progress:
             progress(step + 1, (step + 1) * MODEL.batch_size * len(strategy.cluster.replicas()))
-    steps.extend(records)
     return {"steps": steps}
 
 
@@ -235,7 +233,7 @@ def main() -> int:
         with strategy:
             record = replica_loop()
     record.update(task=strategy.task.short, replicas=training_replicas(),
-                  param_bytes=int(sum(v.nbytes for v in MODEL.init_params(SPEC["seed"]).values())),
+                  param_bytes=int(sum(v.size * v.dtype.itemsize for v in variables.values())),
                   started=started, finished=time.time())
     write_record(record)
     return 0
