@@ -4,8 +4,6 @@ deterministic, dtype-preserving; dispatch to a strategy; configs and state."""
 from __future__ import annotations
 
 import doctest
-import sys
-import types
 
 import ml_dtypes
 import numpy as np
@@ -17,6 +15,7 @@ from stratagem.core import optimizers as optimizers_module
 from stratagem.core.errors import ConfigurationError, StratagemError
 from stratagem.core.optimizers import SGD, Adagrad, Adam, Optimizer, compute_dtype, from_config
 from stratagem.core.variables import Variable, strategy_scope
+from stratagem.testing.fake_cupy import FakeDeviceArray
 
 STEPS = 8
 
@@ -657,40 +656,9 @@ def test_state_of_another_shape_is_refused_at_the_next_update():
 
 # -- array modules -------------------------------------------------------------------------------------
 
-class FakeDeviceArray(np.ndarray):
-    def get(self):
-        return np.array(self, copy=True).view(np.ndarray)
-
-
-FakeDeviceArray.__module__ = "cupy._core.core"
-
-
-class FakeCupy(types.ModuleType):
-    """A module named cupy whose functions are numpy's, returning FakeDeviceArray; records calls."""
-
-    def __init__(self):
-        super().__init__("cupy")
-        self.calls: list[str] = []
-
-    def __getattr__(self, name):
-        target = getattr(np, name)
-        if not callable(target) or isinstance(target, type):
-            return target
-
-        def call(*args, **kwargs):
-            self.calls.append(name)
-            result = target(*args, **kwargs)
-            if isinstance(result, np.ndarray) and not isinstance(result, FakeDeviceArray):
-                result = result.view(FakeDeviceArray)
-            return result
-
-        return call
-
-
 @pytest.mark.parametrize("make, reference", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_device_variables_are_updated_with_their_array_module(monkeypatch, make, reference):
-    fake = FakeCupy()
-    monkeypatch.setitem(sys.modules, "cupy", fake)
+def test_device_variables_are_updated_with_their_array_module(fake_cupy, make, reference):
+    fake = fake_cupy
     initial = np.random.default_rng(10).standard_normal(6)
     grads = gradients(6, steps=3, seed=11)
     w = Variable(fake.asarray(initial), name="w")
@@ -704,9 +672,8 @@ def test_device_variables_are_updated_with_their_array_module(monkeypatch, make,
     assert "asarray" in fake.calls                                          # the host gradient moved
 
 
-def test_device_gradient_for_a_host_variable_is_copied_to_the_host(monkeypatch):
-    fake = FakeCupy()
-    monkeypatch.setitem(sys.modules, "cupy", fake)
+def test_device_gradient_for_a_host_variable_is_copied_to_the_host(fake_cupy):
+    fake = fake_cupy
     w = Variable(np.zeros(2), name="w")
     SGD(1.0).apply_gradients([(fake.ones(2), w)])
     assert type(w.value) is np.ndarray and w.numpy().tolist() == [-1.0, -1.0]

@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import threading
-import types
 
 import ml_dtypes
 import numpy as np
@@ -24,6 +23,7 @@ from stratagem.core.variables import (
     current_strategy,
     strategy_scope,
 )
+from stratagem.testing.fake_cupy import FakeDeviceArray
 
 
 class FakeStrategy:
@@ -40,49 +40,6 @@ class FakeStrategy:
 
     def scope(self):
         return strategy_scope(self)
-
-
-# -- a stand-in for cupy: numpy arrays whose type says "cupy" -------------------------------------------
-
-class FakeDeviceArray(np.ndarray):
-    """Looks like a cupy array to ``is_device_array`` (its type's module starts with "cupy")."""
-
-    def get(self):
-        return np.array(self, copy=True).view(np.ndarray)
-
-
-FakeDeviceArray.__module__ = "cupy._core.core"
-
-
-class FakeCupy(types.ModuleType):
-    """A module named cupy whose functions are numpy's, returning FakeDeviceArray; records calls."""
-
-    ndarray = FakeDeviceArray
-
-    def __init__(self):
-        super().__init__("cupy")
-        self.calls: list[str] = []
-
-    def __getattr__(self, name):
-        target = getattr(np, name)
-        if not callable(target) or isinstance(target, type):
-            return target
-
-        def call(*args, **kwargs):
-            self.calls.append(name)
-            result = target(*args, **kwargs)
-            if isinstance(result, np.ndarray) and not isinstance(result, FakeDeviceArray):
-                result = result.view(FakeDeviceArray)
-            return result
-
-        return call
-
-
-@pytest.fixture
-def fake_cupy(monkeypatch):
-    module = FakeCupy()
-    monkeypatch.setitem(sys.modules, "cupy", module)
-    return module
 
 
 # -- creation ------------------------------------------------------------------------------------------
