@@ -21,7 +21,7 @@ from typing import Mapping
 import numpy as np
 
 from . import checkpoint
-from .strategy import _check_restorable
+from .strategy_checkpoints import check_restorable
 
 
 def place_piece(into: dict, key: str, spec: dict, value) -> None:
@@ -65,7 +65,7 @@ def load_onto_shards(client, pieces: Mapping[str, list], variables: Mapping, pat
     """Load checkpoint ``path`` onto the shards: each variable (and its slots) cut into ``pieces``;
     every shard gets the step and the optimizer's iterations. Returns the step."""
     loaded = checkpoint.load(path)
-    _check_restorable(variables, loaded.variables, path)
+    check_restorable(variables, loaded.variables, path)
     state = loaded.optimizer_state or {"iterations": 0, "slots": {}}
     shards: dict[int, tuple[dict, list]] = {
         i: ({"names": [], "slots": {}, "iterations": int(state["iterations"]), "step": int(loaded.step)}, [])

@@ -41,7 +41,8 @@ from .placement import Placer
 from .ps_client import PSClient
 from .ps_protocol import check_mode, describe_spec, piece_spec, same_spec, task_key
 from .ps_server import ParameterServer
-from .strategy import DEFAULT_MAX_TO_KEEP, Strategy
+from .strategy import Strategy
+from .strategy_checkpoints import DEFAULT_MAX_TO_KEEP
 from .variables import VariableStore, is_device_array
 from .wire import dtype_name
 
