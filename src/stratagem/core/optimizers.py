@@ -40,10 +40,15 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigurationError
-from .optimizer_base import Optimizer, _hyper, compute_dtype, from_config
+from .optimizer_base import Optimizer, _hyper, _rule_of, compute_dtype, from_config
 from .optimizer_chunks import scratch
 
 __all__ = ["Optimizer", "SGD", "Adam", "Adagrad", "from_config", "compute_dtype"]
+
+
+def _own_rule(optimizer, cls) -> bool:
+    """True when ``optimizer`` runs ``cls``'s rule (not a subclass's own ``_update``)."""
+    return _rule_of(type(optimizer))[0] is cls._update_into
 
 
 # -- the optimizers -------------------------------------------------------------------------------------
@@ -77,6 +82,11 @@ class SGD(Optimizer):
 
     def slot_names(self) -> tuple[str, ...]:
         return ("momentum",) if self.momentum > 0 else ()
+
+    @property
+    def sparse_exact(self) -> bool:
+        # w - lr * 0 == w; with momentum a zero gradient still moves v and w.
+        return self.momentum == 0 and _own_rule(self, SGD)
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "momentum": self.momentum, "nesterov": self.nesterov}
@@ -189,6 +199,12 @@ class Adagrad(Optimizer):
 
     def _initial_slot(self, slot_name, xp, shape, dtype):
         return xp.full(shape, self.initial_accumulator_value, dtype)
+
+    @property
+    def sparse_exact(self) -> bool:
+        # acc + 0*0 == acc and w - lr*0 / (sqrt(acc) + eps) == w, unless sqrt(acc) + eps is 0 (an
+        # accumulator starting at 0 with epsilon 0), where the dense update writes 0/0 = NaN.
+        return (self.initial_accumulator_value > 0 or self.epsilon > 0) and _own_rule(self, Adagrad)
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "initial_accumulator_value": self.initial_accumulator_value,

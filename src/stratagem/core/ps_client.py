@@ -194,20 +194,39 @@ class PSClient:
             return self.broadcast({"op": "pull", "names": None})
         return self.call({i: Message({"op": "pull", "names": list(n)}) for i, n in names.items()})
 
+    def pull_rows(self, rows: Mapping[int, tuple[list, list]]) -> dict[int, Message]:
+        """Rows of pieces: ``{shard: (piece names, [int64 rows of each, counted from its first row])}``;
+        each reply's buffers are those rows, in that order."""
+        return self.call({i: Message({"op": "pull_rows", "names": list(n)}, list(r)) for i, (n, r) in rows.items()})
+
     def push(self, grads: Mapping[int, tuple[list, list]], *, versions: Mapping[int, int] | None = None,
              weight: float = 1.0, pull: bool = False, all_shards: bool = True,
-             on_reply: Callable[[int, Message], None] | None = None) -> dict[int, Message]:
+             on_reply: Callable[[int, Message], None] | None = None,
+             rows: Mapping[int, tuple[list, list, list]] | None = None,
+             skip: Mapping[int, list] | None = None) -> dict[int, Message]:
         """Push ``{shard: (piece names, gradients)}``; with ``all_shards`` every shard gets a push (empty
         where there are no gradients), so every shard counts the step. ``pull`` asks each shard to
-        return its values with the acknowledgement. Counts the acknowledgements in ``acks``."""
-        shards = range(self.num_shards) if all_shards else sorted(grads)
+        return its values with the acknowledgement, except the pieces ``skip`` names
+        (``{shard: [piece names]}``). ``rows`` adds row gradients, ``{shard: (piece names, [int64
+        rows counted from each piece's first row], [their gradient rows])}``. Counts the
+        acknowledgements in ``acks``."""
+        rows = rows or {}
+        shards = range(self.num_shards) if all_shards else sorted(set(grads) | set(rows))
         requests = {}
         for i in shards:
             names, arrays = grads.get(i, ([], []))
             meta = {"op": "push", "names": list(names), "weight": float(weight), "pull": pull}
+            arrays = list(arrays)
+            if i in rows:
+                row_names, indices, values = rows[i]
+                meta["rows"] = list(row_names)
+                for index, value in zip(indices, values):
+                    arrays += [index, value]
+            if skip and skip.get(i):
+                meta["skip"] = list(skip[i])
             if versions is not None:
                 meta["version"] = int(versions.get(i, 0))
-            requests[i] = Message(meta, list(arrays))
+            requests[i] = Message(meta, arrays)
         replies = self.call(requests, on_reply=on_reply)
         for i, reply in replies.items():
             self.acks[i][reply.meta.get("status", "?")] += 1

@@ -30,10 +30,18 @@ import math
 import numpy as np
 
 from .optimizers import compute_dtype
+from .ps_rows import add_rows, row_sum
+from .sparse import IndexedSlices, densify
 
 
 class SyncRound:
-    """One sync step's gradients, summed as they arrive; ``waiters`` are answered when it is applied."""
+    """One sync step's gradients, summed as they arrive; ``waiters`` are answered when it is applied.
+
+    A piece whose gradients come as rows (:class:`~stratagem.core.sparse.IndexedSlices`) is summed as
+    rows (each row's terms added in arrival order, as the dense sum adds them, so the mean is the
+    dense one bit for bit) and its mean is rows again; once a dense gradient of it comes, its sum is
+    dense.
+    """
 
     def __init__(self):
         self.count = 0
@@ -51,13 +59,20 @@ class SyncRound:
         if weight == 0:
             return
         for name, grad in zip(names, grads):
-            dtype = compute_dtype(grad.dtype if grad.dtype.kind == "f" else np.float32)
-            scaled = np.multiply(grad, dtype.type(weight), dtype=dtype)
-            if name in self.sums:
-                self.sums[name] += scaled
-            else:
-                self.sums[name] = scaled
+            dtype = compute_dtype(grad.dtype if np.dtype(grad.dtype).kind == "f" else np.float32)
+            total = self.sums.get(name)
+            if total is None:
                 self.order.append(name)
+            if isinstance(grad, IndexedSlices):
+                self.sums[name] = add_rows(total, grad, weight, dtype)
+                continue
+            scaled = np.multiply(grad, dtype.type(weight), dtype=dtype)
+            if total is None:
+                self.sums[name] = scaled
+            else:
+                if isinstance(total, IndexedSlices):
+                    total = self.sums[name] = densify(total)
+                total += scaled
 
     def mean(self) -> tuple[list[str], list]:
         """The pieces and their weighted mean gradients (nothing when every weight was 0)."""
@@ -66,6 +81,9 @@ class SyncRound:
         grads = []
         for name in self.order:
             total = self.sums[name]
+            if isinstance(total, IndexedSlices):
+                grads.append(row_sum(total, None if self.weight == 1.0 else self.weight))
+                continue
             if self.weight != 1.0:
                 total /= total.dtype.type(self.weight)
             grads.append(total)

@@ -21,7 +21,10 @@ Operations (the server's ``_op_<name>`` methods):
 ``ready``       the chief says the variables are initialised (or restored): workers may start
 ``catalog``     every piece's spec, and the consistency settings
 ``pull``        values (and ``versions``) of the named pieces, or of all
-``push``        gradients of the named pieces for the ``version`` the worker read; applied by the mode
+``pull_rows``   rows of the named pieces: one int64 array of rows (from the piece's first row) per piece
+``push``        gradients of the named pieces for the ``version`` the worker read; applied by the mode.
+                ``rows``: pieces with row gradients (two buffers each, int64 rows and gradient rows,
+                after the dense ones); ``skip``: pieces the reply (``pull``) leaves out
 ``assign``      overwrite values (``Variable.assign`` on a remote variable)
 ``optimizer``   the optimizer's config (``opt.get_config()``): the server builds its own and applies
 ``snapshot``    values, optimizer slots, iterations and step, for a checkpoint

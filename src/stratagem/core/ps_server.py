@@ -22,6 +22,13 @@ Replies carry the values by reference and are not waited for: an update that fin
 still being sent writes the new version into another array of the piece
 (:mod:`stratagem.core.ps_buffers`), so a reply carries one version of every piece, never a torn mix.
 
+Embedding tables move by rows (:mod:`stratagem.core.ps_rows`): ``pull_rows`` answers just the asked
+rows (new arrays, gathered), a push may carry row gradients (int64 rows of a piece and their gradient
+rows, checked), and a push's reply leaves out the pieces the requester reads by rows (``skip``). A
+row gradient updates just those rows when the optimizer is ``sparse_exact`` (plain SGD, Adagrad: the
+dense update's result), else it is densified here and the dense update runs. A ``sync`` round sums
+row gradients as rows (the dense weighted mean, bit for bit).
+
 A push is applied before it is acknowledged, so an acknowledged push is never lost; the counters
 (:meth:`ParameterServer.stats`) let a test check that updates applied equal pushes acknowledged.
 
@@ -73,6 +80,7 @@ from .errors import (
 from .optimizers import from_config
 from .ps_buffers import ReplyBuffers
 from .ps_consistency import StalenessGate, SyncRound
+from .ps_rows import RowRequestError, apply_row_gradient, read_rows, row_gradients
 from .ps_protocol import (
     APPLIED,
     DROPPED,
@@ -86,6 +94,7 @@ from .ps_protocol import (
     split_parts,
     task_key,
 )
+from .sparse import IndexedSlices
 from .transport import Message, Transport
 
 log = logging.getLogger(__name__)
@@ -186,7 +195,7 @@ class ParameterServer:
             if handler is None:
                 raise _RequestError(f"unknown operation {op!r}")
             result = handler(src, request_id, meta, message.buffers)
-        except (_RequestError, ConfigurationError) as exc:
+        except (_RequestError, RowRequestError, ConfigurationError) as exc:
             self._send(src, {"id": request_id, "error": str(exc), "error_type": "RemoteError"})
             return
         except Exception as exc:  # noqa: BLE001 - a bad request must never take the server down
@@ -328,6 +337,14 @@ class ParameterServer:
         self.counters["pulls"] += 1
         return {"names": names, **self._status()}, [self.values[n] for n in names]
 
+    def _op_pull_rows(self, src, request_id, meta, buffers):
+        """Rows of the named pieces: ``buffers[i]`` are the rows of ``names[i]`` (counted from the
+        piece's first row); the reply's arrays are new, so no update waits for them."""
+        names = self._names(meta.get("names") or [])
+        rows = read_rows(names, buffers, [piece_shape(self.specs[n]) for n in names], [self.values[n] for n in names])
+        self.counters["row_pulls"] += 1
+        return {"names": names, **self._status()}, rows
+
     def _names(self, names) -> list[str]:
         if names is None:
             return list(self.specs)
@@ -434,9 +451,10 @@ class ParameterServer:
 
     def stats(self) -> dict:
         """Counters: ``pushes`` received, ``applied`` (pushes whose gradients reached an update),
-        ``dropped`` (stale, sync), ``stopped`` (after stop), ``updates`` (optimizer steps), ``pulls``;
+        ``dropped`` (stale, sync), ``stopped`` (after stop), ``updates`` (optimizer steps), ``pulls``,
+        ``row_pulls``;
         ``by_replica`` the same per replica; ``step``; ``clocks`` and ``max_gap`` (bounded)."""
-        counters = {key: 0 for key in ("pushes", APPLIED, DROPPED, STOPPED, "updates", "pulls")}
+        counters = {key: 0 for key in ("pushes", APPLIED, DROPPED, STOPPED, "updates", "pulls", "row_pulls")}
         counters.update((k, int(v)) for k, v in self.counters.items())
         return {**counters, "step": self.step,
                 "by_replica": {k: dict(v) for k, v in self.by_replica.items()},
@@ -449,18 +467,12 @@ class ParameterServer:
             raise _RequestError(f"{self.task} has no variables yet: the chief must create them first")
         if self.optimizer is None:
             raise _RequestError(f"{self.task} has no optimizer: send the optimizer's config first")
-        names = self._names(meta.get("names") or [])
-        if len(names) != len(buffers):
-            raise _RequestError(f"push: {len(names)} name(s) but {len(buffers)} gradient(s)")
-        for name, grad in zip(names, buffers):
-            self._check_value(self.specs[name], grad, "the gradient")
-            if np.dtype(grad.dtype).kind not in "biuf" and "float" not in np.dtype(grad.dtype).name:
-                raise _RequestError(f"the gradient of piece {name!r} has dtype {grad.dtype}")
+        names, buffers = self._gradients(meta, buffers)
+        pull = self._wanted(meta)            # None: no values back; else the pieces to leave out
         who = task_key(src)
         self._idle.discard(who)
         self.counters["pushes"] += 1
         self.by_replica[who]["pushes"] += 1
-        pull = bool(meta.get("pull"))
         if self.stopping:
             return self._count(who, STOPPED, pull)
         mode = self.config["mode"]
@@ -474,8 +486,8 @@ class ParameterServer:
             self._round.add(who, names, buffers, weight, (src, request_id, pull))
             self._maybe_finish_round()
             return None  # answered when the round completes
-        if mode == "async" and pull and len(set(names)) == len(names):
-            self._apply_streaming(src, request_id, who, names, buffers)
+        if mode == "async" and pull is not None and len(set(names)) == len(names):
+            self._apply_streaming(src, request_id, who, names, buffers, pull)
             return None  # answered part by part
         self._apply(names, buffers)
         self.counters["updates"] += 1
@@ -487,10 +499,39 @@ class ParameterServer:
             return None
         return self._count(who, APPLIED, pull)
 
-    def _count(self, who: str, status: str, pull: bool, extra: dict | None = None):
+    def _gradients(self, meta: dict, buffers: list) -> tuple[list[str], list]:
+        """A push's pieces and gradients, checked: first the dense ones (``names``, one array each),
+        then the row gradients (``rows``, two arrays each: int64 rows counted from the piece's first
+        row, and their gradient), as :class:`~stratagem.core.sparse.IndexedSlices`."""
+        names = self._names(meta.get("names") or [])
+        rows = self._names(meta.get("rows") or [])
+        if len(buffers) < len(names):
+            raise _RequestError(f"push: {len(names)} name(s) but {len(buffers)} gradient(s)")
+        for name, grad in zip(names, buffers):
+            self._check_value(self.specs[name], grad, "the gradient")
+            if np.dtype(grad.dtype).kind not in "biuf" and "float" not in np.dtype(grad.dtype).name:
+                raise _RequestError(f"the gradient of piece {name!r} has dtype {grad.dtype}")
+        sparse = row_gradients(rows, [piece_shape(self.specs[n]) for n in rows], buffers[len(names):])
+        return names + rows, list(buffers[:len(names)]) + sparse
+
+    def _wanted(self, meta: dict) -> frozenset | None:
+        """What a push's reply carries: ``None``, no values (``pull`` false); else the pieces *not* to
+        send (``skip``: the tables the requester reads only by rows)."""
+        if not meta.get("pull"):
+            return None
+        skip = meta.get("skip") or []
+        if not isinstance(skip, list) or not all(isinstance(n, str) for n in skip):
+            raise _RequestError(f"push: skip must be a list of piece names, got {skip!r}")
+        return frozenset(skip)
+
+    def _reply_pieces(self, want: frozenset | None) -> list[str]:
+        return [] if want is None else [n for n in self.specs if n not in want]
+
+    def _count(self, who: str, status: str, pull: frozenset | None, extra: dict | None = None):
+        """Count an acknowledgement; its reply. ``pull``: what the reply carries (:meth:`_wanted`)."""
         self.counters[status] += 1
         self.by_replica[who][status] += 1
-        names = list(self.specs) if pull and status != STOPPED else []
+        names = self._reply_pieces(pull) if status != STOPPED else []
         return ({"status": status, "names": names, **(extra or {}), **self._status()},
                 [self.values[n] for n in names])
 
@@ -502,19 +543,28 @@ class ParameterServer:
         self.step += 1
 
     def _update(self, name: str, grad) -> None:
+        if isinstance(grad, IndexedSlices):   # rows: see ps_rows (exact rules in place, others densified)
+            apply_row_gradient(self.optimizer, name, grad, self._replace, self._update)
+            return
         optimizer = self.optimizer
         self._replace(name, lambda old, target: optimizer.update_array(
             name, old, grad, out=None if target is old else target))
 
-    def _apply_streaming(self, src: TaskId, request_id, who: str, names: list[str], grads: list) -> None:
+    def _apply_streaming(self, src: TaskId, request_id, who: str, names: list[str], grads: list,
+                         want: frozenset) -> None:
         """An ``async`` push that asks for the values back: :meth:`_apply`, with the reply sent in
         parts, each as soon as its pieces are updated, so that the update of the next part overlaps
         the transfer of this one. No other request is handled in between, so every part carries the
-        values of this step, as one reply would."""
-        pieces = list(self.specs)
+        values of this step, as one reply would. Pieces the reply leaves out (``want``) are updated
+        first."""
+        pieces = self._reply_pieces(want)
         grad_of = dict(zip(names, grads))
         groups = [[pieces[i] for i in group] for group in split_parts([self.values[n].nbytes for n in pieces])]
         self.optimizer.iterations += 1
+        sent = set(pieces)
+        for name, grad in grad_of.items():
+            if name not in sent:
+                self._update(name, grad)
         sending = True
         for k, group in enumerate(groups):
             for name in group:
@@ -526,7 +576,7 @@ class ParameterServer:
                                           [self.values[n] for n in group])
         self.step += 1
         self.counters["updates"] += 1
-        reply_meta, _ = self._count(who, APPLIED, False)
+        reply_meta, _ = self._count(who, APPLIED, None)
         if sending:
             last = {"names": groups[-1], "part": len(groups) - 1, "parts": len(groups)}
             self._send_part(src, {"id": request_id, "ok": True, **reply_meta, **last},

@@ -10,12 +10,20 @@ cluster's ``ps`` tasks:
   :class:`RemoteStore`: the task keeps a local copy (the *cache*, the array ``var.value`` returns,
   refreshed in place so ``torch.from_numpy(var.value)`` views stay valid), pulled from the shards when
   it is read after an update, and ``assign`` writes go to the shards.
+- Tables read by rows (TensorFlow's embedding lookups on parameter servers): ``var.gather(ids)`` pulls
+  just those rows from the shards that hold them (:mod:`stratagem.core.ps_rows`), and an
+  :class:`~stratagem.core.sparse.IndexedSlices` gradient is pushed as rows
+  (``sparse_gradients = True``). Staleness is kept per variable: a variable gathered since its last
+  dense read is *sparse-read*, and neither the batched pull of the other variables nor the values a
+  push brings back include it; reading its ``var.value`` pulls it (it is then dense-read again).
 - When the outermost ``scope()`` block ends, the chief sends the initial values to the shards (or,
   with ``checkpoint_dir=``, restores the latest checkpoint there) and marks them ready; the other
   tasks wait for that, check that they declared the same pieces, and pull the values.
 - ``optimizer.apply_gradients`` pushes the gradients (batched per shard, to all shards at once); the
-  optimizer runs on the servers. With ``pull_with_push`` (default) each acknowledgement brings the
-  shard's new values back, so a step costs one round trip per shard.
+  optimizer runs on the servers (row gradients: :mod:`stratagem.core.ps_rows` says when that is
+  exactly the dense update and what happens otherwise). With ``pull_with_push`` (default) each
+  acknowledgement brings the shard's new values back (sparse-read tables left out), so a step costs
+  one round trip per shard.
 - ``save`` / ``restore`` run on the chief alone (the others need not call them): the chief reads every
   shard's values and optimizer slots and writes one ordinary checkpoint (partitioned variables
   reassembled), so a checkpoint restores under any number of ps tasks, or under ``mirrored``.
@@ -40,7 +48,9 @@ from .errors import ConfigurationError, ProtocolError, TransportTimeout
 from .placement import Placer
 from .ps_client import PSClient
 from .ps_protocol import check_mode, describe_spec, piece_spec, same_spec, task_key
+from .ps_rows import fetch_rows, split_gradient
 from .ps_server import ParameterServer
+from .sparse import IndexedSlices
 from .strategy import Strategy
 from .strategy_checkpoints import DEFAULT_MAX_TO_KEEP
 from .variables import VariableStore, is_device_array
@@ -56,8 +66,9 @@ class RemoteStore(VariableStore):
     """A variable whose value lives on the ps tasks; ``cache`` is this task's copy of it.
 
     ``read()`` refreshes the cache from the shards if an update happened since the last pull, then
-    returns it (the same buffer every time, updated in place). ``write()`` sends the value to the
-    shards. Writing into the returned array changes only this task's copy.
+    returns it (the same buffer every time, updated in place). ``gather(rows)`` returns a new array of
+    those rows, pulled from the shards that hold them (not the whole table). ``write()`` sends the
+    value to the shards. Writing into the returned array changes only this task's copy.
     """
 
     live = False
@@ -66,8 +77,11 @@ class RemoteStore(VariableStore):
         self._owner, self.name, self.cache = owner, name, cache
 
     def read(self):
-        self._owner._refresh()
+        self._owner._read(self.name)
         return self.cache
+
+    def gather(self, indices):
+        return self._owner._gather(self.name, indices)
 
     def write(self, array) -> None:
         self._owner._assign(self.name, array)
@@ -78,6 +92,8 @@ class PSStrategyBase(Strategy):
     (:meth:`_pushers`) and what a non-ps task does."""
 
     name = "ps_base"
+    #: ``IndexedSlices`` gradients reach ``_apply_gradients`` as they are: pushed as rows.
+    sparse_gradients = True
     options = {
         "mode": "async",
         "replicas_to_aggregate": None,
@@ -139,7 +155,13 @@ class PSStrategyBase(Strategy):
         self._where: dict[str, tuple] = {}           # piece name -> (variable name, piece)
         self._initialized: set[str] = set()          # variables the shards hold and we pulled
         self._versions: dict[int, int] = {}          # shard index -> its step at our last pull/push
+        # Staleness. ``_stale``: the shards may have changed since this task last read from every one
+        # of them (a sync push then asks for the current step first). ``_current``: the variables
+        # whose caches hold the values of the last exchange. ``_sparse_read``: the variables read by
+        # rows since their last dense read, which pulls and push replies leave out.
         self._stale = False
+        self._current: set[str] = set()
+        self._sparse_read: set[str] = set()
         self._optimizer_sent = None
         self._exit_error: str | None = None
         #: Statuses of the last push, per shard (``"applied"``, ``"dropped"``, ``"stopped"``).
@@ -273,12 +295,59 @@ class PSStrategyBase(Strategy):
                                      f"mode={config.get('mode')!r}; start every task with the same options")
 
     # -- reading and writing ----------------------------------------------------------------------
-    def _refresh(self) -> None:
-        if self._stale and not self._closed:
-            self._pull_all()
+    def _mark_stale(self) -> None:
+        """The variables may have changed on the shards (an update this task did not see the result of)."""
+        self._stale = True
+        self._current.clear()
+
+    def _fresh(self, name: str) -> bool:
+        """True when the cache of ``name`` holds the shards' values as far as this task knows."""
+        return name in self._current
+
+    def _read(self, name: str) -> None:
+        """A dense read of ``name`` (``var.value``): refresh its cache if needed."""
+        self._sparse_read.discard(name)
+        self._refresh(name)
+
+    def _refresh(self, name: str) -> None:
+        if not self._closed and name in self._initialized and not self._fresh(name):
+            self._pull_dense()
 
     def _pull_all(self) -> None:
+        """Pull every piece of every variable (after initialisation, a restore)."""
         self._absorb(self._client.pull())
+        self._current = set(self._initialized)
+
+    def _pull_dense(self) -> None:
+        """One batched pull (one request per shard, all shards at once) of every variable that is not
+        sparse-read: what a dense read of any of them refreshes."""
+        dense = [name for name in self._variables if name in self._initialized and name not in self._sparse_read]
+        if not self._sparse_read:
+            replies = self._client.pull()
+        else:
+            names: dict[int, list] = {i: [] for i in range(self._client.num_shards)}  # every shard: its step
+            for name in dense:
+                for piece in self._pieces[name]:
+                    names[piece.ps].append(piece.name)
+            replies = self._client.pull(names)
+        self._absorb(replies)
+        self._current = set(dense)
+
+    def _gather(self, name: str, rows):
+        """Rows ``rows`` (checked int64) of variable ``name``, a new array: from the cache when it is
+        fresh, else pulled from the shards holding them (:func:`~stratagem.core.ps_rows.fetch_rows`).
+        Makes ``name`` sparse-read."""
+        var = self._variables[name]
+        self._sparse_read.add(name)
+        cache = var.store.cache
+        if self._closed or name not in self._initialized or self._fresh(name) or not len(rows):
+            return cache[rows]
+        out, replies = fetch_rows(self._client, self._pieces[name], rows, var.shape, var.dtype)
+        for index, reply in replies.items():
+            self._note(index, reply.meta)
+        if len(replies) == self._client.num_shards:
+            self._stale = False          # every shard told its step
+        return out
 
     def _absorb(self, replies: dict) -> None:
         """Copy the values in ``replies`` into the caches; record versions, the global step, stop."""
@@ -326,10 +395,18 @@ class PSStrategyBase(Strategy):
             self._client.set_optimizer(optimizer.get_config())
             self._optimizer_sent = optimizer
         by_shard: dict[int, tuple[list, list]] = {}
+        rows: dict[int, tuple[list, list, list]] = {}
         for grad, var in pairs:
             pieces = self._pieces.get(var.name)
             if pieces is None or self._variables.get(var.name) is not var:
                 raise ConfigurationError(f"variable {var.name!r} does not belong to this strategy")
+            if isinstance(grad, IndexedSlices):     # merged by the optimizer: sorted, unique rows
+                for piece, local, values in split_gradient(grad, pieces):
+                    names, indices, arrays = rows.setdefault(piece.ps, ([], [], []))
+                    names.append(piece.name)
+                    indices.append(local)
+                    arrays.append(values)
+                continue
             grad = grad.get() if is_device_array(grad) else np.asarray(grad)
             for piece in pieces:
                 names, arrays = by_shard.setdefault(piece.ps, ([], []))
@@ -340,19 +417,24 @@ class PSStrategyBase(Strategy):
             for index, meta in self._client.hello().items():
                 self._note(index, meta)
         pull = bool(self.config["pull_with_push"])
+        skip: dict[int, list] = {}
+        for name in self._sparse_read if pull else ():   # the replies leave out the tables read by rows
+            for piece in self._pieces[name]:
+                skip.setdefault(piece.ps, []).append(piece.name)
         try:
             replies = self._client.push(by_shard, versions=self._versions, weight=self._push_weight(), pull=pull,
-                                        on_reply=self._absorb_one if pull else None)
+                                        on_reply=self._absorb_one if pull else None, rows=rows, skip=skip)
         except BaseException:
-            self._stale = True   # some parts of the replies may be copied in already: read afresh
+            self._mark_stale()   # some parts of the replies may be copied in already: read afresh
             raise
         self.last_push = {i: r.meta.get("status") for i, r in replies.items()}
         if pull:
             self._stale = False      # every reply was copied in as it arrived
+            self._current = {n for n in self._initialized if n not in self._sparse_read}
         else:
             for index, reply in replies.items():
                 self._note(index, reply.meta)
-            self._stale = True
+            self._mark_stale()
         clock = replies[0].meta.get("clock") if 0 in replies else None
         if clock is not None:
             self.last_clock = (clock, replies[0].meta.get("min_clock"))

@@ -106,7 +106,7 @@ class Worker:
                     self.iterators[int(dataset_id)] = iter(dataset_fn(self.context))
             fn = self._function(meta["fn"], arrays)
             values = decode_value(meta["values"], arrays, self._resolve)
-            self.strategy._stale = True          # a step reads the variables as they are now
+            self.strategy._mark_stale()          # a step reads the variables as they are now
             result = fn(*values["args"], **values["kwargs"])
             skeleton, out, _ = encode_value(result, self.strategy._reference_for_result, "the step's result")
             return Message({**reply, "ok": True, "value": skeleton}, out), None

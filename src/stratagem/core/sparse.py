@@ -3,9 +3,11 @@
 A step that reads a few rows of a table (``var.gather(ids)``) has a gradient that is zero everywhere
 else. :class:`IndexedSlices` carries just those rows, as TensorFlow's type of the same name does, so
 that a strategy that can move rows may move only rows (it says so with ``sparse_gradients = True``
-and gets the merged slices in ``_apply_gradients``). Every built-in strategy turns them into the
-dense gradient first (:func:`densify`), as TensorFlow's ``MirroredStrategy`` does, so the update is
-exactly the dense one; the parameter servers pulling and pushing only the rows is the next step.
+and gets the merged slices in ``_apply_gradients``). The parameter-server strategies do: they pull
+only the rows a step gathers and push only the rows of its gradient, and the servers update only
+those rows where that is exactly the dense update (:mod:`stratagem.core.ps_rows`). The other
+built-in strategies turn them into the dense gradient first (:func:`densify`), as TensorFlow's
+``MirroredStrategy`` does, so the update is exactly the dense one.
 
     >>> import numpy as np
     >>> grad = IndexedSlices(np.ones((2, 3), np.float32), np.array([4, 1]), dense_shape=(5, 3))

@@ -198,7 +198,7 @@ class ParameterServerStrategy(PSStrategyBase):
             with strategy_scope(self):
                 Variable(np.zeros(tuple(spec["shape"]), dtype), name=name)
             self._initialized.add(name)
-        self._stale = True
+        self._mark_stale()
 
     def _place(self, variable) -> list:
         adopted = self._adopting.pop(variable.name, None)
@@ -249,11 +249,10 @@ class ParameterServerStrategy(PSStrategyBase):
             except Exception:  # noqa: BLE001 - the next join()/push reports a real failure
                 pass
 
-    def _refresh(self) -> None:
-        if self._coordinator is not None and self._initialized and not self._closed:
-            self._pull_all()        # the workers update the variables: read them fresh every time
-            return
-        super()._refresh()
+    def _fresh(self, name: str) -> bool:
+        if self._coordinator is not None:
+            return False            # the workers update the variables: the coordinator reads them fresh every time
+        return super()._fresh(name)
 
     def shutdown(self) -> None:
         """On the coordinator: cancel what is queued, tell the workers to exit; then leave the shards."""
