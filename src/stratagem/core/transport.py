@@ -179,6 +179,10 @@ class Transport(abc.ABC):
     def recv(self, src: TaskId | None, tag: str, timeout: float | None = None) -> Message:
         """Wait for the next message under ``tag`` from ``src`` (any peer if ``None``).
 
+        The message's buffers belong to the receiver: no other task, and not the transport, reads
+        or writes them any more (a receiver may keep them, e.g. as a variable's storage). Buffers
+        may be read-only (a transport that decodes from immutable bytes).
+
         Messages already delivered are returned even if their sender has died since. Raises
         ``PeerLostError(src)`` when ``src`` is gone and nothing from it is pending,
         ``TransportTimeout`` after ``timeout`` seconds (default: the transport's), ``TransportClosed``
