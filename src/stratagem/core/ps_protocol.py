@@ -86,6 +86,11 @@ def split_parts(sizes, part_bytes: int | None = None) -> list[list[int]]:
     return parts
 
 
+class RequestRefused(Exception):
+    """A request the server refuses; its message goes back to the requester (as a ``RemoteError``)
+    and the server keeps serving."""
+
+
 class ShardLostError(PeerLostError):
     """A ps task (a shard of the variables) died or became unreachable; ``task`` names it.
 

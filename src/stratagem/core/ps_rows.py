@@ -32,13 +32,14 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import ProtocolError
+from .ps_protocol import RequestRefused
 from .sparse import IndexedSlices, densify
 
 __all__ = ["RowRequestError", "split_rows", "fetch_rows", "split_gradient", "check_rows", "read_rows",
            "row_gradients", "apply_row_gradient", "add_rows", "row_sum"]
 
 
-class RowRequestError(Exception):
+class RowRequestError(RequestRefused):
     """A row request or a row gradient the server refuses (the message says what is wrong)."""
 
 
