@@ -233,6 +233,36 @@ def test_a_pulled_value_becomes_the_copy_when_nobody_holds_it_and_is_copied_in_p
     assert tensor == [-3.0] * 3                            # a torch view sees the new values
 
 
+def gpu_worker_steps(xp, device_array):
+    """Dense, assign and row steps on variables made with ``xp`` (numpy, or the stand-in cupy)."""
+    def body(strategy, rank):
+        with strategy.scope():
+            w = stratagem.Variable(xp.asarray(np.arange(6, dtype=np.float32).reshape(3, 2)), name="w")
+            table = stratagem.Variable(xp.asarray(np.ones((8, 2), np.float32)), name="table")
+            opt = stratagem.optimizers.SGD(learning_rate=0.5)
+        seen = []
+        for step in range(3):
+            rows = table.gather(np.array([step, 5, step]))
+            seen.append(device_array(rows) and device_array(w.value))
+            grad_rows = stratagem.IndexedSlices(xp.asarray(np.full((3, 2), step + 1.0, np.float32)),
+                                                np.array([step, 5, step]), dense_shape=(8, 2))
+            opt.apply_gradients([(xp.asarray(np.full((3, 2), 0.25, np.float32)), w), (grad_rows, table)])
+        w.assign(w.value * 2)
+        return seen, w.value.get() if hasattr(w.value, "get") else w.value, np.asarray(table.numpy())
+    return ok(run_cluster(2, 1, body, partition_bytes=16))["worker:0"]
+
+
+def test_a_gpu_worker_keeps_its_variables_on_the_device_and_trains_as_on_the_host(fake_cupy):
+    from stratagem.core.variables import is_device_array
+    seen, w_gpu, table_gpu = gpu_worker_steps(fake_cupy, is_device_array)
+    fake_cupy.calls.clear()
+    _, w_host, table_host = gpu_worker_steps(np, lambda a: True)
+    assert all(seen)                          # gathered rows and var.value stay cupy arrays
+    np.testing.assert_array_equal(w_gpu, w_host)      # the same steps, the same values, bit for bit
+    np.testing.assert_array_equal(table_gpu, table_host)
+    assert not np.array_equal(table_host, np.ones((8, 2), np.float32))
+
+
 # -- checkpoints --------------------------------------------------------------------------------------------------
 
 def test_checkpoint_dir_restores_before_anyone_starts(tmp_path):

@@ -8,8 +8,12 @@ cluster's ``ps`` tasks:
   returns instead, with the counters in ``strategy.served``). So every task can run the same script.
 - A variable created in ``scope()`` is placed (:mod:`stratagem.core.placement`) and gets a
   :class:`RemoteStore`: the task keeps a local copy (the *cache*, the array ``var.value`` returns,
-  refreshed in place so ``torch.from_numpy(var.value)`` views stay valid), pulled from the shards when
-  it is read after an update, and ``assign`` writes go to the shards.
+  refreshed in place so ``torch.from_numpy(var.value)`` views stay valid; a received array becomes the
+  copy instead when nobody holds the old one), pulled from the shards when it is read after an
+  update, and ``assign`` writes go to the shards. A variable created from a cupy array keeps its copy
+  on the GPU (the classic layout: GPU workers, CPU parameter servers): values arrive in host memory
+  and are copied to the device, gradients are copied to the host to be pushed; the ps tasks hold
+  numpy arrays.
 - Tables read by rows (TensorFlow's embedding lookups on parameter servers): ``var.gather(ids)`` pulls
   just those rows from the shards that hold them (:mod:`stratagem.core.ps_rows`), and an
   :class:`~stratagem.core.sparse.IndexedSlices` gradient is pushed as rows
@@ -55,7 +59,7 @@ from .ps_server import ParameterServer
 from .sparse import IndexedSlices
 from .strategy import Strategy
 from .strategy_checkpoints import DEFAULT_MAX_TO_KEEP
-from .variables import VariableStore, is_device_array
+from .variables import VariableStore, array_module, is_device_array, to_module
 from .wire import dtype_name
 
 #: Default size above which a variable is partitioned across the ps tasks.
@@ -201,11 +205,6 @@ class PSStrategyBase(Strategy):
             dtype_name(variable.dtype)
         except ProtocolError as exc:
             raise ConfigurationError(f"variable {variable.name!r} cannot live on a ps task: {exc}") from None
-        if is_device_array(variable.value):
-            raise ConfigurationError(
-                f"variable {variable.name!r} holds a GPU (cupy) array; the parameter-server strategies keep "
-                f"host (numpy) copies on the workers: create it from a numpy array"
-            )
         super()._register_variable(variable)
         pieces = self._place(variable)
         self._pieces[variable.name] = pieces
@@ -232,7 +231,7 @@ class PSStrategyBase(Strategy):
             cache = self._cache(var.name)
             for piece in self._pieces[var.name]:
                 specs.setdefault(piece.ps, []).append(piece_spec(piece, var.shape, var.dtype))
-                values.setdefault(piece.ps, []).append(self._piece_value(piece, cache))
+                values.setdefault(piece.ps, []).append(_to_host(self._piece_value(piece, cache)))
         return specs, values
 
     def _end_scope(self, created: list, *, first: bool) -> None:
@@ -342,14 +341,15 @@ class PSStrategyBase(Strategy):
         var = self._variables[name]
         self._sparse_read.add(name)
         cache = var.store.cache
+        xp = array_module(cache)
         if self._closed or name not in self._initialized or self._fresh(name) or not len(rows):
-            return cache[rows]
+            return cache[rows if xp is np else xp.asarray(rows)]
         out, replies = fetch_rows(self._client, self._pieces[name], rows, var.shape, var.dtype)
         for index, reply in replies.items():
             self._note(index, reply.meta)
         if len(replies) == self._client.num_shards:
             self._stale = False          # every shard told its step
-        return out
+        return to_module(out, xp)        # on the GPU for a cupy variable, as var.value is
 
     def _absorb(self, replies: dict) -> None:
         """Copy the values in ``replies`` into the caches; record versions, the global step, stop."""
@@ -368,7 +368,7 @@ class PSStrategyBase(Strategy):
             if piece.parts == 1 and _adoptable(value, store):
                 store.cache = value   # no copy: the received buffer becomes this task's copy
             else:
-                np.copyto(self._piece_value(piece, store.cache), value, casting="same_kind")
+                _write(self._piece_value(piece, store.cache), value)
         self._note(index, meta)
 
     def _note(self, index: int, meta: dict) -> None:
@@ -382,14 +382,14 @@ class PSStrategyBase(Strategy):
     def _assign(self, name: str, array) -> None:
         var = self._variables[name]
         cache = var.store.cache
-        np.copyto(cache, np.asarray(array), casting="same_kind")
+        _write(cache, array)
         if name not in self._initialized:
             return  # before the chief declared it: this is (part of) the initial value
         by_shard: dict[int, tuple[list, list]] = {}
         for piece in self._pieces[name]:
             names, arrays = by_shard.setdefault(piece.ps, ([], []))
             names.append(piece.name)
-            arrays.append(self._piece_value(piece, cache))
+            arrays.append(_to_host(self._piece_value(piece, cache)))
         self._client.assign(by_shard)
 
     # -- the sync point ----------------------------------------------------------------------------
@@ -555,6 +555,19 @@ class PSStrategyBase(Strategy):
         """Leave with an error: the shards report it (and exit non-zero) once every replica is done."""
         self._exit_error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         self.shutdown()
+
+
+def _to_host(array):
+    """``array`` in host memory (a cupy cache's pieces travel as numpy arrays)."""
+    return array.get() if is_device_array(array) else array
+
+
+def _write(cache, value) -> None:
+    """Copy ``value`` into ``cache`` (or a piece of it) in place: host to device for a cupy cache."""
+    if is_device_array(cache):
+        cache[...] = array_module(cache).asarray(value)
+    else:
+        np.copyto(cache, to_module(value, np), casting="same_kind")
 
 
 def _holders(store) -> int:

@@ -49,4 +49,19 @@ class FakeCupy(types.ModuleType):
                 result = result.view(FakeDeviceArray)
             return result
 
+        if isinstance(target, np.ufunc):
+            return _Ufunc(call, target)
         return call
+
+
+class _Ufunc:
+    """A recorded ufunc that keeps the ufunc's methods (``add.at``, as cupy's ufuncs have them)."""
+
+    def __init__(self, call, ufunc: np.ufunc):
+        self._call, self._ufunc = call, ufunc
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._ufunc, name)
