@@ -1,36 +1,73 @@
 #!/usr/bin/env python3
-"""Parameter-server benchmark: push + pull throughput against a bare pyzmq request/reply, and MLP
-training steps/s under each consistency mode.
+"""Parameter-server benchmark: push + pull throughput against bare pyzmq (plain and as a minimal
+parameter server), with the CPU each costs, optionally over a rate-limited link; and MLP training
+steps/s under each consistency mode.
 
-    python benchmarks/ps.py                               # both parts (about 2 minutes on 2 cores)
-    python benchmarks/ps.py --part throughput --ps 1 2 4 --params 10M --iters 10 --rounds 2
+    python benchmarks/ps.py                               # both parts (about 3 minutes on 2 cores)
+    python benchmarks/ps.py --part throughput             # ps 1 2 4, 80 steps, best of 3: ~2.5 minutes
+    python benchmarks/ps.py --part throughput --link 10gbit   # the same behind a 10 Gbit/s loopback (~3 min)
     python benchmarks/ps.py --part mlp --modes async sync bounded --json results-ps.json
 
 **Throughput.** A model of ``--params`` float32 parameters (default 10M: a 5M, a 4M and a 1M weight
-matrix plus biases, 40 MB) lives on 1, 2 and 4 ps tasks (``between_graph``, ``mode="async"``, greedy
-placement; the two big matrices are partitioned over the shards). Each of 2 workers, started
-together, runs ``--iters`` timed steps of ``opt.apply_gradients`` (plain SGD): one push of every
-gradient, answered by every shard with its new values (``pull_with_push``), i.e. one round trip per
-shard carrying the model's bytes each way, the shards served concurrently. The servers apply the SGD
-update before answering.
+matrix plus biases, 40 MB) lives on 1, 2 and 4 ps tasks. Each of 2 workers, started together, runs
+``--iters`` timed steps (default 80: with 10, start-up skew and the first steps weigh on the short
+raw runs, whose figures then differ from those of long runs); a step pushes every gradient and gets
+every shard's new values back, i.e. one round trip per shard carrying the model's bytes each way, the
+shards served concurrently. The jobs (``--kinds``):
 
-The reference is the raw transport measured in the same run: the same processes (ps tasks and 2
-clients), bare pyzmq (a ROUTER per server, a DEALER per client and server, zero-copy sends), each
-client sending every server its share of the bytes and getting as many back, to all servers before
-waiting for any reply, with nothing done on the data. Figures: aggregate GB/s over both workers
-(bytes pushed + pulled, over the wall time from the first worker's first timed step to the last
-worker's last), round trips/s (one per shard per step), and the ratio to the raw path (target >= 0.8).
+- ``ours`` (``--kinds ps``): stratagem, ``between_graph``, ``mode="async"``, greedy placement (the two big matrices
+  partitioned over the shards in 4 MB pieces), ``opt.apply_gradients`` with plain SGD and
+  ``pull_with_push``: the servers apply SGD, then answer with the values, which the workers copy
+  into their variables.
+- ``raw``: the transport alone. The same processes (ps tasks and 2 clients), bare pyzmq (a ROUTER
+  per server, a DEALER per client and server, zero-copy sends), every client sending every server
+  the very frames ours sends it and getting as many bytes back, to all servers before waiting for
+  any reply; nothing is done with the data. ``raw-duplex``: the same, the replies over a connection
+  of their own (one per direction, as stratagem's transport). "raw" below is the faster of the two.
+- ``raw-ps``: the minimal parameter server on that transport (``_ps_raw.py``): the server keeps a
+  float32 value array per frame, applies ``value -= lr * grad`` to each gradient frame as it is
+  taken from the message (numpy, in 256 KB chunks, preallocated scratch, written into the second
+  of two buffers per frame once no zero-copy reply still reads it) and sends the frame's new values
+  at once; the client copies each reply frame into a preallocated float32 variable. The same work
+  as ours with none of the framework: what a PS must cost on this transport.
+
+How to read the tables: ``raw-ps / raw`` is the price of the work itself (the SGD pass over the
+model on the server and the copy into the variables on the worker, on top of moving the bytes);
+``ours / raw-ps`` is the framework's own overhead (near 1: none to speak of); ``ours / raw`` is the
+issue's figure (target >= 0.8), their product. GB/s is aggregate over both workers (bytes pushed +
+pulled, over the wall time from the first worker's first timed step to the last worker's last);
+round trips/s counts one per shard per step. **CPU ms/step** is the CPU time (user + system, every
+thread) of all the job's processes over that window, divided by the workers' steps, split into
+workers + servers: the parent samples ``/proc/<pid>/stat`` of each process every 20 ms and
+interpolates at the window's ends (our ps tasks serve inside the strategy's constructor and cannot
+time the window themselves; the workers' own ``process_time`` over their windows, in the JSON and the
+progress lines, agrees). "job cores busy" is that CPU over the wall time (the machine's CPUs are the
+ceiling); "host busy" is the whole machine's busy time from ``/proc/stat`` (any other load
+included: above the job's figure, something else ran; the softirq share is loopback packet work not
+charged to a process). On a small machine the unlimited loopback is CPU-bound: the kernel's copies
+of the bytes, which every kind pays, use most of the CPU, so every ms of work per step shows as
+throughput lost.
+
+**--link RATE** (e.g. ``10gbit``) makes the network the bottleneck, as on a cluster: the benchmark
+runs itself again inside a private network namespace (``unshare -n``; needs root, or unprivileged
+user namespaces for ``unshare -r -n``), brings its loopback up and puts a token bucket on it (``tc
+qdisc add dev lo root tbf rate RATE burst <2 ms at RATE, >= 1 MB> limit 256 MB``: a burst far above a
+64 KB loopback segment and a queue no set of TCP connections fills, so the rate alone limits and
+nothing is dropped; the qdisc's counters, printed at the end, show it). On one host every flow, in
+both directions, shares that one limited loopback: it models one shared link of RATE, not a NIC of
+RATE per host, so raw's aggregate GB/s comes out at RATE/8. The default ``--iters`` there gives
+about 3 s per job at the rate. The CPU column then shows the headroom each kind leaves.
 
 **MLP.** The MLP 784-512-512-10 of ``mlp_training.py`` (670K parameters, numpy forward/backward,
 batch 128 per worker, SGD) trained by 2 workers on 2 ps tasks under ``async``, ``sync`` and
 ``bounded`` (staleness 2), and under ``mirrored`` (2 workers, no ps) for reference: global updates/s
 (the updates the ps applied, over the wall time) and steps/s per worker.
 
-Each job runs in its own processes (``stratagem.core.launcher.launch`` for ours; the raw path's
-processes are started and reaped here), one job after another; with ``--rounds R`` the jobs run R
-times in alternating order and the best round is reported (the machine is shared: the best round is
-the least disturbed one; every round is in the JSON). Every process uses one math thread. Tables go
-to stdout, progress to stderr.
+Each job runs in its own processes (``stratagem.core.launcher.launch`` for ours; the raw paths'
+processes are started and reaped here), one job after another; with ``--rounds R`` (default 3) the
+jobs run R times in alternating order and the best round is reported (the machine is shared: the
+best round is the least disturbed one; every round is in the JSON, with the load average before and
+after). Every process uses one math thread. Tables go to stdout, progress to stderr.
 """
 
 from __future__ import annotations
@@ -39,10 +76,12 @@ import argparse
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -76,7 +115,16 @@ def model_shapes(params: int) -> list[tuple[str, tuple]]:
 
 # -- children: our PS path --------------------------------------------------------------------------------
 
+def write_pid(out_dir: str) -> None:
+    """Leave this process's id and job (from the launcher's ``STRATAGEM_CONFIG``) for the parent's
+    CPU meter; written before the strategy is made, since a ps task serves inside that call."""
+    job = json.loads(os.environ["STRATAGEM_CONFIG"])["task"]["type"]
+    with open(os.path.join(out_dir, f"pid.{os.getpid()}"), "w") as f:
+        f.write(job)
+
+
 def child_throughput(spec: dict, out_dir: str) -> None:
+    write_pid(out_dir)
     import stratagem
 
     strategy = stratagem.strategy("between_graph", transport="zmq", mode="async", placement="greedy",
@@ -90,15 +138,15 @@ def child_throughput(spec: dict, out_dir: str) -> None:
     for _ in range(spec["warmup"]):
         opt.apply_gradients(grads)
     comm.barrier()
-    times, start = [], time.time()
+    times, start, cpu = [], time.time(), time.process_time()
     for _ in range(spec["iters"]):
         began = time.perf_counter()
         opt.apply_gradients(grads)
         times.append(time.perf_counter() - began)
-    end = time.time()
+    end, cpu = time.time(), time.process_time() - cpu
     nbytes = sum(v.size * 4 for v in variables)
     with open(os.path.join(out_dir, f"{strategy.task.short}.json"), "w") as f:
-        json.dump({"start": start, "end": end, "times": times, "bytes_each_way": nbytes,
+        json.dump({"start": start, "end": end, "cpu_s": cpu, "times": times, "bytes_each_way": nbytes,
                    "shards": len(strategy.cluster.tasks("ps")), "acks": {str(k): v for k, v in strategy.acks.items()}}, f)
     comm.barrier()
     strategy.shutdown()
@@ -135,73 +183,7 @@ def child_mlp(spec: dict, out_dir: str) -> None:
     strategy.shutdown()
 
 
-# -- children: the raw pyzmq path --------------------------------------------------------------------------
-
-def child_raw_server(port: int, sizes: list[int], expected: int, client_ports: list[int]) -> None:
-    """A bare ROUTER server: answers each request with as many bytes, in frames of ``sizes``. With
-    ``client_ports`` (the *duplex* variant) the reply goes back over a connection of its own to the
-    client's ROUTER, as stratagem's transport does; otherwise over the request's connection."""
-    import zmq
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.bind(f"tcp://127.0.0.1:{port}")
-    back = {}
-    for index, client_port in enumerate(client_ports):
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.connect(f"tcp://127.0.0.1:{client_port}")
-        back[f"c{index}".encode()] = dealer
-    reply = [np.ones(n, np.uint8) for n in sizes]
-    for _ in range(expected):
-        ident, *_payload = sock.recv_multipart(copy=False)
-        if back:
-            back[ident.bytes].send_multipart(reply, copy=False)
-        else:
-            sock.send_multipart([ident, *reply], copy=False)
-    time.sleep(0.5)
-    ctx.destroy(linger=0)
-
-
-def child_raw_client(spec: dict, out: str, index: int) -> None:
-    import zmq
-
-    ctx = zmq.Context()
-    socks = []
-    for port in spec["server_ports"]:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"c{index}".encode())
-        sock.connect(f"tcp://127.0.0.1:{port}")
-        socks.append(sock)
-    inbox = None
-    if spec["client_ports"][index]:
-        inbox = ctx.socket(zmq.ROUTER)
-        inbox.bind(f"tcp://127.0.0.1:{spec['client_ports'][index]}")
-    payloads = [[np.ones(n, np.uint8) for n in sizes] for sizes in spec["frames"]]
-
-    def round_trip():
-        trackers = [sock.send_multipart(payload, copy=False, track=True) for sock, payload in zip(socks, payloads)]
-        for sock in socks:
-            if inbox is None:
-                sock.recv_multipart(copy=False)
-            else:
-                inbox.recv_multipart(copy=False)
-        for tracker in trackers:
-            tracker.wait()
-
-    for _ in range(spec["warmup"]):
-        round_trip()
-    time.sleep(max(0.0, spec["start_at"] - time.time()))
-    times, start = [], time.time()
-    for _ in range(spec["iters"]):
-        began = time.perf_counter()
-        round_trip()
-        times.append(time.perf_counter() - began)
-    end = time.time()
-    with open(out, "w") as f:
-        json.dump({"start": start, "end": end, "times": times, "shards": len(socks),
-                   "bytes_each_way": sum(sum(sizes) for sizes in spec["frames"])}, f)
-    ctx.destroy(linger=0)
-
+# -- the raw pyzmq paths' frames (their children are in _ps_raw.py) ----------------------------------------
 
 def frames_per_server(shapes: list, ps: int, partition_bytes: int) -> list[list[int]]:
     """The byte sizes of the pieces each ps task holds, as the PS path places them (greedy,
@@ -216,6 +198,78 @@ def frames_per_server(shapes: list, ps: int, partition_bytes: int) -> list[list[
     return frames
 
 
+# -- CPU accounting ---------------------------------------------------------------------------------------------
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid``, all its threads (``/proc/<pid>/stat``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime: fields 14 and 15
+
+
+def host_cpu() -> tuple[float, float]:
+    """CPU seconds the whole machine has been busy (every CPU: user, nice, system, irq, softirq,
+    steal) and of those in softirq, from ``/proc/stat``."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks[:8]
+    return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS, softirq / CLOCK_TICKS
+
+
+class CpuMeter(threading.Thread):
+    """Samples, every ``period`` seconds while a job runs, the cumulative CPU time of the job's
+    processes by role and the machine's busy time; :meth:`window` interpolates them at the timed
+    window's start and end (the children's ``time.time()``). A process keeps its last reading
+    after it exits. ``pids()`` gives ``{pid: role}``, and may grow as processes announce themselves.
+    Resolution: a clock tick (10 ms) per process per reading, against windows of seconds."""
+
+    def __init__(self, pids, period: float = 0.02):
+        super().__init__(daemon=True)
+        self.pids, self.period = pids, period
+        self.halt = threading.Event()
+        self.last: dict[int, tuple[str, float]] = {}
+        self.samples: list[tuple] = []
+
+    def sample(self) -> None:
+        for pid, role in self.pids().items():
+            value = process_cpu(pid)
+            if value is not None:
+                self.last[pid] = (role, value)
+        roles = {"worker": 0.0, "ps": 0.0}
+        for role, value in self.last.values():
+            roles[role] += value
+        self.samples.append((time.time(), roles["worker"], roles["ps"], *host_cpu()))
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            self.sample()
+            self.halt.wait(self.period)
+
+    def __enter__(self) -> "CpuMeter":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.halt.set()
+        self.join()
+
+    def window(self, start: float, end: float) -> dict:
+        """CPU seconds spent between ``start`` and ``end``: the job's workers, its servers, the whole
+        machine and the machine's softirq."""
+        table = np.array(self.samples)
+        if len(table) < 2 or not table[0, 0] <= start < end <= table[-1, 0]:
+            raise RuntimeError("CPU meter: the timed window is not inside the sampled interval")
+        spent = [float(np.interp(end, table[:, 0], col) - np.interp(start, table[:, 0], col)) for col in table.T[1:]]
+        return dict(zip(("worker_cpu_s", "ps_cpu_s", "host_busy_s", "host_softirq_s"), spent))
+
+
 # -- the parent -----------------------------------------------------------------------------------------------
 
 def _die_with_parent() -> None:
@@ -226,8 +280,20 @@ def _die_with_parent() -> None:
         pass
 
 
-def launch_job(mode: str, spec: dict, ps: int, workers: int, timeout: float) -> list[dict]:
-    """Run a child job under stratagem's launcher; return the workers' records."""
+def pid_files(out: str) -> dict[int, str]:
+    found = {}
+    for name in os.listdir(out):
+        if name.startswith("pid."):
+            try:
+                found[int(name[4:])] = open(os.path.join(out, name)).read() or "worker"
+            except OSError:
+                pass
+    return found
+
+
+def launch_job(mode: str, spec: dict, ps: int, workers: int, timeout: float, meter: bool = False):
+    """Run a child job under stratagem's launcher; return the workers' records (and, with ``meter``,
+    the CPU spent over their timed window)."""
     from stratagem.core.launcher import launch
 
     with tempfile.TemporaryDirectory() as out:
@@ -235,46 +301,51 @@ def launch_job(mode: str, spec: dict, ps: int, workers: int, timeout: float) -> 
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         errors = io.StringIO()
-        result = launch([sys.executable, os.path.abspath(__file__), "--child", mode, spec_path, out],
-                        workers=workers, ps=ps, timeout=timeout, output=sys.stderr, error_output=errors,
-                        env=THREADS)
+        with CpuMeter(lambda: pid_files(out)) as cpu:
+            result = launch([sys.executable, os.path.abspath(__file__), "--child", mode, spec_path, out],
+                            workers=workers, ps=ps, timeout=timeout, output=sys.stderr, error_output=errors,
+                            env=THREADS)
         if not result.ok:
             raise RuntimeError(f"{mode} job failed: {result.reason}\n{errors.getvalue()[-3000:]}")
-        return [json.load(open(os.path.join(out, f"worker:{i}.json"))) for i in range(workers)]
+        records = [json.load(open(os.path.join(out, f"worker:{i}.json"))) for i in range(workers)]
+        if not meter:
+            return records
+        return records, cpu.window(min(r["start"] for r in records), max(r["end"] for r in records))
 
 
-def raw_job(frames: list[list[int]], warmup: int, iters: int, timeout: float, duplex: bool) -> list[dict]:
-    """The bare pyzmq path: a server per entry of ``frames`` and 2 clients, each client sending every
-    server its frames and getting the same back."""
+def raw_job(frames: list[list[int]], warmup: int, iters: int, timeout: float, duplex: bool, work: bool):
+    """A bare pyzmq path (:mod:`_ps_raw`): a server per entry of ``frames`` and 2 clients, each client
+    sending every server its frames and getting the same back; with ``work``, the minimal PS."""
     from stratagem.testing.world import free_ports
 
     ps = len(frames)
     ports = free_ports(ps + WORKERS)
     env = {**os.environ, **THREADS}
     me = os.path.abspath(__file__)
-    procs = []
+    procs, roles = [], {}
     with tempfile.TemporaryDirectory() as out:
         spec = {"server_ports": ports[:ps], "client_ports": ports[ps:] if duplex else [0] * WORKERS,
-                "frames": frames, "warmup": warmup, "iters": iters, "start_at": time.time() + 2.0}
+                "frames": frames, "work": work, "lr": 1e-3, "warmup": warmup, "iters": iters,
+                "start_at": time.time() + 2.0}
         spec_path = os.path.join(out, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         try:
-            paths = [os.path.join(out, f"client{i}.json") for i in range(WORKERS)]
-            for i, path in enumerate(paths):
-                procs.append(subprocess.Popen([sys.executable, me, "--child", "raw-client", spec_path, path, str(i)],
-                                              env=env, start_new_session=True, preexec_fn=_die_with_parent))
-            for port, sizes in zip(spec["server_ports"], frames):
-                procs.append(subprocess.Popen(
-                    [sys.executable, me, "--child", "raw-server", str(port), ",".join(map(str, sizes)),
-                     str(WORKERS * (warmup + iters)), ",".join(map(str, spec["client_ports"])) if duplex else ""],
-                    env=env, start_new_session=True, preexec_fn=_die_with_parent))
-            deadline = time.monotonic() + timeout
-            for proc in procs:
-                proc.wait(max(1.0, deadline - time.monotonic()))
+            with CpuMeter(lambda: roles) as cpu:
+                paths = [os.path.join(out, f"client{i}.json") for i in range(WORKERS)]
+                commands = [("worker", ["raw-client", spec_path, path, str(i)]) for i, path in enumerate(paths)]
+                commands += [("ps", ["raw-server", spec_path, str(i)]) for i in range(ps)]
+                for role, command in commands:
+                    procs.append(subprocess.Popen([sys.executable, me, "--child", *command], env=env,
+                                                  start_new_session=True, preexec_fn=_die_with_parent))
+                    roles = {**roles, procs[-1].pid: role}
+                deadline = time.monotonic() + timeout
+                for proc in procs:
+                    proc.wait(max(1.0, deadline - time.monotonic()))
             if any(p.returncode for p in procs):
                 raise RuntimeError(f"raw job failed: exit codes {[p.returncode for p in procs]}")
-            return [json.load(open(path)) for path in paths]
+            records = [json.load(open(path)) for path in paths]
+            return records, cpu.window(min(r["start"] for r in records), max(r["end"] for r in records))
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -282,38 +353,101 @@ def raw_job(frames: list[list[int]], warmup: int, iters: int, timeout: float, du
                 proc.wait()
 
 
-def aggregate(records: list[dict]) -> dict:
-    """Aggregate figures over the workers: wall time from the first start to the last end."""
+def aggregate(records: list[dict], cpu: dict) -> dict:
+    """Aggregate figures over the workers: wall time from the first start to the last end; CPU per
+    worker step (all the job's processes, over that window)."""
     wall = max(r["end"] for r in records) - min(r["start"] for r in records)
     steps = sum(len(r["times"]) for r in records)
     moved = sum(2 * r["bytes_each_way"] * len(r["times"]) for r in records)
     trips = sum(r["shards"] * len(r["times"]) for r in records)
-    return {"wall_s": wall, "gbps": moved / wall / 1e9, "round_trips_per_s": trips / wall,
-            "steps_per_s": steps / wall, "median_step_ms": 1e3 * float(np.median([t for r in records for t in r["times"]]))}
+    job_cpu = cpu["worker_cpu_s"] + cpu["ps_cpu_s"]
+    own = sum(r["cpu_s"] for r in records)  # the workers' own count over their own windows: a check
+    return {"wall_s": wall, "steps": steps, "gbps": moved / wall / 1e9, "round_trips_per_s": trips / wall,
+            "steps_per_s": steps / wall, "median_step_ms": 1e3 * float(np.median([t for r in records for t in r["times"]])),
+            **cpu, "cpu_ms_per_step": 1e3 * job_cpu / steps, "worker_cpu_ms_per_step": 1e3 * cpu["worker_cpu_s"] / steps,
+            "ps_cpu_ms_per_step": 1e3 * cpu["ps_cpu_s"] / steps, "host_busy_ms_per_step": 1e3 * cpu["host_busy_s"] / steps,
+            "worker_cpu_s_own_windows": own, "job_cores": job_cpu / wall,
+            "other_cores": max(0.0, cpu["host_busy_s"] - job_cpu) / wall, "host_cores": cpu["host_busy_s"] / wall}
 
+
+# -- the rate-limited link --------------------------------------------------------------------------------------
+
+NETNS_ENV = "PS_BENCH_NETNS"
+
+
+def parse_rate(text: str) -> float:
+    """A tc rate (``10gbit``, ``5gbit``, ``800mbit``) in bytes/s."""
+    text = text.strip().lower()
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * scale / 8
+    raise SystemExit(f"--link {text!r}: give a rate such as 10gbit, 5gbit or 800mbit")
+
+
+def reexec_in_netns(argv: list[str]) -> int:
+    """Run this benchmark again inside a new network namespace (``unshare -n``), where
+    :func:`limit_loopback` shapes the loopback."""
+    command = ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-r", "-n"]
+    probe = subprocess.run([*command, "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise SystemExit(f"--link needs a private network namespace (`{' '.join(command)}`), which failed: "
+                         f"{probe.stderr.strip() or probe.returncode}. Run as root (or with CAP_SYS_ADMIN and "
+                         f"CAP_NET_ADMIN), or where unprivileged user namespaces are allowed.")
+    log(f"--link: running in a private network namespace ({' '.join(command)})")
+    return subprocess.run([*command, sys.executable, os.path.abspath(__file__), *argv],
+                          env={**os.environ, NETNS_ENV: "1"}).returncode
+
+
+def limit_loopback(rate: str) -> dict:
+    """Bring the namespace's loopback up and put a token bucket of ``rate`` on it. Burst: 2 ms at the
+    rate (at least 1 MB, far above a 64 KB loopback segment, so the bucket never refuses a packet);
+    queue limit 256 MB, above what every connection's TCP may queue at once (tcp_limit_output_bytes
+    each), so that nothing is dropped: the rate alone is the limit."""
+    rate_bytes = parse_rate(rate)
+    burst = max(1 << 20, int(rate_bytes * 0.002))
+    commands = [["ip", "link", "set", "lo", "up"],
+                ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", str(burst),
+                 "limit", str(256 << 20)]]
+    for command in commands:
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"--link: `{' '.join(command)}` failed: {done.stderr.strip()} (CAP_NET_ADMIN needed)")
+    return {"rate": rate, "rate_bytes_per_s": rate_bytes, "burst_bytes": burst, "limit_bytes": 256 << 20,
+            "qdisc": " ".join(commands[1][3:])}
+
+
+def qdisc_stats() -> str:
+    return subprocess.run(["tc", "-s", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout.strip()
+
+
+# -- the throughput part ----------------------------------------------------------------------------------------
 
 PARTITION_BYTES = 4 << 20
-KINDS = ("ps", "raw", "raw-duplex")
+KINDS = ("ps", "raw", "raw-duplex", "raw-ps")
 
 
 def run_throughput(args) -> dict:
     shapes = model_shapes(args.params)
     total = sum(int(np.prod(s)) for _, s in shapes)
+    kinds = [k for k in KINDS if k in args.kinds]
     rounds: list[dict] = []
     for round_index in range(args.rounds):
         order = args.ps if round_index % 2 == 0 else list(reversed(args.ps))
         for ps in order:
-            for kind in (KINDS if round_index % 2 == 0 else tuple(reversed(KINDS))):
+            for kind in (kinds if round_index % 2 == 0 else list(reversed(kinds))):
                 log(f"[round {round_index + 1}] throughput {kind} with {ps} ps task(s), {WORKERS} workers, "
-                    f"{total / 1e6:.1f}M parameters")
+                    f"{total / 1e6:.1f}M parameters, {args.iters} steps")
                 if kind == "ps":
                     spec = {"shapes": shapes, "partition_bytes": PARTITION_BYTES, "warmup": args.warmup,
                             "iters": args.iters}
-                    records = launch_job("throughput", spec, ps, WORKERS, args.timeout)
+                    records, cpu = launch_job("throughput", spec, ps, WORKERS, args.timeout, meter=True)
                 else:
-                    records = raw_job(frames_per_server(shapes, ps, PARTITION_BYTES), args.warmup, args.iters,
-                                      args.timeout, duplex=kind == "raw-duplex")
-                rounds.append({"round": round_index, "kind": kind, "ps": ps, **aggregate(records), "records": records})
+                    records, cpu = raw_job(frames_per_server(shapes, ps, PARTITION_BYTES), args.warmup, args.iters,
+                                           args.timeout, duplex=kind == "raw-duplex", work=kind == "raw-ps")
+                entry = {"round": round_index, "kind": kind, "ps": ps, **aggregate(records, cpu), "records": records}
+                log(f"    {entry['gbps']:.2f} GB/s, {entry['cpu_ms_per_step']:.1f} CPU ms/step; workers "
+                    f"{entry['worker_cpu_s']:.2f} CPU s (by their own count {entry['worker_cpu_s_own_windows']:.2f})")
+                rounds.append(entry)
     best = {}
     for entry in rounds:
         key = (entry["kind"], entry["ps"])
@@ -321,25 +455,49 @@ def run_throughput(args) -> dict:
             best[key] = entry
     rows = []
     for ps in args.ps:
-        ours = best[("ps", ps)]
-        raw = max((best[(k, ps)] for k in KINDS[1:]), key=lambda e: e["gbps"])
-        rows.append({"ps": ps, "ours_gbps": ours["gbps"], "raw_gbps": raw["gbps"], "raw_kind": raw["kind"],
-                     "reqrep_gbps": best[("raw", ps)]["gbps"], "duplex_gbps": best[("raw-duplex", ps)]["gbps"],
-                     "ours_rt_s": ours["round_trips_per_s"], "raw_rt_s": raw["round_trips_per_s"],
-                     "ours_step_ms": ours["median_step_ms"], "raw_step_ms": raw["median_step_ms"],
-                     "ratio": ours["gbps"] / raw["gbps"]})
+        row = {"ps": ps, **{f"{k}_gbps": best[(k, ps)]["gbps"] for k in kinds},
+               **{f"{k}_cpu_ms_per_step": best[(k, ps)]["cpu_ms_per_step"] for k in kinds}}
+        raws = [best[(k, ps)] for k in ("raw", "raw-duplex") if k in kinds]
+        if raws:
+            raw = max(raws, key=lambda e: e["gbps"])
+            row.update(best_raw_gbps=raw["gbps"], best_raw_kind=raw["kind"], best_raw_cpu_ms_per_step=raw["cpu_ms_per_step"])
+            if "ps" in kinds:
+                row["ours_over_raw"] = best[("ps", ps)]["gbps"] / raw["gbps"]
+            if "raw-ps" in kinds:
+                row["rawps_over_raw"] = best[("raw-ps", ps)]["gbps"] / raw["gbps"]
+        if "ps" in kinds and "raw-ps" in kinds:
+            row["ours_over_rawps"] = best[("ps", ps)]["gbps"] / best[("raw-ps", ps)]["gbps"]
+        rows.append(row)
+
+    link = f", loopback limited to {args.link} ({parse_rate(args.link) / 1e9:.2f} GB/s, shared by every flow)" \
+        if args.link else ""
     print(f"\nPush + pull of a {total / 1e6:.1f}M-parameter float32 model ({total * 4 / 1e6:.0f} MB each way per "
-          f"step), {WORKERS} workers, best of {args.rounds} round(s); raw = the faster of bare pyzmq request/reply "
-          f"on one connection and on two (one per direction, as stratagem's transport)\n")
-    print("| ps tasks | ours GB/s | raw GB/s (req/rep, duplex) | ours / raw | ours round trips/s | raw round trips/s "
-          "| ours median step | raw median step |")
+          f"step), {WORKERS} workers, {args.iters} steps each, best of {args.rounds} round(s){link}; "
+          f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in args.loadavg_before)} before\n")
+    fmt = lambda key, row, digits=2: f"{row[key]:.{digits}f}" if key in row else "-"  # noqa: E731
+    print("| ps tasks | ours GB/s | raw-ps GB/s | raw GB/s (req/rep, duplex) | ours / raw | ours / raw-ps "
+          "| raw-ps / raw | CPU ms/step: ours, raw-ps, raw |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        verdict = "" if r["ratio"] >= TARGET else " (below 0.8)"
-        print(f"| {r['ps']} | {r['ours_gbps']:.2f} | {r['raw_gbps']:.2f} ({r['reqrep_gbps']:.2f}, {r['duplex_gbps']:.2f}) "
-              f"| {r['ratio']:.2f}{verdict} | {r['ours_rt_s']:.1f} | {r['raw_rt_s']:.1f} | {r['ours_step_ms']:.0f} ms "
-              f"| {r['raw_step_ms']:.0f} ms |")
-    return {"params": total, "rows": rows, "rounds": rounds}
+        below = " (below 0.8)" if r.get("ours_over_raw", 1) < TARGET else ""
+        print(f"| {r['ps']} | {fmt('ps_gbps', r)} | {fmt('raw-ps_gbps', r)} | {fmt('best_raw_gbps', r)} "
+              f"({fmt('raw_gbps', r)}, {fmt('raw-duplex_gbps', r)}) | {fmt('ours_over_raw', r)}{below} "
+              f"| {fmt('ours_over_rawps', r)} | {fmt('rawps_over_raw', r)} | {fmt('ps_cpu_ms_per_step', r, 1)}, "
+              f"{fmt('raw-ps_cpu_ms_per_step', r, 1)}, {fmt('best_raw_cpu_ms_per_step', r, 1)} |")
+    print("\nPer kind (the best round's; a step is one worker's push + pull; CPU = user + system of every "
+          "process of the job over the timed window, split workers + servers; host = the whole machine, "
+          "any load included; other load = host busy - the job's CPU, over the wall time)\n")
+    print("| ps tasks | kind | GB/s | median step | round trips/s | CPU ms/step (workers + servers) "
+          "| job cores busy | host busy ms/step (softirq) | other load, cores |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for ps in args.ps:
+        for kind in kinds:
+            e = best[(kind, ps)]
+            print(f"| {ps} | {'ours' if kind == 'ps' else kind} | {e['gbps']:.2f} | {e['median_step_ms']:.1f} ms "
+                  f"| {e['round_trips_per_s']:.0f} | {e['cpu_ms_per_step']:.1f} ({e['worker_cpu_ms_per_step']:.1f} + "
+                  f"{e['ps_cpu_ms_per_step']:.1f}) | {e['job_cores']:.2f} | {e['host_busy_ms_per_step']:.1f} "
+                  f"({1e3 * e['host_softirq_s'] / e['steps']:.1f}) | {e['other_cores']:.2f} |")
+    return {"params": total, "iters": args.iters, "rows": rows, "rounds": rounds}
 
 
 def run_mlp(args) -> dict:
@@ -377,19 +535,39 @@ def run_mlp(args) -> dict:
                      for k, v in best.items()], "rounds": rounds}
 
 
+DEFAULT_ITERS = 80
+
+
+def link_iters(rate: str, params: int) -> int:
+    """Steps for about 3 s of a job under ``--link``: the rate, not the CPU, sets the pace there, so
+    fewer steps are as stable."""
+    step_bytes = WORKERS * 2 * 4 * params
+    return int(min(DEFAULT_ITERS, max(10, round(3.0 * parse_rate(rate) / step_bytes))))
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("all", "throughput", "mlp"), default="all")
     parser.add_argument("--ps", type=int, nargs="+", default=[1, 2, 4], help="ps task counts (default 1 2 4)")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                        help="throughput jobs to run (default all: ps raw raw-duplex raw-ps)")
     parser.add_argument("--params", type=parse_count, default=parse_count("10M"), help="model size (default 10M)")
-    parser.add_argument("--iters", type=int, default=10, help="timed steps per worker (default 10)")
+    parser.add_argument("--iters", type=int, default=None,
+                        help=f"timed steps per worker (default {DEFAULT_ITERS}; under --link, about 3 s at the rate)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--link", metavar="RATE", help="rate-limit the loopback of a private network namespace "
+                        "(tc tbf), e.g. 10gbit: the network, not the CPU, is the bottleneck (needs root)")
     parser.add_argument("--modes", nargs="+", default=["async", "sync", "bounded", "mirrored"])
     parser.add_argument("--mlp-steps", type=int, default=100)
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--json", metavar="PATH", help="write every figure here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.link:
+        parse_rate(args.link)
+    if args.iters is None:
+        args.iters = link_iters(args.link, args.params) if args.link else DEFAULT_ITERS
+    return args
 
 
 def main(argv=None) -> int:
@@ -401,18 +579,32 @@ def main(argv=None) -> int:
         elif kind == "mlp":
             child_mlp(json.load(open(rest[0])), rest[1])
         elif kind == "raw-server":
-            child_raw_server(int(rest[0]), [int(n) for n in rest[1].split(",")], int(rest[2]),
-                             [int(p) for p in rest[3].split(",") if p])
+            import _ps_raw
+            _ps_raw.server(json.load(open(rest[0])), int(rest[1]))
         elif kind == "raw-client":
-            child_raw_client(json.load(open(rest[0])), rest[1], int(rest[2]))
+            import _ps_raw
+            _ps_raw.client(json.load(open(rest[0])), rest[1], int(rest[2]))
         return 0
     args = parse_args(argv)
-    results = {"argv": argv, "loadavg_before": os.getloadavg(), "cpus": os.cpu_count()}
+    if args.link and not os.environ.get(NETNS_ENV):
+        return reexec_in_netns(argv)
+    args.loadavg_before = os.getloadavg()
+    results = {"argv": argv, "loadavg_before": args.loadavg_before, "cpus": os.cpu_count(), "iters": args.iters,
+               "rounds": args.rounds}
+    if args.link:
+        results["link"] = limit_loopback(args.link)
+        log(f"--link: {results['link']['qdisc']} on the namespace's loopback")
     if args.part in ("all", "throughput"):
         results["throughput"] = run_throughput(args)
     if args.part in ("all", "mlp"):
         results["mlp"] = run_mlp(args)
     results["loadavg_after"] = os.getloadavg()
+    print(f"\nload average after: {' '.join(f'{x:.2f}' for x in results['loadavg_after'])}")
+    if args.link:
+        results["link"]["qdisc_stats"] = qdisc_stats()
+        print(f"loopback qdisc after the run:\n{results['link']['qdisc_stats']}")
+        if any(int(n) for n in re.findall(r"dropped (\d+)", results["link"]["qdisc_stats"])):
+            log("WARNING: the loopback qdisc dropped packets: TCP retransmissions slowed the run")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)

@@ -1,0 +1,164 @@
+"""The bare pyzmq reference paths of ``ps.py`` (its children): ``raw``, ``raw-duplex`` and ``raw-ps``.
+
+Every process reads one JSON spec: ``server_ports`` (one per server), ``client_ports`` (one per
+client, all 0 for a reply over the request's own connection), ``frames`` (per server, the byte sizes
+of the pieces it holds, as the PS path places them), ``work`` (the ``raw-ps`` variant), ``lr``,
+``warmup``, ``iters`` and ``start_at`` (the wall-clock time the clients start their timed steps).
+
+- ``raw``/``raw-duplex``: a server answers each request with as many bytes, in one multipart
+  message, doing nothing with the data; a client sends every server its frames before waiting for
+  any reply.
+- ``raw-ps``: the minimal parameter server over the same transport. The server holds a float32 value
+  array per frame and, for each gradient frame received, applies SGD (``value -= lr * grad``, in
+  256 KB chunks through a preallocated scratch array) and sends that frame's new values at once, as
+  a message of its own (zero-copy), so that the next frame's update overlaps this one's transfer.
+  Each frame's values are double-buffered: the update writes the new version into the array that is
+  not current, after waiting (``track=True``) until no reply still reads it, so a zero-copy reply
+  never sees its array modified. The client copies every reply frame into a preallocated float32
+  "variable" array (``np.copyto``), as a stratagem worker copies the values into its variables.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+CHUNK = 64 * 1024  # float32 elements per SGD chunk: 256 KB
+
+
+def _f32(frame) -> np.ndarray:
+    return np.frombuffer(frame.buffer, np.float32)
+
+
+class Shard:
+    """A ``raw-ps`` server's values: two float32 arrays per frame and the trackers of their replies."""
+
+    def __init__(self, sizes: list[int], lr: float):
+        self.lr = np.float32(lr)
+        self.arrays = [[np.zeros(n // 4, np.float32), np.zeros(n // 4, np.float32)] for n in sizes]
+        self.current = [0] * len(sizes)
+        self.trackers: list[list] = [[None, None] for _ in sizes]
+        self.scratch = np.empty(CHUNK, np.float32)
+
+    def update(self, k: int, grad: np.ndarray) -> np.ndarray:
+        """SGD on frame ``k`` into its spare array (once no reply reads it); returns the new values."""
+        old_index = self.current[k]
+        new_index = 1 - old_index
+        tracker = self.trackers[k][new_index]
+        if tracker is not None and not tracker.done:
+            tracker.wait()
+        old, new = self.arrays[k][old_index], self.arrays[k][new_index]
+        for i in range(0, old.size, CHUNK):
+            j = min(i + CHUNK, old.size)
+            scratch = self.scratch[: j - i]
+            np.multiply(grad[i:j], self.lr, out=scratch)
+            np.subtract(old[i:j], scratch, out=new[i:j])
+        self.current[k] = new_index
+        return new
+
+    def sent(self, k: int, tracker) -> None:
+        self.trackers[k][self.current[k]] = tracker
+
+
+def server(spec: dict, index: int) -> None:
+    import zmq
+
+    sizes = spec["frames"][index]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(f"tcp://127.0.0.1:{spec['server_ports'][index]}")
+    back = {}
+    for client, client_port in enumerate(spec["client_ports"]):
+        if client_port:
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.IDENTITY, f"s{index}".encode())
+            dealer.connect(f"tcp://127.0.0.1:{client_port}")
+            back[f"c{client}".encode()] = dealer
+    shard = Shard(sizes, spec["lr"]) if spec["work"] else None
+    reply = [np.ones(n, np.uint8) for n in sizes]
+    for _ in range(len(spec["client_ports"]) * (spec["warmup"] + spec["iters"])):
+        ident, *payload = sock.recv_multipart(copy=False)
+        out = back.get(ident.bytes)
+        if shard is None:
+            if out is not None:
+                out.send_multipart(reply, copy=False)
+            else:
+                sock.send_multipart([ident, *reply], copy=False)
+            continue
+        for k, frame in enumerate(payload):
+            values = shard.update(k, _f32(frame))
+            if out is not None:
+                tracker = out.send(values, copy=False, track=True)
+            else:
+                sock.send(ident, zmq.SNDMORE)
+                tracker = sock.send(values, copy=False, track=True)
+            shard.sent(k, tracker)
+    time.sleep(0.5)
+    ctx.destroy(linger=0)
+
+
+def client(spec: dict, out: str, index: int) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    socks = []
+    for port in spec["server_ports"]:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"c{index}".encode())
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        socks.append(sock)
+    inbox = None
+    if spec["client_ports"][index]:
+        inbox = ctx.socket(zmq.ROUTER)
+        inbox.bind(f"tcp://127.0.0.1:{spec['client_ports'][index]}")
+    work = spec["work"]
+    dtype = np.float32 if work else np.uint8
+    payloads = [[np.full(n // np.dtype(dtype).itemsize, 1e-3 if work else 1, dtype) for n in sizes]
+                for sizes in spec["frames"]]
+    variables = [[np.zeros(n // 4, np.float32) for n in sizes] for sizes in spec["frames"]] if work else None
+    poller = zmq.Poller()
+    for sock in ([inbox] if inbox is not None else socks):
+        poller.register(sock, zmq.POLLIN)
+    server_of = {sock: s for s, sock in enumerate(socks)}
+
+    def receive_values() -> None:
+        """Every server's frames, each copied into its variable as it arrives, in arrival order."""
+        got = [0] * len(socks)
+        left = sum(len(sizes) for sizes in spec["frames"])
+        while left:
+            for sock, _ in poller.poll():
+                while left:
+                    try:
+                        parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    s = int(parts[0].bytes[1:]) if inbox is not None else server_of[sock]
+                    np.copyto(variables[s][got[s]], _f32(parts[-1]))
+                    got[s] += 1
+                    left -= 1
+
+    def round_trip() -> None:
+        trackers = [sock.send_multipart(payload, copy=False, track=True) for sock, payload in zip(socks, payloads)]
+        if work:
+            receive_values()
+        else:
+            for sock in socks:
+                (inbox or sock).recv_multipart(copy=False)
+        for tracker in trackers:
+            tracker.wait()
+
+    for _ in range(spec["warmup"]):
+        round_trip()
+    time.sleep(max(0.0, spec["start_at"] - time.time()))
+    times, start, cpu = [], time.time(), time.process_time()
+    for _ in range(spec["iters"]):
+        began = time.perf_counter()
+        round_trip()
+        times.append(time.perf_counter() - began)
+    end, cpu = time.time(), time.process_time() - cpu
+    with open(out, "w") as f:
+        json.dump({"start": start, "end": end, "cpu_s": cpu, "times": times, "shards": len(socks),
+                   "bytes_each_way": sum(sum(sizes) for sizes in spec["frames"])}, f)
+    ctx.destroy(linger=0)
