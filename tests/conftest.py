@@ -13,3 +13,17 @@ def fake_cupy(monkeypatch):
     module = FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", module)
     return module
+
+
+@pytest.fixture
+def closing():
+    """``closing(thing)`` returns ``thing`` and closes it when the test ends, passed or failed, in the
+    order they were made: for the servers and clusters the tests build."""
+    made = []
+
+    def keep(thing):
+        made.append(thing)
+        return thing
+    yield keep
+    for thing in made:
+        thing.close()

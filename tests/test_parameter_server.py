@@ -132,15 +132,8 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster():
-    made = []
-
-    def make(*args, **kwargs):
-        made.append(Cluster(*args, **kwargs))
-        return made[-1]
-    yield make
-    for c in made:
-        c.close()
+def cluster(closing):
+    return lambda *args, **kwargs: closing(Cluster(*args, **kwargs))
 
 
 def model(strategy, size=4):

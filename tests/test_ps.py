@@ -229,15 +229,8 @@ SGD1 = {"name": "SGD", "learning_rate": 1.0, "momentum": 0.0, "nesterov": False}
 
 
 @pytest.fixture
-def service():
-    made = []
-
-    def make(*args, **kwargs):
-        made.append(Service(*args, **kwargs))
-        return made[-1]
-    yield make
-    for s in made:
-        s.close()
+def service(closing):
+    return lambda *args, **kwargs: closing(Service(*args, **kwargs))
 
 
 def test_requests_are_batched_per_shard_and_sent_to_all_shards_before_any_reply(service):

@@ -120,15 +120,8 @@ def test_split_rows_and_docstrings():
 # -- the server ---------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def service():
-    made = []
-
-    def make(*args, **kwargs):
-        made.append(Service(*args, **kwargs))
-        return made[-1]
-    yield make
-    for s in made:
-        s.close()
+def service(closing):
+    return lambda *args, **kwargs: closing(Service(*args, **kwargs))
 
 
 def table_values():
