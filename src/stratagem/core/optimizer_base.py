@@ -394,38 +394,9 @@ class Optimizer:
         >>> opt.update_rows("table", table, np.array([3, 0]), np.ones((2, 2), np.float32)); table[:, 0]
         array([-0.5,  0. ,  0. , -0.5], dtype=float32)
         """
-        if not self.sparse_exact:
-            raise ConfigurationError(
-                f"{self!r} updates every row even where the gradient is zero, so a row update is not the "
-                f"dense one: densify the gradient (stratagem.core.sparse.densify) and call update_array"
-            )
-        if self.iterations < 1:
-            raise StratagemError(f"{self.name}.update_rows needs iterations >= 1 (it is {self.iterations}): "
-                                 f"increment opt.iterations before the step")
-        dtype = np.dtype(value.dtype)
-        if not _is_float_dtype(dtype) or not value.ndim:
-            raise ConfigurationError(f"update_rows of {name!r}: the variable must be a floating-point array "
-                                     f"with rows, got {dtype} of shape {tuple(value.shape)}")
-        xp = array_module(value)
-        rows = to_module(rows, xp).astype(np.int64, copy=False)
-        grad_rows = to_module(_detach(grad_rows) if not is_device_array(grad_rows) else grad_rows, xp)
-        if rows.ndim != 1 or tuple(grad_rows.shape) != (len(rows), *value.shape[1:]):
-            raise ConfigurationError(
-                f"update_rows of {name!r}: {tuple(rows.shape)} rows with a gradient of shape "
-                f"{tuple(grad_rows.shape)}; the gradient must be ({len(rows)},) + {tuple(value.shape[1:])}"
-            )
-        if len(rows) > 1 and not bool((rows[1:] > rows[:-1]).all()) and len(xp.unique(rows)) != len(rows):
-            raise ConfigurationError(f"update_rows of {name!r}: rows repeat; sum their gradients first "
-                                     f"(IndexedSlices(...).merged())")
-        work_dtype = compute_dtype(dtype)
-        slots = self._slots_for(name, xp, tuple(value.shape), work_dtype)
-        update_into, _ = self._rule()
-        w = value[rows].astype(work_dtype, copy=False)       # fancy indexing: copies
-        row_slots = {slot: array[rows] for slot, array in slots.items()}
-        update_into(xp, w, w, grad_rows.astype(work_dtype, copy=False), row_slots, self.iterations)
-        for slot, array in slots.items():
-            array[rows] = row_slots[slot]
-        value[rows] = w.astype(dtype, copy=False) if work_dtype != dtype else w
+        from .optimizer_rows import update_rows
+
+        update_rows(self, name, value, rows, grad_rows)
 
     def _update(self, xp, w, g, slots: dict[str, Any], t: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement _update(xp, w, g, slots, t)")

@@ -43,7 +43,6 @@ ps task), ``timeout`` (seconds a request to the shards may take; default the tra
 
 from __future__ import annotations
 
-import sys
 import time
 
 import numpy as np
@@ -59,6 +58,7 @@ from .ps_server import ParameterServer
 from .sparse import IndexedSlices
 from .strategy import Strategy
 from .strategy_checkpoints import DEFAULT_MAX_TO_KEEP
+from .ps_cache import adoptable, to_host, write_into
 from .variables import VariableStore, array_module, is_device_array, to_module
 from .wire import dtype_name
 
@@ -231,7 +231,7 @@ class PSStrategyBase(Strategy):
             cache = self._cache(var.name)
             for piece in self._pieces[var.name]:
                 specs.setdefault(piece.ps, []).append(piece_spec(piece, var.shape, var.dtype))
-                values.setdefault(piece.ps, []).append(_to_host(self._piece_value(piece, cache)))
+                values.setdefault(piece.ps, []).append(to_host(self._piece_value(piece, cache)))
         return specs, values
 
     def _end_scope(self, created: list, *, first: bool) -> None:
@@ -365,10 +365,10 @@ class PSStrategyBase(Strategy):
                 continue
             var_name, piece = found
             store = self._variables[var_name].store
-            if piece.parts == 1 and _adoptable(value, store):
+            if piece.parts == 1 and adoptable(value, store):
                 store.cache = value   # no copy: the received buffer becomes this task's copy
             else:
-                _write(self._piece_value(piece, store.cache), value)
+                write_into(self._piece_value(piece, store.cache), value)
         self._note(index, meta)
 
     def _note(self, index: int, meta: dict) -> None:
@@ -382,14 +382,14 @@ class PSStrategyBase(Strategy):
     def _assign(self, name: str, array) -> None:
         var = self._variables[name]
         cache = var.store.cache
-        _write(cache, array)
+        write_into(cache, array)
         if name not in self._initialized:
             return  # before the chief declared it: this is (part of) the initial value
         by_shard: dict[int, tuple[list, list]] = {}
         for piece in self._pieces[name]:
             names, arrays = by_shard.setdefault(piece.ps, ([], []))
             names.append(piece.name)
-            arrays.append(_to_host(self._piece_value(piece, cache)))
+            arrays.append(to_host(self._piece_value(piece, cache)))
         self._client.assign(by_shard)
 
     # -- the sync point ----------------------------------------------------------------------------
@@ -555,47 +555,3 @@ class PSStrategyBase(Strategy):
         """Leave with an error: the shards report it (and exit non-zero) once every replica is done."""
         self._exit_error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         self.shutdown()
-
-
-def _to_host(array):
-    """``array`` in host memory (a cupy cache's pieces travel as numpy arrays)."""
-    return array.get() if is_device_array(array) else array
-
-
-def _write(cache, value) -> None:
-    """Copy ``value`` into ``cache`` (or a piece of it) in place: host to device for a cupy cache."""
-    if is_device_array(cache):
-        cache[...] = array_module(cache).asarray(value)
-    else:
-        np.copyto(cache, to_module(value, np), casting="same_kind")
-
-
-def _holders(store) -> int:
-    """References to ``store.cache`` (counted the same way for the probe below and for a store)."""
-    return sys.getrefcount(store.cache)
-
-
-class _Probe:
-    def __init__(self):
-        self.cache = np.empty(0)
-
-
-#: What :func:`_holders` says of a cache nobody else holds (3 on CPython 3.11; measured, not assumed).
-_UNSHARED = _holders(_Probe())
-
-
-def _adoptable(value, store) -> bool:
-    """True when the received ``value`` may replace ``store.cache`` as a variable's copy instead of
-    being copied into it: nobody but the store holds the cache (no ``w = var.value``, no numpy view
-    of it, no ``torch.from_numpy`` tensor: each holds a reference, and those must keep seeing the
-    values refreshed in place), and ``value`` is a writable, aligned, C-contiguous numpy array of the
-    same shape and dtype. The received buffers belong to this task (the transport contract), so
-    keeping one costs nothing; the copy it saves was an eighth of the CPU of a 40 MB push + pull on
-    2 cores."""
-    cache = store.cache
-    if not (type(value) is np.ndarray and type(cache) is np.ndarray and value.dtype == cache.dtype
-            and value.shape == cache.shape and value.flags.writeable and value.flags.c_contiguous
-            and value.flags.aligned):
-        return False
-    del cache   # not counted as a holder
-    return _holders(store) <= _UNSHARED
