@@ -340,13 +340,16 @@ def _supervise(tasks: list[_RunningTask], pump: OutputPump, trap: _SignalTrap, *
             sig = trap.received[0]
             return _Outcome(f"interrupted by {_signal_name(sig)}; stopped every task",
                             EXIT_SIGNALLED[sig], interrupted_by=sig)
+        # Which tasks are over, looked at before their exit codes: a task that exits between the two
+        # looks is then seen failing, never counted as finished without its code being checked.
+        over = {id(t) for t in tasks if t.poll() is not None}
         failure = _failure(tasks)
         if failure:
             return failure
-        if all(t.poll() is not None for t in tasks):
+        if len(over) == len(tasks):
             what = f"all {len(tasks)} tasks" if len(tasks) > 1 else "the task"
             return _Outcome(f"{what} finished successfully", EXIT_OK)
-        if all(t.poll() is not None for t in drivers):
+        if all(id(t) in over for t in drivers):
             # Only serving tasks are left; they get a grace period to notice and exit.
             if ps_deadline is None:
                 ps_deadline = now + ps_grace
