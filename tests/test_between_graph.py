@@ -364,6 +364,16 @@ def test_the_example_converges_over_zmq_and_the_ps_tasks_exit_on_their_own(mode)
     assert "2 ps, 3 worker(s), mode " + mode in log
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_the_embedding_example_learns_and_moves_rows_not_tables(mode):
+    result, log = run_job([ROOT / "examples" / "embedding_ps.py", "--mode", mode, "--steps", 300], workers=2)
+    assert result.ok, log
+    first, last = map(float, re.search(r"first loss (\S+), last loss (\S+);", log).groups())
+    assert last < 0.6 * first, log
+    shares = [float(s) for s in re.findall(r"\(([\d.]+)% of the tables\)", log)]
+    assert shares and max(shares) < 1.0, log          # kilobytes per step against 4.5 MB of tables
+
+
 def read(out: Path, name: str):
     return json.loads((out / f"{name}.json").read_text())
 
