@@ -4,8 +4,8 @@
 A value is written into the cache in place, so that whatever holds the cache (``w = var.value``, a
 numpy view, a ``torch.from_numpy`` tensor) sees it; when nothing but the store holds the cache, the
 received array becomes the cache instead (no copy: :func:`adoptable`). A cupy cache (a GPU worker)
-gets values copied from the host and sends its pieces to the host (:func:`write_into`,
-:func:`to_host`).
+gets values copied from the host (:func:`write_into`); its pieces go to the host with
+``variables.to_module(piece, numpy)``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,6 @@ import sys
 import numpy as np
 
 from .variables import array_module, is_device_array, to_module
-
-
-def to_host(array):
-    """``array`` in host memory (a cupy cache's pieces travel as numpy arrays)."""
-    return array.get() if is_device_array(array) else array
 
 
 def write_into(cache, value) -> None:

@@ -34,6 +34,7 @@ import numpy as np
 from .errors import ProtocolError
 from .ps_protocol import RequestRefused
 from .sparse import IndexedSlices, densify
+from .variables import to_module
 
 __all__ = ["RowRequestError", "split_rows", "fetch_rows", "split_gradient", "check_rows", "read_rows",
            "row_gradients", "apply_row_gradient", "add_rows", "row_sum"]
@@ -48,12 +49,14 @@ class RowRequestError(RequestRefused):
 def split_rows(rows: np.ndarray, pieces) -> list[tuple]:
     """``(piece, lo, hi, local rows)`` for each piece that holds some of ``rows`` (sorted, unique, int64):
     ``rows[lo:hi]`` fall in the piece, and ``local`` are those rows counted from its first row."""
-    found = []
+    return [(piece, lo, hi, rows[lo:hi] - piece.lo) for piece, lo, hi in _spans(rows, pieces) if hi > lo]
+
+
+def _spans(rows: np.ndarray, pieces):
+    """``(piece, lo, hi)`` for every piece: ``rows[lo:hi]`` (sorted) fall in the piece's row range."""
     for piece in pieces:
         lo, hi = (int(i) for i in np.searchsorted(rows, [piece.lo, piece.hi]))
-        if hi > lo:
-            found.append((piece, lo, hi, rows[lo:hi] - piece.lo))
-    return found
+        yield piece, lo, hi
 
 
 def fetch_rows(client, pieces, rows: np.ndarray, shape: tuple, dtype) -> tuple[np.ndarray, dict]:
@@ -87,14 +90,9 @@ def split_gradient(grad: IndexedSlices, pieces) -> list[tuple]:
     """``(piece, local indices, rows of the gradient)`` for *every* piece of the variable (an empty
     one where the step touched none of its rows: a rule that is not ``sparse_exact`` still updates
     that piece, as the dense update would). ``grad`` is merged (sorted unique indices)."""
-    values = grad.values.get() if hasattr(grad.values, "get") else np.asarray(grad.values)
-    indices = grad.indices.get() if hasattr(grad.indices, "get") else np.asarray(grad.indices)
-    indices = indices.astype(np.int64, copy=False)
-    out = []
-    for piece in pieces:
-        lo, hi = (int(i) for i in np.searchsorted(indices, [piece.lo, piece.hi]))
-        out.append((piece, indices[lo:hi] - piece.lo, values[lo:hi]))
-    return out
+    values = to_module(grad.values, np)
+    indices = to_module(grad.indices, np).astype(np.int64, copy=False)
+    return [(piece, indices[lo:hi] - piece.lo, values[lo:hi]) for piece, lo, hi in _spans(indices, pieces)]
 
 
 # -- the server's side ---------------------------------------------------------------------------------

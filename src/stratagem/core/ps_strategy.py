@@ -58,8 +58,8 @@ from .ps_server import ParameterServer
 from .sparse import IndexedSlices
 from .strategy import Strategy
 from .strategy_checkpoints import DEFAULT_MAX_TO_KEEP
-from .ps_cache import adoptable, to_host, write_into
-from .variables import VariableStore, array_module, is_device_array, to_module
+from .ps_cache import adoptable, write_into
+from .variables import VariableStore, array_module, to_module
 from .wire import dtype_name
 
 #: Default size above which a variable is partitioned across the ps tasks.
@@ -231,7 +231,7 @@ class PSStrategyBase(Strategy):
             cache = self._cache(var.name)
             for piece in self._pieces[var.name]:
                 specs.setdefault(piece.ps, []).append(piece_spec(piece, var.shape, var.dtype))
-                values.setdefault(piece.ps, []).append(to_host(self._piece_value(piece, cache)))
+                values.setdefault(piece.ps, []).append(to_module(self._piece_value(piece, cache), np))
         return specs, values
 
     def _end_scope(self, created: list, *, first: bool) -> None:
@@ -389,7 +389,7 @@ class PSStrategyBase(Strategy):
         for piece in self._pieces[name]:
             names, arrays = by_shard.setdefault(piece.ps, ([], []))
             names.append(piece.name)
-            arrays.append(to_host(self._piece_value(piece, cache)))
+            arrays.append(to_module(self._piece_value(piece, cache), np))
         self._client.assign(by_shard)
 
     # -- the sync point ----------------------------------------------------------------------------
@@ -413,7 +413,7 @@ class PSStrategyBase(Strategy):
                     indices.append(local)
                     arrays.append(values)
                 continue
-            grad = grad.get() if is_device_array(grad) else np.asarray(grad)
+            grad = to_module(grad, np)
             for piece in pieces:
                 names, arrays = by_shard.setdefault(piece.ps, ([], []))
                 names.append(piece.name)
