@@ -16,12 +16,10 @@ Row gradients (``IndexedSlices``) go through :mod:`stratagem.core.ps_rows`.
 
 from __future__ import annotations
 
-import numpy as np
-
 from .cluster import TaskId
 from .ps_consistency import StalenessGate, SyncRound
 from .ps_protocol import APPLIED, DROPPED, STOPPED, RequestRefused, piece_shape, split_parts, task_key
-from .ps_rows import apply_row_gradient, row_gradients
+from .ps_rows import apply_row_gradient, check_real, row_gradients
 from .sparse import IndexedSlices
 
 
@@ -75,8 +73,7 @@ class PushHandling:
             raise RequestRefused(f"push: {len(names)} name(s) but {len(buffers)} gradient(s)")
         for name, grad in zip(names, buffers):
             self._check_value(self.specs[name], grad, "the gradient")
-            if np.dtype(grad.dtype).kind not in "biuf" and "float" not in np.dtype(grad.dtype).name:
-                raise RequestRefused(f"the gradient of piece {name!r} has dtype {grad.dtype}")
+            check_real(name, grad)
         sparse = row_gradients(rows, [piece_shape(self.specs[n]) for n in rows], buffers[len(names):])
         return names + rows, list(buffers[:len(names)]) + sparse
 

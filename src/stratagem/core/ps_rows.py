@@ -36,8 +36,8 @@ from .ps_protocol import RequestRefused
 from .sparse import IndexedSlices, densify
 from .variables import to_module
 
-__all__ = ["RowRequestError", "split_rows", "fetch_rows", "split_gradient", "check_rows", "read_rows",
-           "row_gradients", "apply_row_gradient", "add_rows", "row_sum"]
+__all__ = ["RowRequestError", "split_rows", "fetch_rows", "split_gradient", "check_rows", "check_real",
+           "read_rows", "row_gradients", "apply_row_gradient", "add_rows", "row_sum"]
 
 
 class RowRequestError(RequestRefused):
@@ -121,6 +121,13 @@ def read_rows(names: list[str], arrays: list, shapes: list[tuple], values: list)
     return [value[r] for value, r in zip(values, rows)]
 
 
+def check_real(name: str, grad, what: str = "gradient") -> None:
+    """Refuse a gradient of piece ``name`` that is not of real numbers (bool, int or float)."""
+    dtype = np.dtype(grad.dtype)
+    if dtype.kind not in "biuf" and "float" not in dtype.name:
+        raise RowRequestError(f"the {what} of piece {name!r} has dtype {grad.dtype}; gradients are real numbers")
+
+
 def row_gradients(names: list[str], shapes: list[tuple], arrays: list) -> list[IndexedSlices]:
     """The row gradients of a push: pieces ``names`` (of ``shapes``), two arrays each in ``arrays``
     (int64 rows counted from the piece's first row, and the gradient rows), checked and merged."""
@@ -134,10 +141,7 @@ def row_gradients(names: list[str], shapes: list[tuple], arrays: list) -> list[I
 def row_gradient(name: str, shape: tuple, indices, values) -> IndexedSlices:
     """A pushed row gradient of piece ``name`` (of ``shape``), checked and merged (repeated rows summed)."""
     indices = check_rows(name, shape, indices)
-    kind = np.dtype(values.dtype).kind
-    if kind not in "biuf" and "float" not in np.dtype(values.dtype).name:
-        raise RowRequestError(f"the row gradient of piece {name!r} has dtype {values.dtype}; gradients are "
-                              f"real numbers")
+    check_real(name, values, "row gradient")
     expected = (len(indices), *shape[1:])
     if tuple(values.shape) != expected:
         raise RowRequestError(f"the row gradient of piece {name!r} has shape {tuple(values.shape)}; "
