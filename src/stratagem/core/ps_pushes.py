@@ -169,6 +169,15 @@ class PushHandling:
             reply_meta, values = self._count(who, APPLIED, pull, {"clock": clock, "min_clock": floor})
             self._send(src, {"id": request_id, "ok": True, **reply_meta}, values)
 
+    def _fail_waiters(self, error: str) -> None:
+        """The job failed: every push still waiting (held by the staleness bound, or in a pending sync
+        round, whose gradients are discarded) gets ``error`` instead of its acknowledgement."""
+        waiting = [waiter for waiter, *_ in self._gate.release_all()] if self._gate is not None else []
+        round_, self._round = self._round, SyncRound()
+        waiting += [waiter for waiter, _ in round_.waiters]
+        for src, request_id, _ in waiting:
+            self._send(src, {"id": request_id, "error": error, "error_type": "RemoteError"})
+
     def _stop_waiters(self) -> None:
         """On stop: held bounded replies go out (their pushes were applied); a pending sync round is
         discarded (its pushes were not)."""

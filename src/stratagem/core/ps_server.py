@@ -141,6 +141,9 @@ class ParameterServer(PushHandling):
         self.counters: Counter = Counter()
         self.by_replica: dict[str, Counter] = defaultdict(Counter)
         self._bye: dict[str, str | None] = {}       # replica -> None (clean) or its error
+        #: The first replica that left with an error, and that error: the job has failed, and every
+        #: later request is refused with it, so the other replicas stop at once, naming the culprit.
+        self.failed: tuple[str, str] | None = None
         self._lost: set[str] = set()
         self._idle: set[str] = set()                # pushers with nothing to do (parameter_server)
         self._chief_bye_at: float | None = None
@@ -192,6 +195,8 @@ class ParameterServer(PushHandling):
         try:
             if handler is None:
                 raise RequestRefused(f"unknown operation {op!r}")
+            if self.failed is not None and op not in ("bye", "stats"):
+                raise RequestRefused(self._failed_text())
             result = handler(src, request_id, meta, message.buffers)
         except (RequestRefused, ConfigurationError) as exc:
             self._send(src, {"id": request_id, "error": str(exc), "error_type": "RemoteError"})
@@ -271,9 +276,9 @@ class ParameterServer(PushHandling):
 
     def _failure(self) -> str | None:
         chief = task_key(self.cluster.chief)
-        errors = [f"{who} failed: {error}" for who, error in sorted(self._bye.items()) if error]
-        if errors:
-            return "training failed: " + "; ".join(errors)
+        if self.failed is not None:
+            others = sorted(who for who, error in self._bye.items() if error and who != self.failed[0])
+            return self._failed_text() + (f" (then {', '.join(others)} stopped too)" if others else "")
         if chief in self._lost and chief not in self._bye:
             return (f"the chief {self.cluster.chief} disappeared before training ended; restart the job "
                     f"(the chief restores the latest checkpoint)")
@@ -428,10 +433,19 @@ class ParameterServer(PushHandling):
         who = task_key(src)
         error = meta.get("error")
         self._bye[who] = str(error) if error else None
+        if error and self.failed is None:
+            self.failed = (who, str(error))
+            log.error("%s: %s", self.task, self._failed_text())
+            self._fail_waiters(self._failed_text())
         if src == self.cluster.chief:
             self._chief_bye_at = time.monotonic()
         self._membership_changed()
         return self._status(), []
+
+    def _failed_text(self) -> str:
+        who, error = self.failed
+        return (f"training failed: {who} failed: {error}; the job stops (fix the error and restart it: "
+                f"the chief restores the latest checkpoint)")
 
     def _op_idle(self, src, request_id, meta, buffers):
         """The coordinator says these pushers have no closure to run (``idle``), or have one again: a

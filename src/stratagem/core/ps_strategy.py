@@ -551,6 +551,11 @@ class PSStrategyBase(Strategy):
             self._exit_error = f"{type(exc).__name__}: {exc}"
         self.shutdown()
 
+    def _leave_with_error(self, error: str) -> None:
+        # The script ended by an exception: the shards learn why (and fail the job, naming this task)
+        # rather than seeing a replica vanish, which they would take for a worker to be restarted.
+        self.fail(error)
+
     def fail(self, error: BaseException | str) -> None:
         """Leave with an error: the shards report it (and exit non-zero) once every replica is done."""
         self._exit_error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"

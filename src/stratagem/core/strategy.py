@@ -41,6 +41,7 @@ import numpy as np
 
 from .cluster import ClusterSpec, TaskId
 from .errors import ConfigurationError, IncompatibleError, StratagemError
+from .lifecycle import end_at_exit
 from .transport import Transport
 from .replica_sync import broadcast_arrays, broadcast_json
 from .sharding import shard_batch
@@ -140,6 +141,9 @@ class Strategy(Checkpointing):
                 f"transport must be a transport name (e.g. 'zmq') or a Transport instance, "
                 f"not {type(transport).__name__}"
             )
+        # The plain script never calls shutdown(): end this strategy as the script ends
+        # (stratagem.core.lifecycle): shut down after a normal end, leave with the error otherwise.
+        end_at_exit(self)
 
     def _adopt(self, transport: Transport, cluster, task, transport_options) -> None:
         if transport_options:
@@ -450,6 +454,27 @@ class Strategy(Checkpointing):
         finally:
             if self._owns_transport:
                 self._transport.close()
+
+    def _end_at_exit(self, error: str | None) -> None:
+        """Called once at interpreter exit if the script did not shut the strategy down: ``shutdown()``
+        after a normal end; after an uncaught exception (``error``), :meth:`_leave_with_error`."""
+        if self._closed:
+            return
+        if error is None:
+            self.shutdown()
+        else:
+            self._leave_with_error(error)
+
+    def _leave_with_error(self, error: str) -> None:
+        """Leave after this task failed with ``error``: peers must learn at once that this task is gone
+        rather than wait for it, so an owned transport ends as after a failure (most abort, as a crash
+        would). Strategies whose peers can be told why (the parameter servers) override this."""
+        if self._closed:
+            return
+        self._closed = True
+        self._communicator = None
+        if self._owns_transport:
+            self._transport._end_at_exit(error)
 
     @property
     def closed(self) -> bool:

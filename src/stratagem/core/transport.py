@@ -34,6 +34,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 from .cluster import ClusterSpec, TaskId
 from .errors import ConfigurationError, PeerLostError
+from .lifecycle import end_at_exit
 from .traffic import Traffic
 from .wire import Limits
 
@@ -123,6 +124,8 @@ class Transport(abc.ABC):
         self.limits = limits or Limits()
         #: Payload bytes and messages moved, per peer (see :mod:`stratagem.core.traffic`).
         self.traffic = Traffic()
+        # A script that never closes its transport still ends cleanly (stratagem.core.lifecycle).
+        end_at_exit(self)
 
     # -- construction helpers ----------------------------------------------------------------------
     @classmethod
@@ -150,6 +153,14 @@ class Transport(abc.ABC):
     def abort(self) -> None:
         """Stop abruptly, as a crash would (no goodbye to peers). Used by failure tests."""
         self.close()
+
+    def _end_at_exit(self, error: str | None) -> None:
+        """Called once at interpreter exit if still open: close after a normal end; abort after an
+        uncaught exception (``error``), so that peers learn at once that this task is gone."""
+        if error is None:
+            self.close()
+        else:
+            self.abort()
 
     def __enter__(self) -> "Transport":
         self.start()

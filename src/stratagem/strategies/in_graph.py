@@ -37,10 +37,12 @@ start of the step; the client applies them in order.
 ``stratagem.strategy("in_graph", ...)`` does not return: the task serves the client's steps there, and
 exits (``SystemExit(0)``) when the client shuts the strategy down (``strategy.shutdown()``, the end of a
 ``with`` block, or the client's exit); a worker that loses the client exits with status 1 and a message.
-Step functions reach the replicas by name when they are defined at the top level of the script: the
-replica then imports a fresh copy of the script (like ``multiprocessing``), whose top level creates the
-strategy (there it returns the serving one), the variables and the functions. So put the training loop
-under ``if __name__ == "__main__":``::
+In an authenticated cluster (a cluster secret: ``stratagem launch`` always sets one) the step functions
+of the script travel serialized, so the plain TF1-style script works as written, training loop at the
+top level. Without a secret they reach the replicas by name: the replica then imports a fresh copy of
+the script (like ``multiprocessing``), whose top level creates the strategy (there it returns the
+serving one), the variables and the functions; so put the training loop under
+``if __name__ == "__main__":`` (which works either way)::
 
     strategy = stratagem.strategy("in_graph")             # worker tasks serve here, then exit
     with strategy.scope():
@@ -93,17 +95,15 @@ Two CPU replicas in one process::
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import contextvars
-import functools
 import itertools
-import weakref
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from ..core.errors import ConfigurationError, PeerLostError, TransportTimeout
+from ..core.lifecycle import note_failure
 from ..core.strategy import Strategy, _check_op
 from .in_graph_client import Client, ReplicaError
 from .in_graph_devices import CURRENT_STEP, ClientStore, parse_devices
@@ -184,8 +184,6 @@ class InGraphStrategy(Strategy):
         except BaseException:
             self.shutdown()
             raise
-        self._exit_hook = functools.partial(_shutdown_at_exit, weakref.ref(self))
-        atexit.register(self._exit_hook)   # a script that forgets shutdown() still lets its workers exit 0
 
     # -- options -----------------------------------------------------------------------------------
     def _check_config(self) -> None:
@@ -218,7 +216,9 @@ class InGraphStrategy(Strategy):
         if self.config["exit_after_serving"]:
             if lost is None:
                 raise SystemExit(0)
-            raise SystemExit(f"stratagem in_graph: {self.task} stopped serving: {lost}")
+            message = f"stratagem in_graph: {self.task} stopped serving: {lost}"
+            note_failure(message)
+            raise SystemExit(message)
         if lost is not None:
             raise lost
 
@@ -376,9 +376,6 @@ class InGraphStrategy(Strategy):
             if getattr(self, "_client", None) is not None:
                 self._client.release()
         finally:
-            hook = getattr(self, "_exit_hook", None)
-            if hook is not None:
-                atexit.unregister(hook)
             super().shutdown()
 
     def __exit__(self, *exc) -> None:
@@ -389,9 +386,3 @@ class InGraphStrategy(Strategy):
             return f"<{type(self).__name__} 'in_graph' replica {self.task}{' (shut down)' if self.closed else ''}>"
         return super().__repr__()
 
-
-def _shutdown_at_exit(ref) -> None:
-    strategy = ref()
-    if strategy is not None:
-        with contextlib.suppress(Exception):
-            strategy.shutdown()

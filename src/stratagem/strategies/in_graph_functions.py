@@ -147,6 +147,12 @@ class FunctionSender:
     def describe(self, fn: Callable) -> tuple[dict, bytes | None]:
         """``(meta, pickled bytes or None)`` for ``fn``; raises ``ConfigurationError`` if it cannot travel."""
         named = name_of(fn) if self.mode in ("auto", "name") else None
+        if named is not None and named[0] == "__main__" and self.mode == "auto" and self._strategy.transport.secret:
+            # Finding a function of the script by name makes the replica import the script, running
+            # its top level: without an `if __name__ == "__main__":` guard that is the training loop.
+            # An authenticated cluster can send the function instead, so the TF1-style single script
+            # works as written (module functions of the user's own code still go by name).
+            named = None
         if named is not None:
             return {"kind": "name", "module": named[0], "qualname": named[1]}, None
         what = _describe(fn)

@@ -254,6 +254,21 @@ class ParameterServerStrategy(PSStrategyBase):
             return False            # the workers update the variables: the coordinator reads them fresh every time
         return super()._fresh(name)
 
+    def _leave_with_error(self, error: str) -> None:
+        if getattr(self, "_coordinator", None) is None or self._closed:
+            super()._leave_with_error(error)
+            return
+        # The coordinator failed: the shards learn why, and the workers must not take the end for
+        # a normal one (which tells them to exit 0): they see the coordinator gone, naming it.
+        self._exit_error = error
+        client = getattr(self, "_client", None)
+        if client is not None:
+            try:
+                client.bye(error)
+            except Exception:  # noqa: BLE001 - leaving anyway
+                pass
+        super(PSStrategyBase, self)._leave_with_error(error)
+
     def shutdown(self) -> None:
         """On the coordinator: cancel what is queued, tell the workers to exit; then leave the shards."""
         coordinator = getattr(self, "_coordinator", None)

@@ -62,14 +62,12 @@ there is no connection to authenticate; a cluster secret is accepted and not use
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
 import sys
 import threading
 import time
-import weakref
 from typing import Callable, ClassVar, Mapping
 
 from ..core import wire
@@ -175,6 +173,7 @@ class MpiTransport(MpiProgress, Transport):
         self._owned_comms: list = []       # communicators made for collectives (kept, never freed)
         self._refused: set[TaskId] = set()  # peers that broke the protocol
         self._heartbeats_read_at = 0.0
+        self._departed: dict[TaskId, float] = {}   # peers whose goodbye a collective heard, and when
         self._retired_at = 0.0
         self._collectives = None
         self.MPI = None
@@ -241,7 +240,6 @@ class MpiTransport(MpiProgress, Transport):
         self._background = threading.Thread(target=self._read_in_background, daemon=True,
                                             name=f"stratagem-mpi-{self.task.short}")
         self._background.start()
-        _LIVE.add(self)
 
     def _duplicate(self, base, deadline: float | None):
         """``MPI_Comm_idup(base)``, polled until ``deadline``; errors on the duplicate are returned."""
@@ -260,6 +258,19 @@ class MpiTransport(MpiProgress, Transport):
     def close(self) -> None:
         self._shutdown(graceful=True)
 
+    def _end_at_exit(self, error) -> None:
+        self.close()
+        if error is not None:
+            # After an uncaught exception the process must end like a crash: mpi4py's MPI_Finalize
+            # (its own atexit callback, next) waits for every other rank to finalize too, so this
+            # rank would stay alive and silent until its peers time out on it (30 s), or forever.
+            # Ending here, the peers' MPI (ULFM) reports this rank failed and they raise
+            # PeerLostError naming it at once; without ULFM, mpiexec ends the job.
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(1)
+
     def abort(self) -> None:
         self._shutdown(graceful=False)
 
@@ -267,7 +278,6 @@ class MpiTransport(MpiProgress, Transport):
         if self._closed:
             return
         self._closed = True
-        _LIVE.discard(self)
         if self._comm is None:
             self._mailbox.close("closed before it started")
             return
@@ -370,13 +380,3 @@ class MpiTransport(MpiProgress, Transport):
 
     def _forget(self, handle: MpiSendHandle) -> None:
         self._in_flight.discard(handle)
-
-#: Transports started and not closed: closed at interpreter exit, before mpi4py finalizes MPI.
-_LIVE: "weakref.WeakSet[MpiTransport]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_live_transports() -> None:
-    for transport in list(_LIVE):
-        with contextlib.suppress(Exception):
-            transport.close()

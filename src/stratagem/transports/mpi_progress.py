@@ -9,7 +9,11 @@ messages, heartbeats, and progress for sends in flight) and lets go the moment a
 
 Liveness: heartbeats every ``peer_timeout / 4`` seconds to every peer, a peer silent for
 ``peer_timeout`` is lost; a goodbye marks it lost at once; so does MPI's report of a failed process
-(ULFM: ``MPI_ERR_PROC_FAILED``, then ``MPI_Comm_get_failed``/``MPI_Comm_ack_failed``).
+(ULFM: ``MPI_ERR_PROC_FAILED``, then ``MPI_Comm_get_failed``/``MPI_Comm_ack_failed``). A native
+collective hears goodbyes too (a member that left in the middle of it never completes it): the
+goodbye travels on another communicator than the collective's data, so it may overtake the last data
+of a member that completed its part and then left; the collective therefore raises only if it is
+still incomplete ``DEPARTED_GRACE`` seconds after the goodbye.
 
 :class:`MpiProgress` is the part of :class:`~stratagem.transports.mpi.MpiTransport` that does this
 (a mixin: it uses the transport's communicator, mailbox and locks).
@@ -48,6 +52,8 @@ _EAGER = (100e-6, 2e-3)    # a collective's wait: (longest sleep, spin) -- MPI p
 _USER_POLL = 0.1           # a waiting recv() returns to the mailbox (losses, timeouts) this often
 _BACKGROUND_SLEEP = 2e-3   # the background reader's sleep when nothing arrives
 _BACKGROUND_GRACE = 0.02   # the background reader stays away this long after a recv() read
+#: Seconds a collective still waits for a member that said goodbye (see the module doc).
+DEPARTED_GRACE = 2.0
 
 
 class _Backoff:
@@ -97,7 +103,7 @@ class MpiProgress:
                 except MPI.Exception as exc:
                     raise self.translate(exc, comm or self._comm, peers, what) from None
             for peer in peers:
-                reason = self._mailbox.is_lost(peer)
+                reason = self._mailbox.is_lost(peer) or self._departed_reason(peer)
                 if reason is not None:
                     raise PeerLostError(peer, f"{reason} (during {what})")
             if self._stopping:
@@ -299,25 +305,38 @@ class MpiProgress:
 
     def _drain_heartbeats(self) -> None:
         """While a long message or a collective is in progress, keep hearing everybody's heartbeats
-        (and sending ours). At most every few milliseconds: it costs a probe."""
+        and goodbyes (and sending our heartbeats). At most every few milliseconds: it costs a probe."""
         now = time.monotonic()
         if now - self._heartbeats_read_at < 0.005:
             return
         self._heartbeats_read_at = now
         MPI = self.MPI
         status = MPI.Status()
-        while True:
-            try:
-                with self.mpi_lock:
-                    message = self._comm.Improbe(MPI.ANY_SOURCE, TAG_HEARTBEAT, status)
-                    if message is not None:
-                        message.Recv([bytearray(max(1, status.Get_count(MPI.BYTE))), MPI.BYTE])
-            except MPI.Exception:
-                break
-            if message is None:
-                break
-            self._last_heard[self._tasks[status.Get_source()]] = time.monotonic()
+        for tag in (TAG_HEARTBEAT, TAG_GOODBYE):
+            while True:
+                try:
+                    with self.mpi_lock:
+                        message = self._comm.Improbe(MPI.ANY_SOURCE, tag, status)
+                        if message is not None:
+                            message.Recv([bytearray(max(1, status.Get_count(MPI.BYTE))), MPI.BYTE])
+                except MPI.Exception:
+                    break
+                if message is None:
+                    break
+                task = self._tasks[status.Get_source()]
+                self._last_heard[task] = time.monotonic()
+                if tag == TAG_GOODBYE:
+                    # Not marked lost yet: its data sent before the goodbye may still be unread.
+                    self._departed.setdefault(task, time.monotonic())
         self.housekeeping()
+
+    def _departed_reason(self, task: TaskId) -> str | None:
+        """Why ``task`` counts as gone for a collective: it said goodbye over ``DEPARTED_GRACE`` ago."""
+        left = self._departed.get(task)
+        if left is None or time.monotonic() - left < DEPARTED_GRACE:
+            return None
+        self._mailbox.mark_lost(task, f"{task} closed its transport")
+        return f"{task} closed its transport"
 
     def _refuse(self, task: TaskId, reason: str) -> None:
         """A peer broke the protocol: its stream cannot be trusted any more, so it is lost."""
