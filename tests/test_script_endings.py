@@ -61,10 +61,11 @@ def _clean_env() -> dict:
     return env
 
 
-def run_job(strategy: str, transport: str, *ending: str) -> dict[str, tuple[int | None, str, float]]:
+def run_job(strategy: str, transport: str, *ending: str, script: Path = SCRIPT) -> dict[str, tuple[int | None, str, float]]:
     """Run the plain script as every task of one cluster; ``{task: (exit code, stderr+stdout, seconds)}``.
-    A task still running after ``LIMIT`` seconds is killed and gets the code ``None``."""
-    tasks = _tasks(strategy)
+    A task still running after ``LIMIT`` seconds is killed and gets the code ``None``.
+    ``strategy=None`` runs the communicator script (three workers)."""
+    tasks = _tasks(strategy or "")
     ports = iter(free_ports(len(tasks)))
     cluster: dict[str, list[str]] = {}
     for task in tasks:
@@ -77,7 +78,7 @@ def run_job(strategy: str, transport: str, *ending: str) -> dict[str, tuple[int 
             job, index = task.split(":")
             config = {"cluster": cluster, "task": {"type": job, "index": int(index)}}
             procs[task] = subprocess.Popen(
-                [sys.executable, str(SCRIPT), strategy, transport, *ending],
+                [sys.executable, str(script), *([strategy] if strategy else []), transport, *ending],
                 env=dict(env, STRATAGEM_CONFIG=json.dumps(config)),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         started, results = time.monotonic(), {}
@@ -146,6 +147,25 @@ def test_sys_exit_on_one_task_keeps_its_code_and_hangs_nobody(strategy, transpor
     results = run_job(strategy, transport, "worker:1", "exit")
     assert results["worker:1"][0] == 3, _report(results)
     assert all(code is not None for code, _, _ in results.values()), _report(results)
+
+
+COLLECTIVES = Path(__file__).parent / "scripts" / "plain_collectives.py"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_plain_communicator_script_ends_normally(transport):
+    results = run_job(None, transport, script=COLLECTIVES)
+    assert all(code == 0 for code, _, _ in results.values()), _report(results)
+    assert all("total = [6.0, 6.0, 6.0]" in out for _, out, _ in results.values()), _report(results)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_collective_mismatch_ends_every_rank(transport):
+    results = run_job(None, transport, "mismatch", script=COLLECTIVES)
+    # Each rank either sees the mismatch or, when a rank that saw it has already left, that rank gone.
+    for task, (code, out, _) in results.items():
+        assert code == 1 and ("CollectiveMismatchError" in out or "PeerLostError" in out), _report(results)
+    assert any("CollectiveMismatchError" in out for _, out, _ in results.values()), _report(results)
 
 
 # -- mpi: the same script under stratagem launch --mpi ------------------------------------------------
