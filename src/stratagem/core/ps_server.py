@@ -35,7 +35,10 @@ A push is applied before it is acknowledged, so an acknowledged push is never lo
 
 The server stops when every replica (the ``chief`` and ``worker`` tasks) has said goodbye or is gone,
 or ``linger`` seconds after the chief said goodbye. It raises if the chief disappeared without saying
-goodbye, or if a replica left with an error, so that a failed job fails on its ps tasks too.
+goodbye, or if a replica left with an error, so that a failed job fails on its ps tasks too. From the
+moment a replica leaves with an error (its script raised), the job has failed: every later request,
+and every push still waiting for its sync round or staleness bound, gets that error, naming the
+replica, so the other replicas stop at once instead of training on without it.
 
 Serving two pieces over the in-process transport (the client side is
 :class:`~stratagem.core.ps_client.PSClient`)::
