@@ -160,6 +160,15 @@ def test_refusals_name_the_variable_and_the_fix(extra, fragments):
     raises(lambda: ClusterResolver.from_env(step_env(3, **extra)), *fragments)
 
 
+def test_a_batch_script_is_no_step():
+    """sbatch's script sees the job's SLURM_PROCID=0 and SLURM_NTASKS but runs once: it is told to use srun."""
+    raises(lambda: ClusterResolver.from_env(step_env(0, SLURM_STEP_ID=None, SLURM_STEP_NUM_TASKS=None)),
+           "SLURM_PROCID=0 and SLURM_NTASKS=7", "not started by srun", "srun python3 train.py")
+    one = step_env(0, size=1, SLURM_STEP_ID=None, SLURM_STEP_NODELIST="a", SLURM_STEP_TASKS_PER_NODE="1",
+                   SLURMD_NODENAME="a")
+    assert ClusterResolver.from_env(one).cluster.as_dict() == {"worker": ["a:3000"]}
+
+
 def test_srun_pmi_variables_give_way_to_the_step_but_mpiexec_variables_win():
     # srun --mpi=pmix / pmi2 set PMIX_RANK / PMI_RANK to the step's rank: the step (with addresses) is used
     for rank_var, size_var in (("PMIX_RANK", "PMIX_SIZE"), ("PMI_RANK", "PMI_SIZE")):

@@ -434,6 +434,12 @@ class ClusterResolver:
             raise ConfigurationError("not in a Slurm job step: SLURM_PROCID and SLURM_NTASKS are not set "
                                      "(start the script with srun)")
         rank, size = step
+        if size > 1 and not slurm.is_step(environ):
+            raise ConfigurationError(
+                f"SLURM_PROCID={rank} and SLURM_NTASKS={size} describe a job of {size} tasks, but this process "
+                f"was not started by srun (no SLURM_STEP_ID: a batch script runs once): start it with "
+                f"'srun python3 train.py'"
+            )
         resolved = ClusterResolver.from_mpi(rank, size, num_ps=num_ps, secret=secret, source="slurm")
         if not environ.get(slurm.PORT_VAR):
             return ResolvedCluster(resolved.cluster, resolved.task, secret,
