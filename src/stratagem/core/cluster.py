@@ -330,6 +330,8 @@ MPI_RANK_VARS = (
     ("PMI_RANK", "PMI_SIZE"),
     ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
 )
+#: Slurm's rank/size variables (a job step: ``ClusterResolver.from_slurm``).
+SLURM_RANK_VARS = ("SLURM_PROCID", "SLURM_NTASKS")
 
 
 class ClusterResolver:
@@ -420,7 +422,6 @@ class ClusterResolver:
             jobs["ps"] = [None] * num_ps
         task = TaskId("worker", rank) if rank < workers else TaskId("ps", rank - workers)
         return ResolvedCluster(ClusterSpec(jobs), task, secret, source)
-
 
     @staticmethod
     def from_slurm(environ: Mapping[str, str], *, num_ps: int = 0, secret: bytes | None = None) -> ResolvedCluster:

@@ -388,14 +388,14 @@ class PSStrategyBase(Strategy):
     def _assign(self, name: str, array) -> None:
         var = self._variables[name]
         cache = var.store.cache
-        write_into(cache, array)
-        if name not in self._initialized:
-            return  # before the chief declared it: this is (part of) the initial value
-        if self.is_evaluator:
+        if self.is_evaluator and name in self._initialized:
             raise ConfigurationError(
                 f"{self.task} is an evaluator: it reads the variables on the ps tasks but does not write them "
                 f"(assign to {name!r} on a training task)"
             )
+        write_into(cache, array)
+        if name not in self._initialized:
+            return  # before the chief declared it: this is (part of) the initial value
         by_shard: dict[int, tuple[list, list]] = {}
         for piece in self._pieces[name]:
             names, arrays = by_shard.setdefault(piece.ps, ([], []))
