@@ -160,6 +160,11 @@ def test_refusals_name_the_variable_and_the_fix(extra, fragments):
     raises(lambda: ClusterResolver.from_env(step_env(3, **extra)), *fragments)
 
 
+def test_partial_slurm_variables_are_no_world():
+    assert ClusterResolver.from_env({"SLURM_PROCID": "0"}).source.startswith("default")
+    assert ClusterResolver.from_env({"SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "n[1-4]"}).source.startswith("default")
+
+
 def test_a_batch_script_is_no_step():
     """sbatch's script sees the job's SLURM_PROCID=0 and SLURM_NTASKS but runs once: it is told to use srun."""
     raises(lambda: ClusterResolver.from_env(step_env(0, SLURM_STEP_ID=None, SLURM_STEP_NUM_TASKS=None)),
