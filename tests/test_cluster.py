@@ -287,7 +287,7 @@ def test_cluster_chief():
 def test_cluster_check_names_the_job_and_index():
     spec = ClusterSpec({"worker": ["a:1", "b:1"], "ps": ["p:1"]})
     assert spec.check("worker:1") == TaskId("worker", 1)
-    message = raises(lambda: spec.check("evaluator:0"), "job 'evaluator' is not in the cluster", "worker, ps",
+    message = raises(lambda: spec.check("trainer:0"), "job 'trainer' is not in the cluster", "worker, ps",
                      "add the job")
     assert "task type" in message
     raises(lambda: spec.check("worker:2"), "task index 2", "'worker'", "has 2 task(s)", "0..1")
@@ -372,8 +372,8 @@ def test_resolver_rpc_layer_and_extra_keys():
 
 
 def test_resolver_task_type_not_in_cluster():
-    env = {"TF_CONFIG": tf_config(CLUSTER, "evaluator", 0)}
-    raises(lambda: ClusterResolver.from_env(env), "TF_CONFIG", "'evaluator'", "not a job of the cluster",
+    env = {"TF_CONFIG": tf_config(CLUSTER, "trainer", 0)}
+    raises(lambda: ClusterResolver.from_env(env), "TF_CONFIG", "'trainer'", "not a job of the cluster",
            "chief, worker, ps", "fix 'task.type'")
     env = {"STRATAGEM_CONFIG": tf_config({"worker": ["a:1"]}, "ps", 0)}
     raises(lambda: ClusterResolver.from_env(env), "STRATAGEM_CONFIG", "'ps'", "fix 'task.type'")

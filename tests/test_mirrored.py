@@ -14,6 +14,7 @@ process, on whole global batches, without any strategy.
 
 from __future__ import annotations
 
+import contextlib
 import doctest
 import io
 import json
@@ -21,6 +22,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -178,6 +180,39 @@ def test_weighted_average_with_a_remainder_is_the_whole_batch_mean():
     assert [rows for _, rows in results] == [3, 2, 2]
     for value, _ in results:
         assert value == pytest.approx(3.0, abs=1e-12)               # mean(0..6); 1/3 of the means: 3.33
+
+
+@pytest.mark.parametrize("rows, size", [(5, 2), (7, 3), (1, 2), (6, 3)])
+def test_reduce_mean_of_shard_means_is_the_whole_batch_mean(rows, size):
+    """reduce("mean", a replica's mean over its rows) weighs each replica by its rows, as the gradient
+    average does: 5 rows over 2 replicas (3 and 2) give the mean of the 5, not the mean of the 2 means.
+    An empty shard (1 row over 2) counts for nothing, even though its mean is NaN."""
+    x = np.arange(rows, dtype=np.float64) ** 2 + 1.0
+
+    def body(strategy, rank):
+        for (shard,) in strategy.distribute_dataset([(x,)]):
+            with np.errstate(invalid="ignore"), pytest.warns(RuntimeWarning) if len(shard) == 0 \
+                    else contextlib.nullcontext():
+                mean = shard.mean()                          # NaN for an empty shard
+            return (strategy.reduce("mean", mean), strategy.reduce("mean", np.array([mean, 2 * mean])),
+                    strategy.reduce("sum", float(len(shard))))
+    results = ok(run_replicas(size, body))
+    whole = x.mean()                                       # one process on the whole batch
+    for scalar, array, total in results:
+        assert isinstance(scalar, float) and scalar == pytest.approx(whole, rel=1e-12)
+        np.testing.assert_allclose(array, [whole, 2 * whole], rtol=1e-12)
+        assert total == rows                               # other ops are untouched
+    assert len({r[0] for r in results}) == 1               # the same bits on every replica
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        plain = np.mean([s.mean() for s in np.array_split(x, size)])
+    if rows % size:                                        # uneven: the plain mean of the means is not it
+        assert not np.isclose(plain, whole)
+
+
+def test_reduce_mean_without_distribute_dataset_counts_replicas_alike():
+    results = ok(run_replicas(3, lambda strategy, rank: strategy.reduce("mean", float(rank))))
+    assert results == [1.0, 1.0, 1.0]
 
 
 def test_an_empty_shard_contributes_nothing(sgd_reference):
@@ -467,6 +502,16 @@ def test_processes_over_zmq_match_one_process(tmp_path, workers, sgd_reference):
     for p in params:
         assert_params_close(p, sgd_reference)
     assert records[0]["losses"][-1] < records[0]["losses"][0]
+    # reduce("mean", each replica's loss over its rows) is the loss of one process on the whole batch
+    # (25 rows do not split evenly over 2 or 3 replicas), on every replica
+    for record in records:
+        np.testing.assert_allclose(record["losses"], reference_losses(STEPS, BATCH), rtol=1e-5)
+
+
+def reference_losses(steps: int, batch: int, optimizer: str = "sgd") -> list[float]:
+    """The loss before every step of one process trained on whole global batches."""
+    params, opt = model.create(optimizer)
+    return [model.train_step(params, opt, x, y) for x, y in model.global_batches(0, steps, batch)]
 
 
 def test_processes_save_crash_and_a_new_cluster_resumes(tmp_path):

@@ -24,12 +24,16 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping
 
+from . import slurm
 from .errors import ConfigurationError
 
 #: Jobs whose tasks compute on replicas of the model, in rank order.
 REPLICA_JOBS = ("chief", "worker")
 #: TF_CONFIG spells the chief ``master`` in older TFJobs; we accept it as an alias.
 JOB_ALIASES = {"master": "chief"}
+#: TF's side-car job: it evaluates, never trains (not a replica, pushes nothing). TF_CONFIG may list
+#: it in the cluster, or (the usual form) give it only as the task, outside the cluster.
+EVALUATOR_JOB = "evaluator"
 
 # \Z, not $ (which also matches before a trailing newline), and [0-9], not \d (which matches every
 # Unicode digit): "worker:1\n" and "worker:\u0661" are not task names.
@@ -207,6 +211,14 @@ class ClusterSpec:
     def check(self, task: "TaskId | str") -> TaskId:
         """Return ``task`` if it is part of this cluster, else raise an error naming what exists."""
         task = TaskId.parse(task)
+        if task.job == EVALUATOR_JOB and task.job not in self.jobs:
+            raise ConfigurationError(
+                f"{task} is not in the cluster (it lists no 'evaluator' job), so it cannot reach the training "
+                f"tasks: an evaluator outside the cluster reads the checkpoints the chief writes "
+                f"(stratagem.core.checkpoint.latest_checkpoint(dir) and load(path).variables); to read the "
+                f"variables from the ps tasks instead, list it in every task's cluster "
+                f"(\"evaluator\": [\"host:port\"])"
+            )
         if task.job not in self.jobs:
             raise ConfigurationError(
                 f"job {task.job!r} is not in the cluster (jobs: {', '.join(self.jobs) or 'none'}); "
@@ -290,23 +302,50 @@ class ResolvedCluster:
     def is_chief(self) -> bool:
         return self.task == self.cluster.chief
 
+    @property
+    def is_evaluator(self) -> bool:
+        """True for TF's side-car evaluator (listed in the cluster or not): it trains nothing."""
+        return is_evaluator(self.task)
 
-#: MPI launchers' rank/size variables, in the order we look for them.
+    @property
+    def in_cluster(self) -> bool:
+        """False for an evaluator given only as the task (TF's usual form): it cannot start a
+        transport, and reads checkpoints instead."""
+        return self.task in self.cluster
+
+
+def is_evaluator(task: "TaskId | str") -> bool:
+    """True if ``task`` is an evaluator: not a replica, pushes no gradients, may read the variables.
+
+    >>> is_evaluator("evaluator:0"), is_evaluator("worker:0")
+    (True, False)
+    """
+    return TaskId.parse(task).job == EVALUATOR_JOB
+
+
+#: MPI launchers' rank/size variables, in the order we look for them (Slurm's: see ``from_env``).
 MPI_RANK_VARS = (
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
     ("PMIX_RANK", "PMIX_SIZE"),
     ("PMI_RANK", "PMI_SIZE"),
     ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
-    ("SLURM_PROCID", "SLURM_NTASKS"),
 )
+#: Slurm's rank/size variables (a job step: ``ClusterResolver.from_slurm``).
+SLURM_RANK_VARS = ("SLURM_PROCID", "SLURM_NTASKS")
 
 
 class ClusterResolver:
     """Finds the cluster and this process's task from the environment.
 
     In order: ``STRATAGEM_CONFIG`` (written by ``stratagem launch``), ``TF_CONFIG`` (Kubernetes TFJob),
-    then MPI launch variables (``mpiexec``); with none of them, a one-task cluster (``worker:0``) so a
-    script also runs as a plain ``python train.py``.
+    MPI launch variables (``mpiexec``), then a Slurm step (``srun``: ranks from ``SLURM_PROCID``,
+    addresses from the node list and ``STRATAGEM_PORT``, see :mod:`stratagem.core.slurm`); with none of
+    them, a one-task cluster (``worker:0``) so a script also runs as a plain ``python train.py``.
+
+    MPI variables that srun set itself (``srun --mpi=pmix`` sets ``PMIX_RANK``, ``--mpi=pmi2``
+    ``PMI_RANK``) describe the same world as ``SLURM_PROCID``: inside a job step whose rank and size
+    they match, the Slurm step is used, which adds the addresses. Under ``mpiexec`` (ranks that are
+    not the step's), the MPI variables win.
 
     >>> import json
     >>> env = {"TF_CONFIG": json.dumps({"cluster": {"master": ["a:1"], "worker": ["b:2"]},
@@ -323,13 +362,14 @@ class ClusterResolver:
         for var in ("STRATAGEM_CONFIG", "TF_CONFIG"):
             if env.get(var):
                 return ClusterResolver.from_config(env[var], source=var, secret=secret_bytes)
-        for rank_var, size_var in MPI_RANK_VARS:
-            if rank_var in env and size_var in env:
-                return ClusterResolver.from_mpi(
-                    _int_var(env, rank_var), _int_var(env, size_var),
-                    num_ps=_int_var(env, "STRATAGEM_NUM_PS", default=0),
-                    secret=secret_bytes, source=f"mpi ({rank_var})",
-                )
+        mpi = next(((r, _int_var(env, r), _int_var(env, s)) for r, s in MPI_RANK_VARS if r in env and s in env), None)
+        if mpi is not None and not _srun_set(env, mpi[1:]):
+            rank_var, rank, size = mpi
+            return ClusterResolver.from_mpi(rank, size, num_ps=_int_var(env, "STRATAGEM_NUM_PS", default=0),
+                                            secret=secret_bytes, source=f"mpi ({rank_var})")
+        if slurm.step_world(env) is not None:
+            return ClusterResolver.from_slurm(env, num_ps=_int_var(env, "STRATAGEM_NUM_PS", default=0),
+                                              secret=secret_bytes)
         cluster = ClusterSpec({"worker": ["127.0.0.1:0"]})
         return ResolvedCluster(cluster, TaskId("worker", 0), secret_bytes, "default (single process)")
 
@@ -353,6 +393,9 @@ class ClusterResolver:
         if isinstance(index, str) and _is_ascii_digits(index):
             index = int(index)
         task = TaskId(task_entry["type"], index)
+        if task.job == EVALUATOR_JOB and task.job not in cluster.jobs:
+            # TF's usual evaluator: a side-car outside the cluster that reads checkpoints.
+            return ResolvedCluster(cluster, task, secret, source, config.get("rpc_layer"))
         if task.job not in cluster.jobs:
             raise ConfigurationError(
                 f"{source}: task type {task_entry['type']!r} is not a job of the cluster "
@@ -379,6 +422,43 @@ class ClusterResolver:
             jobs["ps"] = [None] * num_ps
         task = TaskId("worker", rank) if rank < workers else TaskId("ps", rank - workers)
         return ResolvedCluster(ClusterSpec(jobs), task, secret, source)
+
+    @staticmethod
+    def from_slurm(environ: Mapping[str, str], *, num_ps: int = 0, secret: bytes | None = None) -> ResolvedCluster:
+        """The cluster of a Slurm job step (``srun``): rank ``SLURM_PROCID`` of ``SLURM_STEP_NUM_TASKS``
+        (else ``SLURM_NTASKS``) tasks, mapped onto jobs as :meth:`from_mpi` does. With ``STRATAGEM_PORT``
+        set, every task gets the address ``node:STRATAGEM_PORT+local id`` from the step's node list and
+        tasks per node (:func:`stratagem.core.slurm.addresses`), so ``transport="zmq"``/``"grpc"`` work;
+        without it, the tasks have no addresses (``transport="mpi"`` under ``srun --mpi=pmix``)."""
+        step = slurm.step_world(environ)
+        if step is None:
+            raise ConfigurationError("not in a Slurm job step: SLURM_PROCID and SLURM_NTASKS are not set "
+                                     "(start the script with srun)")
+        rank, size = step
+        if size > 1 and not slurm.is_step(environ):
+            raise ConfigurationError(
+                f"SLURM_PROCID={rank} and SLURM_NTASKS={size} describe a job of {size} tasks, but this process "
+                f"was not started by srun (no SLURM_STEP_ID: a batch script runs once): start it with "
+                f"'srun python3 train.py'"
+            )
+        resolved = ClusterResolver.from_mpi(rank, size, num_ps=num_ps, secret=secret, source="slurm")
+        if not environ.get(slurm.PORT_VAR):
+            return ResolvedCluster(resolved.cluster, resolved.task, secret,
+                                   f"slurm (SLURM_PROCID; no {slurm.PORT_VAR}, so no addresses)")
+        where = iter(slurm.addresses(environ, rank, size))
+        jobs = {job: [next(where) for _ in tasks] for job, tasks in resolved.cluster.jobs.items()}
+        return ResolvedCluster(ClusterSpec(jobs), resolved.task, secret, f"slurm (SLURM_PROCID, {slurm.PORT_VAR})")
+
+
+def _srun_set(env: Mapping[str, str], world: tuple[int, int]) -> bool:
+    """True if the MPI ``world`` (rank, size) is srun's own (``srun --mpi=pmix``): inside a job step whose
+    rank and size are the same. Then the Slurm step is used instead, which also gives addresses."""
+    if not slurm.is_step(env):
+        return False
+    try:
+        return slurm.step_world(env) == world
+    except ConfigurationError:  # unusable Slurm variables: the MPI world stands
+        return False
 
 
 def _int_var(env: Mapping[str, str], name: str, default: int | None = None) -> int:

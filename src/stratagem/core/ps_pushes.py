@@ -27,13 +27,16 @@ class PushHandling:
     """Pushes and their acknowledgements (mixed into ``ParameterServer``)."""
 
     def _op_push(self, src, request_id, meta, buffers):
+        who = task_key(src)
+        if who not in self.members:          # an evaluator (or a ps task) never trains
+            raise RequestRefused(f"{src} is not a replica ('chief' or 'worker' task): it may read the "
+                                 f"variables but not push gradients")
         if self.config is None:
             raise RequestRefused(f"{self.task} has no variables yet: the chief must create them first")
         if self.optimizer is None:
             raise RequestRefused(f"{self.task} has no optimizer: send the optimizer's config first")
         names, buffers = self._gradients(meta, buffers)
         pull = self._wanted(meta)            # None: no values back; else the pieces to leave out
-        who = task_key(src)
         self._idle.discard(who)
         self.counters["pushes"] += 1
         self.by_replica[who]["pushes"] += 1

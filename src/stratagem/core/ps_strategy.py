@@ -28,6 +28,10 @@ cluster's ``ps`` tasks:
   exactly the dense update and what happens otherwise). With ``pull_with_push`` (default) each
   acknowledgement brings the shard's new values back (sparse-read tables left out), so a step costs
   one round trip per shard.
+- An ``evaluator`` task listed in the cluster (TF's side-car) is no replica: it pushes nothing
+  (``apply_gradients`` and ``assign`` are refused), is not counted in sync rounds, and the shards do
+  not wait for it to leave; it creates the same variables in ``scope()`` and every read of one pulls
+  the current values from the shards.
 - ``save`` / ``restore`` run on the chief alone (the others need not call them): the chief reads every
   shard's values and optimizer slots and writes one ordinary checkpoint (partitioned variables
   reassembled), so a checkpoint restores under any number of ps tasks, or under ``mirrored``.
@@ -303,6 +307,8 @@ class PSStrategyBase(Strategy):
 
     def _fresh(self, name: str) -> bool:
         """True when the cache of ``name`` holds the shards' values as far as this task knows."""
+        if self.is_evaluator:
+            return False  # it pushes nothing, so it never learns of updates: it reads afresh every time
         return name in self._current
 
     def _read(self, name: str) -> None:
@@ -382,6 +388,11 @@ class PSStrategyBase(Strategy):
     def _assign(self, name: str, array) -> None:
         var = self._variables[name]
         cache = var.store.cache
+        if self.is_evaluator and name in self._initialized:
+            raise ConfigurationError(
+                f"{self.task} is an evaluator: it reads the variables on the ps tasks but does not write them "
+                f"(assign to {name!r} on a training task)"
+            )
         write_into(cache, array)
         if name not in self._initialized:
             return  # before the chief declared it: this is (part of) the initial value
@@ -396,6 +407,7 @@ class PSStrategyBase(Strategy):
     def _apply_gradients(self, optimizer, pairs: list):
         """Push the gradients to the shards; the servers apply them (by the mode)."""
         self._check_worker("apply gradients")
+        self._check_trains()
         self._register_optimizer(optimizer)
         if self._optimizer_sent is not optimizer:
             self._client.set_optimizer(optimizer.get_config())
@@ -496,6 +508,7 @@ class PSStrategyBase(Strategy):
         """This task's shard of each global batch, split over the tasks that push gradients (see
         ``Strategy.distribute_dataset``); under ``sync`` the shards' row counts weigh the mean."""
         self._check_worker("take a shard of the data")
+        self._check_trains()
         pushers = self._pushers()
         me = task_key(self.task)
         if me not in pushers:
@@ -539,7 +552,8 @@ class PSStrategyBase(Strategy):
     def shutdown(self) -> None:
         """Tell the shards this task is leaving (they stop once every replica has), then close."""
         client = getattr(self, "_client", None)
-        if client is not None and not self._closed:
+        # An evaluator is no member the shards wait for: its goodbye (or failure) is none of theirs.
+        if client is not None and not self._closed and not self.is_evaluator:
             try:
                 client.bye(self._exit_error)
             except Exception:  # noqa: BLE001 - leaving anyway

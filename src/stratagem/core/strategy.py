@@ -39,14 +39,14 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping
 
 import numpy as np
 
-from .cluster import ClusterSpec, TaskId
+from .cluster import ClusterSpec, TaskId, is_evaluator
 from .errors import ConfigurationError, IncompatibleError, StratagemError
 from .lifecycle import end_at_exit
 from .transport import Transport
 from .replica_sync import broadcast_arrays, broadcast_json
 from .sharding import shard_batch
 from .strategy_checkpoints import Checkpointing
-from .variables import is_device_array, strategy_scope
+from .variables import array_module, is_device_array, strategy_scope
 
 #: The reductions ``Strategy.reduce`` (and the collectives) know.
 REDUCE_OPS = ("sum", "mean", "min", "max", "prod")
@@ -204,6 +204,11 @@ class Strategy(Checkpointing):
         return self.task == self.cluster.chief
 
     @property
+    def is_evaluator(self) -> bool:
+        """True on TF's side-car ``evaluator`` task: not a replica; it trains nothing."""
+        return is_evaluator(self.task)
+
+    @property
     def num_replicas_in_sync(self) -> int:
         """How many replicas compute each step (the ``chief`` and ``worker`` tasks)."""
         return len(self.cluster.replicas())
@@ -302,10 +307,20 @@ class Strategy(Checkpointing):
         first; a parameter-server strategy pushes them to the shards.
         """
         self._check_open()
+        self._check_trains()
         self._register_optimizer(optimizer)
         result = optimizer.apply_dense(pairs)
         self._step += 1
         return result
+
+    def _check_trains(self) -> None:
+        """Refuse to apply gradients on an evaluator (TF's semantics: it evaluates, never trains)."""
+        if self.is_evaluator:
+            raise ConfigurationError(
+                f"{self.task} is an evaluator: evaluators do not train, so it cannot apply_gradients(); "
+                f"it reads the variables (from the ps tasks under between_graph/parameter_server) or the "
+                f"checkpoints the chief writes. Train on 'chief' and 'worker' tasks"
+            )
 
     def distribute_dataset(self, dataset: Iterable) -> Iterator:
         """Yield this replica's shard of every global batch of ``dataset``.
@@ -388,6 +403,12 @@ class Strategy(Checkpointing):
 
         Every replica must call it, in the same order. Returns the same kind of value it was given:
         an array for an array, a Python number for a number.
+
+        After ``distribute_dataset``, ``mean`` weighs each replica by its share of the last global
+        batch (its rows over the batch's), as the gradient average does: for a per-row mean such as a
+        loss, the result is the whole batch's mean, what one process computes on the whole batch,
+        also when the rows do not split evenly (an empty shard counts for nothing). Without it, every
+        replica counts the same.
         """
         self._check_open()
         op = _check_op(op)
@@ -396,7 +417,10 @@ class Strategy(Checkpointing):
             return np.array(value, copy=True) if isinstance(value, np.ndarray) else value
         # np.asarray, not np.ascontiguousarray: that one turns a number into a 1-element array
         array = value if is_device_array(value) else np.asarray(value, order="C")
-        result = self._comm().allreduce(array, op=op)
+        if op == "mean" and self._batch_share is not None:
+            result = self._comm().allreduce(_weighted(array, self._batch_share), op="sum")
+        else:
+            result = self._comm().allreduce(array, op=op)
         if isinstance(value, np.ndarray) or np.ndim(result) != 0:
             return result
         return np.asarray(result).item()
@@ -418,6 +442,8 @@ class Strategy(Checkpointing):
         """This task's rank among the replicas (chief first), or a ``ConfigurationError`` naming ``what``."""
         replicas = self.cluster.replicas()
         if self.task not in replicas:
+            if self.is_evaluator:
+                raise ConfigurationError(evaluator_refusal(self.task, self.name, what))
             raise ConfigurationError(
                 f"{self.task} is not a replica (a 'chief' or 'worker' task) and cannot take part in {what}"
             )
@@ -494,6 +520,28 @@ class Strategy(Checkpointing):
         state = " (shut down)" if self._closed else ""
         return (f"<{type(self).__name__} {self.name!r} over {self._transport_name!r} on {self.task}, "
                 f"{self.num_replicas_in_sync} replica(s){state}>")
+
+
+def evaluator_refusal(task, strategy_name: str, what: str) -> str:
+    """Why evaluator ``task`` cannot take part in ``what`` under ``strategy_name``, and what it does instead."""
+    return (
+        f"{task} is an evaluator, not a replica, so it cannot take part in {what} under {strategy_name!r}: "
+        f"an evaluator trains nothing and joins no all-reduce. Evaluate from the checkpoints the chief writes "
+        f"(strategy.save(dir) on the replicas; on the evaluator stratagem.core.checkpoint.latest_checkpoint(dir) "
+        f"and load(path).variables), or, with 'ps' tasks, read the variables from them under "
+        f"between_graph/parameter_server"
+    )
+
+
+def _weighted(array, share: float):
+    """``array`` times this replica's ``share`` of the batch, in a floating dtype; an empty shard's
+    (share 0) is zeros, whatever its value (the mean over no rows is NaN)."""
+    xp = array_module(array)
+    dtype = array.dtype if np.issubdtype(array.dtype, np.floating) else np.dtype(np.float64)
+    if share == 0:
+        return xp.zeros(array.shape, dtype)
+    weighted = xp.multiply(array, dtype.type(share), dtype=dtype)
+    return np.asarray(weighted) if xp is np else weighted  # numpy makes a 0-d product a scalar
 
 
 def _check_op(op) -> str:

@@ -102,9 +102,10 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from ..core.cluster import is_evaluator
 from ..core.errors import ConfigurationError, PeerLostError, TransportTimeout
 from ..core.lifecycle import note_failure
-from ..core.strategy import Strategy, _check_op
+from ..core.strategy import Strategy, _check_op, evaluator_refusal
 from .in_graph_client import Client, ReplicaError
 from .in_graph_devices import CURRENT_STEP, ClientStore, parse_devices
 from .in_graph_functions import MODES
@@ -171,6 +172,8 @@ class InGraphStrategy(Strategy):
         if self._role is None:
             task = self.task
             self.shutdown()
+            if is_evaluator(task):
+                raise ConfigurationError(evaluator_refusal(task, self.name, "in-graph replication"))
             raise ConfigurationError(
                 f"{task} is not a replica: the in_graph strategy runs on 'chief' and 'worker' tasks only "
                 f"(start no strategy on 'ps' tasks)"

@@ -49,7 +49,8 @@ import numpy as np
 
 from ..core.errors import ConfigurationError
 from ..core.replica_sync import allgather_json, broadcast_arrays, dtype_key
-from ..core.strategy import Strategy
+from ..core.cluster import is_evaluator
+from ..core.strategy import Strategy, evaluator_refusal
 from ..core.variables import array_module, is_device_array
 
 #: Default largest bucket of fused gradients, in bytes (before any compression).
@@ -92,6 +93,8 @@ class MirroredStrategy(Strategy):
         if self.task not in self.cluster.replicas():
             task = self.task
             self.shutdown()
+            if is_evaluator(task):
+                raise ConfigurationError(evaluator_refusal(task, self.name, "the mirrored replicas' all-reduce"))
             raise ConfigurationError(
                 f"{task} is not a replica: the mirrored strategy runs on 'chief' and 'worker' tasks only "
                 f"(use the parameter_server strategy for clusters with 'ps' tasks, or start no "

@@ -6,6 +6,9 @@ Every task runs the same script. Inside ``stratagem.strategy("parameter_server",
 - ``ps`` tasks serve the variables until training ends, then exit (see ``between_graph``);
 - ``worker`` tasks serve *closures*: they run the step functions the coordinator sends them against
   their own remote copies of the variables, and exit when the coordinator is done;
+- an ``evaluator`` task listed in the cluster runs its own script: it creates the coordinator's
+  variables in ``scope()`` (same names, shapes, order) and reads them from the ps tasks; it trains
+  nothing and runs no steps;
 - the chief (``chief:0``, else ``worker:0``) is the *coordinator*: the call returns, and the script goes
   on to create the variables in ``scope()`` (placed on the ps tasks) and to schedule steps:
 
@@ -99,7 +102,7 @@ class ParameterServerStrategy(PSStrategyBase):
             return                                   # served (exit_after_serving=False)
         if self.is_chief:
             self._coordinator = Coordinator(self, self._worker_tasks(), functions=self.config["functions"])
-        else:
+        elif not self.is_evaluator:          # an evaluator runs its own script, reading the variables
             self._serve_closures()
 
     def _check_config(self) -> None:
@@ -204,7 +207,7 @@ class ParameterServerStrategy(PSStrategyBase):
         adopted = self._adopting.pop(variable.name, None)
         if adopted is not None:
             return adopted
-        if not self.is_chief:
+        if not self.is_chief and not self.is_evaluator:   # an evaluator declares them to read them
             raise ConfigurationError(
                 f"under parameter_server only the coordinator ({self.cluster.chief}) creates variables; "
                 f"{self.task} serves the steps it sends"

@@ -71,7 +71,7 @@ import time
 from typing import Callable, ClassVar, Mapping
 
 from ..core import wire
-from ..core.cluster import MPI_RANK_VARS, TaskId
+from ..core.cluster import MPI_RANK_VARS, SLURM_RANK_VARS, TaskId
 from ..core.errors import ConfigurationError, PluginError, TransportClosed
 from ..core.mailbox import Mailbox
 from ..core.transport import COMPLETED, Message, SendHandle, Transport
@@ -87,7 +87,7 @@ DEFAULT_INLINE_BYTES = 64 << 10
 
 def _mpi():
     """mpi4py's MPI module, imported (which initialises MPI) only when a transport starts."""
-    if "mpi4py.MPI" not in sys.modules and not any(rank in os.environ for rank, _ in MPI_RANK_VARS):
+    if "mpi4py.MPI" not in sys.modules and not any(rank in os.environ for rank, _ in (*MPI_RANK_VARS, SLURM_RANK_VARS)):
         # A world of one started without mpiexec (MPI's singleton init) needs no network, and Open
         # MPI's TCP transport would listen on every interface: keep it to the process itself.
         os.environ.setdefault("OMPI_MCA_btl", "self")

@@ -109,8 +109,9 @@ class ZmqTransport(Acceptor, Transport):
         address = self.cluster.address(self.task)
         if address is None:
             raise ConfigurationError(
-                f"{self.task} has no network address (the cluster came from an MPI world): use "
-                f"transport='mpi' under mpiexec, or give addresses through STRATAGEM_CONFIG/TF_CONFIG"
+                f"{self.task} has no network address (the cluster came from an MPI or Slurm world): use "
+                f"transport='mpi' under mpiexec, set STRATAGEM_PORT under srun (each task listens on its "
+                f"node at STRATAGEM_PORT + SLURM_LOCALID), or give addresses through STRATAGEM_CONFIG/TF_CONFIG"
             )
         host, _, port = address.rpartition(":")
         self._host, self._port = host, int(port)
