@@ -159,7 +159,7 @@ class InGraphStrategy(Strategy):
             return serving                   # the replica importing the script: its serving strategy
         return super().__new__(cls)
 
-    def __init__(self, transport="zmq", **kwargs):
+    def __init__(self, transport=None, **kwargs):
         if _SERVING.get() is self:
             return
         super().__init__(transport, **kwargs)

@@ -86,7 +86,7 @@ class MirroredStrategy(Strategy):
         "timeout": None,
     }
 
-    def __init__(self, transport="zmq", **kwargs):
+    def __init__(self, transport=None, **kwargs):
         super().__init__(transport, **kwargs)
         self._plans: dict[tuple, _Plan] = {}   # gradient signature -> buckets (buffers reused)
         if self.task not in self.cluster.replicas():

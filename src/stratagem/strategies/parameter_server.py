@@ -91,7 +91,7 @@ class ParameterServerStrategy(PSStrategyBase):
     # so values riding back on the push reply would be thrown away: a third of a step's bytes.
     options = {"functions": "auto", "pull_with_push": False}
 
-    def __init__(self, transport="zmq", **kwargs):
+    def __init__(self, transport=None, **kwargs):
         self._coordinator: Coordinator | None = None
         self._adopting: dict[str, list] = {}
         super().__init__(transport, **kwargs)
