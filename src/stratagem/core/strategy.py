@@ -1,4 +1,4 @@
-"""The base class of every strategy (DESIGN §6).
+"""The base class of every strategy (README: "Training with a strategy").
 
 A strategy decides how replicas stay in sync; it moves data only through its transport and core's
 collectives, never by importing a transport module. This base class owns what every strategy shares:

@@ -1,4 +1,4 @@
-"""The ``in_graph`` strategy: one client drives every replica (DESIGN §6).
+"""The ``in_graph`` strategy: one client drives every replica (README: "In-graph replication").
 
 The client (the chief task) holds the variables and the data. ``strategy.run(step, args=(x, y))``
 splits ``x, y`` over the replicas, runs ``step`` on each with the current variable values, gathers the

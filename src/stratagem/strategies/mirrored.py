@@ -1,5 +1,5 @@
 """The ``mirrored`` strategy: a full copy of every variable on every replica, gradients all-reduced
-every step (DESIGN §6).
+every step (README: "Training with a strategy").
 
 Every replica (the ``chief`` and ``worker`` tasks) runs the same program on its shard of each global
 batch (SPMD). Variables created in ``scope()`` are local arrays; when the outermost ``scope()`` block

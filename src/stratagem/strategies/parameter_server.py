@@ -1,5 +1,5 @@
 """The ``parameter_server`` strategy: a coordinator schedules step functions onto workers (TF2's
-``ParameterServerStrategy``; DESIGN §6).
+``ParameterServerStrategy``; README: "Parameter servers").
 
 Every task runs the same script. Inside ``stratagem.strategy("parameter_server", ...)``:
 
