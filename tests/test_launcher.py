@@ -257,6 +257,22 @@ def test_an_unknown_option_gets_launchs_own_usage_not_the_top_level_one():
     assert "COMMAND ..." not in done.stderr.splitlines()[0]  # not `usage: stratagem [-h] [--version] COMMAND ...`
 
 
+@pytest.mark.parametrize("exit_code, status", [(0, 0), (3, 1)])
+def test_a_reader_that_goes_away_leaves_the_jobs_status_and_no_traceback(exit_code, status):
+    """``stratagem launch ... | head``: the job is supervised to its end all the same."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "stratagem", "launch", "--worker", "2", "--", sys.executable,
+                               "-c", f"print('x' * 100); raise SystemExit({exit_code})"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=30)
+    finally:
+        os.close(write_end)
+    assert done.returncode == status, done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[0].startswith("stratagem launch: ")
+
+
 # -- how a job ends --------------------------------------------------------------------------------
 
 

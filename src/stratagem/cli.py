@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``stratagem`` command; return its exit status (2: usage error).
 
     Output cut short by its reader (``stratagem info --json | head``) ends the command quietly, as
-    it does ``cat``: exit status 141 (128 + SIGPIPE, what a shell shows for a program SIGPIPE killed).
+    it does ``cat``: exit status 141 (128 + SIGPIPE, what a shell shows for a program SIGPIPE killed),
+    unless the command had finished (``launch`` keeps supervising its job when its reader goes: it
+    exits with the job's status).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
@@ -60,10 +62,15 @@ def main(argv: list[str] | None = None) -> int:
         getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         code = int(args._module.run(args) or 0)
-        sys.stdout.flush()
     except BrokenPipeError:
         _silence_stdout()
         return 128 + 13  # SIGPIPE
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The command ran to its end and only output it had left to write was lost (`stratagem launch
+        # ... | head`: the launcher supervised the job regardless): its own status says how it went.
+        _silence_stdout()
     return code
 
 

@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
     else:
         _print_table(data)
+    sys.stdout.flush()  # a reader that left early is seen here, as a cut-short listing (cli.main: 141)
     return 0
 
 
