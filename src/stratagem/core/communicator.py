@@ -1,4 +1,5 @@
-"""The public face of the collectives: a :class:`Communicator` over one transport (README: "The API in one example").
+"""The public face of the collectives: a :class:`Communicator` over one transport
+(README: "The API in one example").
 
 A communicator is a group of tasks (by default the world's replicas: the chief, then the workers),
 each with a ``rank``. Every member calls the same collectives in the same order; each call returns a

@@ -90,7 +90,8 @@ example:
   stratagem launch --worker 2 --ps 1 -- python train.py --epochs 3
 
 Each task gets STRATAGEM_CONFIG (its cluster and task, TF_CONFIG-shaped), STRATAGEM_SECRET and,
-with --transport, STRATAGEM_TRANSPORT (the transport a script gets when it names none). Output lines are prefixed with the task ([worker:1] ...).
+with --transport, STRATAGEM_TRANSPORT (the transport a script gets when it names none). Output
+lines are prefixed with the task ([worker:1] ...).
 Exit status: 0 all tasks succeeded (ps tasks stopped after --ps-grace count as success), 1 a task
 failed, 2 usage error, 124 --timeout expired, 130/143 interrupted by SIGINT/SIGTERM.
 """
