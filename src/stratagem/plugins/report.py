@@ -6,9 +6,9 @@
     {"stratagem": "0.1.0", "autoload": true, "plugins": [{"kind": "transport", "name": "local", ...}]}
 
 "Usable" is checked for real: each plugin is imported and runs its own usability check (the ``mpi``
-transport loads the MPI library, in a child process; ``nccl`` looks for a GPU), about a second in
-all. ``--quick`` only looks the required modules up and imports nothing (what :func:`report` does by
-default), so a module that is installed but cannot load its library still shows as usable.
+transport loads the MPI library, in a child process; ``nccl`` looks for a GPU), a few tenths of a
+second. ``--quick`` only looks the required modules up and imports nothing (what :func:`report` does
+by default), so a module that is installed but cannot load its library still shows as usable.
 
 On a terminal the table wraps to its width; written to a file or a pipe it has one line per plugin
 (plus one for an install hint), every reason in full, whatever ``COLUMNS`` says.
