@@ -170,16 +170,30 @@ def test_bad_options_are_refused_with_the_fix(tmp_path):
     assert code == 2 and "--warmup (3) must be less than --steps (3)" in stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--strategies", "mirored"], "--strategies: unknown strategy 'mirored'; known: "),
+    (["--strategies", "mirrored,parameter_server:sync,in_grpah"], "unknown strategy 'in_grpah'"),
+    (["--transports", "zqm"], "--transports: unknown transport 'zqm'; known: "),
+])
+def test_a_misspelt_strategy_or_transport_is_a_usage_error_with_a_did_you_mean(tmp_path, args, message):
+    code, document, stdout, stderr = bench(tmp_path, *args, timeout=60)
+    assert code == 2, stdout + stderr
+    assert message in stderr and "(did you mean '" in stderr, stderr
+    assert document is None and "samples/s" not in stdout        # no (empty) table, nothing run
+
+
 def test_plan_lists_what_cannot_run_and_why():
     from stratagem.plugins.manager import plugin_manager
 
     combos = plan.plan(plan.parse_strategies("mirrored,between_graph:sync,parameter_server"),
-                       ["zmq", "nosuch"], workers=2, ps=0, manager=plugin_manager())
+                       ["zmq", "local"], workers=2, ps=0, manager=plugin_manager())
     reasons = {c.label: c.skipped for c in combos}
     assert reasons["mirrored x zmq"] is None
     assert "--ps 1 or more" in reasons["between_graph:sync x zmq"]
     assert "--ps 1 or more" in reasons["parameter_server:async x zmq"]
-    assert "nosuch" in reasons["mirrored x nosuch"] and "zmq" in reasons["mirrored x nosuch"]
+    assert "in-process only" in reasons["mirrored x local"]
+    with pytest.raises(ConfigurationError, match=r"unknown transport 'nosuch'; known: .*zmq"):
+        plan.plan(plan.parse_strategies("mirrored"), ["zmq", "nosuch"], workers=2, ps=0, manager=plugin_manager())
     with pytest.raises(ConfigurationError, match="mirrored takes no mode"):
         plan.parse_strategies("mirrored:sync")
 

@@ -1,4 +1,4 @@
-"""Tests of the cluster model (DESIGN §2): TaskId, ClusterSpec and ClusterResolver.
+"""Tests of the cluster model (README: "Concepts"; stratagem.core.cluster): TaskId, ClusterSpec and ClusterResolver.
 
 Errors are part of the contract: each one names the job, the index and what to do about it, so the
 tests assert on message contents, not only on exception types.

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize("workers", [1, 3])
 def test_allreduce_demo_under_launch(workers):
-    # The README's main command, on a smaller tensor; the launcher gives the job a fresh secret, so
+    # The README's all-reduce example, on a smaller tensor; the launcher gives the job a fresh secret, so
     # this also runs the authenticated handshake between real processes.
     result = subprocess.run(
         [sys.executable, "-m", "stratagem", "launch", "--worker", str(workers), "--timeout", "90", "--",

@@ -219,6 +219,60 @@ def test_secret_is_fresh_per_job_unless_the_user_gives_one(launcher):
     assert from_env["worker:0"]["secret_sha256"] == hashlib.sha256(b"from-env").hexdigest()
 
 
+DEFAULT_TRANSPORT = [sys.executable, str(SCRIPTS / "default_transport.py")]
+
+
+@pytest.mark.parametrize("script_args, flag, expected", [
+    ([], ["--transport", "grpc"], "grpc"),                  # stratagem.communicator()
+    (["strategy"], ["--transport", "grpc"], "grpc"),        # stratagem.strategy("mirrored")
+    (["explicit:zmq"], ["--transport", "grpc"], "zmq"),     # a name in the code wins
+    ([], [], "zmq"),                                         # no --transport: zmq
+])
+def test_launch_transport_is_the_transport_a_script_gets_when_it_names_none(launcher, script_args, flag, expected):
+    pytest.importorskip("grpc")
+    env = {k: v for k, v in os.environ.items() if k != "STRATAGEM_TRANSPORT"}
+    done = run_launcher(launcher, "--worker", "2", *flag, "--", *DEFAULT_TRANSPORT, *script_args, env=env, seconds=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = reports(done.stdout)
+    assert sorted(got) == ["worker:0", "worker:1"]
+    for report in got.values():
+        assert report["transport"] == expected and report["sum"] == 3.0, report
+
+
+def test_an_unknown_transport_is_a_usage_error_with_a_did_you_mean(launcher):
+    for mpi in ([], ["--mpi"]):
+        done = run_launcher(launcher, *mpi, "--worker", "2", "--transport", "zqm", "--", *REPORT)
+        assert done.returncode == 2, done.stderr
+        assert "usage: stratagem launch" in done.stderr
+        assert "--transport: unknown transport 'zqm'" in done.stderr and "did you mean 'zmq'?" in done.stderr
+        assert done.stdout == ""  # nothing started
+
+
+def test_an_unknown_option_gets_launchs_own_usage_not_the_top_level_one():
+    done = subprocess.run([sys.executable, "-m", "stratagem", "launch", "--worker", "2", "--bogus", "--", *REPORT],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("usage: stratagem launch [--worker N]"), done.stderr
+    assert "stratagem launch: error: unrecognized arguments: --bogus" in done.stderr
+    assert "COMMAND ..." not in done.stderr.splitlines()[0]  # not `usage: stratagem [-h] [--version] COMMAND ...`
+
+
+@pytest.mark.parametrize("exit_code, status", [(0, 0), (3, 1)])
+def test_a_reader_that_goes_away_leaves_the_jobs_status_and_no_traceback(exit_code, status):
+    """``stratagem launch ... | head``: the job is supervised to its end all the same."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "stratagem", "launch", "--worker", "2", "--", sys.executable,
+                               "-c", f"print('x' * 100); raise SystemExit({exit_code})"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=30)
+    finally:
+        os.close(write_end)
+    assert done.returncode == status, done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[0].startswith("stratagem launch: ")
+
+
 # -- how a job ends --------------------------------------------------------------------------------
 
 

@@ -30,8 +30,8 @@ from stratagem.plugins import PluginSpec, hookimpl
 from stratagem.plugins import builtin
 from stratagem.plugins import report as info_report
 from stratagem.plugins.manager import (
-    DISABLE_AUTOLOAD_ENV, PluginManager, autoload_disabled, constructor_options, plugin_manager,
-    reset_plugin_manager,
+    DISABLE_AUTOLOAD_ENV, TRANSPORT_ENV, PluginManager, autoload_disabled, constructor_options, plugin_manager,
+    reset_plugin_manager, transport_or_default,
 )
 from stratagem.transports.local import LocalFabric, LocalTransport
 
@@ -39,7 +39,8 @@ PLUGIN_DIR = Path(__file__).parent / "plugin_pkg"
 PLUGIN_DIST = "stratagem-example-plugin"
 PLUGIN_SOURCE = "stratagem-example-plugin 0.1.0"
 #: Variables that would change what a child interpreter resolves or loads.
-_ENV_TO_CLEAR = ("STRATAGEM_CONFIG", "TF_CONFIG", "STRATAGEM_SECRET", "STRATAGEM_NUM_PS", DISABLE_AUTOLOAD_ENV,
+_ENV_TO_CLEAR = ("STRATAGEM_CONFIG", "TF_CONFIG", "STRATAGEM_SECRET", "STRATAGEM_NUM_PS", "STRATAGEM_TRANSPORT",
+                 DISABLE_AUTOLOAD_ENV,
                  "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
 ONE_WORKER = ClusterSpec({"worker": ["local:0"]})
 #: What the built-in plugin registers, read from it (the set grows as strategies and transports land).
@@ -533,6 +534,26 @@ def test_stratagem_strategy_uses_the_registry(global_manager):
         stratagem.strategy("mirored", transport="local")
 
 
+def test_the_default_transport_comes_from_the_environment_and_an_explicit_one_wins(global_manager, monkeypatch):
+    world = dict(cluster=ONE_WORKER, task="worker:0", transport_options=LocalTransport.world_options())
+    monkeypatch.delenv(TRANSPORT_ENV, raising=False)
+    assert transport_or_default(None) == "zmq" and transport_or_default("grpc") == "grpc"
+    monkeypatch.setenv(TRANSPORT_ENV, "local")                 # what `stratagem launch --transport local` does
+    assert transport_or_default(None) == "local" and transport_or_default("grpc") == "grpc"
+    with stratagem.strategy("mirrored", **world) as strategy:    # names no transport: gets the environment's
+        assert strategy.transport_name == "local" and isinstance(strategy.transport, LocalTransport)
+    with Strategy(**world) as strategy:                          # a strategy class used directly, too
+        assert strategy.transport_name == "local"
+    global_manager.register(Adds(strategies=[PluginSpec("picky", Picky, "strategy")]), "picky", source="tests")
+    with pytest.raises(IncompatibleError, match="strategy 'picky' cannot run over transport 'local'"):
+        stratagem.strategy("picky", **world)                     # checked against the environment's choice
+    monkeypatch.setenv(TRANSPORT_ENV, "zqm")
+    with pytest.raises(ConfigurationError) as info:
+        stratagem.strategy("mirrored", **world)
+    assert str(info.value).startswith("STRATAGEM_TRANSPORT='zqm' in the environment")
+    assert "did you mean 'zmq'?" in str(info.value) and "pass transport= explicitly" in str(info.value)
+
+
 def test_reduce_across_replicas_in_threads(manager):
     pytest.importorskip("stratagem.core.communicator")
     fabric = LocalFabric()
@@ -577,6 +598,53 @@ def test_info_run_json_and_table(global_manager, capsys, monkeypatch):
     assert info_report.run(argparse.Namespace(json=False, check=True)) == 0
     out = capsys.readouterr().out
     assert "pigeon" in out and "definitely_missing_module" in out and "pip install 'stratagem[pigeon]'" in out
+
+
+def test_info_off_a_terminal_prints_every_reason_whole_at_80_columns(tmp_path):
+    target = "definitely_missing_module_with_a_rather_long_name.plugin"
+    _fake_dist(tmp_path, "some-distribution-with-a-long-name", f"[stratagem]\nbroken-entry-point = {target}\n")
+    proc = subprocess.run([sys.executable, "-m", "stratagem", "info"], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path, env=_child_env(COLUMNS="80", PYTHONPATH=os.pathsep.join(
+                              [str(tmp_path), os.environ.get("PYTHONPATH", "")])))
+    assert proc.returncode == 0, proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("plugin "))
+    assert row.split()[:4] == ["plugin", "broken-entry-point", "some-distribution-with-a-long-name", "1.0"]
+    assert row.endswith(f"failed to load: ModuleNotFoundError: No module named "
+                        f"'{target.partition('.')[0]}'"), row          # the whole reason, on its line
+    assert "…" not in proc.stdout
+    zmq = next(line for line in proc.stdout.splitlines() if line.startswith("transport ") and " zmq " in line)
+    assert zmq.split()[:4] == ["transport", "zmq", "builtin", "yes"]
+
+
+@pytest.mark.parametrize("args", [["info", "--json"], ["info"]])
+def test_info_cut_short_by_its_reader_ends_quietly(args):
+    """``stratagem info --json | head``: the reader is gone before the output is written."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)                 # as `head` does once it has its lines: every write now fails
+    try:
+        proc = subprocess.run([sys.executable, "-m", "stratagem", *args], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=60, env=_child_env())
+    finally:
+        os.close(write_end)
+    assert proc.stderr == ""           # no BrokenPipeError traceback, no "Exception ignored"
+    assert proc.returncode == 141      # 128 + SIGPIPE, as a shell reports `cat` killed by it
+
+
+def test_errors_users_catch_are_exported_and_every_public_name_resolves():
+    from stratagem.core.checkpoint import CheckpointError
+    from stratagem.core.ps_coordinator import ClosureError
+    from stratagem.core.ps_protocol import ShardLostError
+    from stratagem.strategies.in_graph_client import ReplicaError
+
+    for name in stratagem.__all__:
+        assert getattr(stratagem, name) is not None, name
+    assert {"ShardLostError", "ReplicaError", "ClosureError", "CheckpointError"} <= set(stratagem.__all__)
+    assert stratagem.ShardLostError is ShardLostError and issubclass(ShardLostError, stratagem.PeerLostError)
+    assert stratagem.ReplicaError is ReplicaError and stratagem.ClosureError is ClosureError
+    assert stratagem.CheckpointError is CheckpointError
+    assert all(issubclass(getattr(stratagem, n), stratagem.StratagemError)
+               for n in ("ShardLostError", "ReplicaError", "ClosureError", "CheckpointError"))
+    assert "ShardLostError" in dir(stratagem)
 
 
 def test_info_reports_a_broken_registry_and_exits_1(global_manager, capsys):

@@ -1,4 +1,4 @@
-"""Tests of the wire format (DESIGN §4): round trips, encoding errors, hostile frames, fuzzing.
+"""Tests of the wire format (stratagem.core.wire): round trips, encoding errors, hostile frames, fuzzing.
 
 The contract under test: ``decode``/``decode_parts`` return exactly what was encoded, and on any
 other input raise :class:`ProtocolError` and nothing else -- a frame from the network must never

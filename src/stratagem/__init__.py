@@ -30,39 +30,46 @@ from .core.errors import (
 
 __version__ = "0.1.0"
 
+#: Public names imported at first use (module, attribute), which keeps ``import stratagem`` light.
+#: The errors among them are the ones callers catch: a lost ps shard, a failed in_graph replica, a
+#: failed scheduled function, an unreadable checkpoint.
+_LAZY = {
+    "Variable": ("core.variables", "Variable"),
+    "IndexedSlices": ("core.sparse", "IndexedSlices"),
+    "device": ("core.placement", "device"),
+    "replica_device_setter": ("core.placement", "replica_device_setter"),
+    "ShardLostError": ("core.ps_protocol", "ShardLostError"),
+    "ReplicaError": ("strategies.in_graph_client", "ReplicaError"),
+    "ClosureError": ("core.ps_coordinator", "ClosureError"),
+    "CheckpointError": ("core.checkpoint", "CheckpointError"),
+    "CheckpointNotFoundError": ("core.checkpoint", "CheckpointNotFoundError"),
+}
+
 __all__ = [
     "AuthenticationError", "ClusterResolver", "ClusterSpec", "CollectiveMismatchError",
     "CommunicationError", "ConfigurationError", "IncompatibleError", "PeerLostError", "PluginError",
     "ProtocolError", "StratagemError", "TaskId", "TransportClosed", "TransportTimeout",
-    "communicator", "strategy", "transport", "plugin_manager", "__version__",
-    "Variable", "IndexedSlices", "optimizers", "device", "replica_device_setter",
+    "communicator", "strategy", "transport", "plugin_manager", "__version__", "optimizers",
+    *_LAZY,
 ]
 
 
 def __getattr__(name: str):
-    """``stratagem.Variable``, ``stratagem.IndexedSlices``, ``stratagem.optimizers``, ``stratagem.device``
-    and ``stratagem.replica_device_setter``, imported at first use (keeps the import light)."""
-    if name == "Variable":
-        from .core.variables import Variable
+    """The names of ``_LAZY`` and ``stratagem.optimizers``, imported at first use (keeps the import light)."""
+    import importlib
 
-        globals()["Variable"] = Variable
-        return Variable
-    if name == "IndexedSlices":
-        from .core.sparse import IndexedSlices
-
-        globals()["IndexedSlices"] = IndexedSlices
-        return IndexedSlices
-    if name in ("device", "replica_device_setter"):
-        from .core import placement
-
-        value = getattr(placement, name)
+    if name in _LAZY:
+        module, attribute = _LAZY[name]
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), attribute)
         globals()[name] = value
         return value
     if name == "optimizers":
-        import importlib
-
         return importlib.import_module(f"{__name__}.optimizers")  # importing sets the attribute
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def transport(name: str, cluster=None, task=None, **options):
@@ -80,8 +87,11 @@ def transport(name: str, cluster=None, task=None, **options):
     return _pm().create_transport(name, cluster=cluster, task=task, **options)
 
 
-def communicator(transport: str = "zmq", **options):
+def communicator(transport: str | None = None, **options):
     """A started communicator over ``transport`` for this task's world.
+
+    ``transport`` defaults to ``STRATAGEM_TRANSPORT`` from the environment (``stratagem launch
+    --transport T`` sets it), else ``"zmq"``; a name given here always wins.
 
     The world is the ``chief`` and ``worker`` tasks of the cluster found in the environment; each
     has a ``rank`` (chief first). See :class:`stratagem.core.communicator.Communicator`.
@@ -91,8 +101,12 @@ def communicator(transport: str = "zmq", **options):
     return open_communicator(transport, **options)
 
 
-def strategy(name: str, transport: str = "zmq", **options):
-    """Create the strategy plugin ``name`` over ``transport`` (cluster and task from the environment)."""
+def strategy(name: str, transport: str | None = None, **options):
+    """Create the strategy plugin ``name`` over ``transport`` (cluster and task from the environment).
+
+    ``transport`` defaults to ``STRATAGEM_TRANSPORT`` from the environment (``stratagem launch
+    --transport T`` sets it), else ``"zmq"``; a name (or ``Transport``) given here always wins.
+    """
     from .plugins.manager import plugin_manager as _pm
 
     return _pm().create_strategy(name, transport=transport, **options)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 #: subcommand -> (module that implements it, one-line help)
@@ -33,17 +34,51 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == command:
             module = importlib.import_module(module_name)
+            sub_parser.set_defaults(_module=module, _parser=sub_parser)  # before: a nested parser may override
             module.add_arguments(sub_parser)
-            sub_parser.set_defaults(_module=module)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``stratagem`` command; return its exit status (2: usage error).
+
+    Output cut short by its reader (``stratagem info --json | head``) ends the command quietly, as
+    it does ``cat``: exit status 141 (128 + SIGPIPE, what a shell shows for a program SIGPIPE killed),
+    unless the command had finished (``launch`` keeps supervising its job when its reader goes: it
+    exits with the job's status).
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in SUBCOMMANDS else None)
-    args = parser.parse_args(argv)
+    # Options no parser knows are reported by the subcommand's own parser (its usage, its name),
+    # not the top-level one, which knows none of the subcommand's options.
+    args, unknown = parser.parse_known_args(argv)
     if args.command is None:
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         parser.print_help()
         return 2
-    return int(args._module.run(args) or 0)
+    if unknown:
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    try:
+        code = int(args._module.run(args) or 0)
+    except BrokenPipeError:
+        _silence_stdout()
+        return 128 + 13  # SIGPIPE
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The command ran to its end and only output it had left to write was lost (`stratagem launch
+        # ... | head`: the launcher supervised the job regardless): its own status says how it went.
+        _silence_stdout()
+    return code
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's flush at exit does not report the broken pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass

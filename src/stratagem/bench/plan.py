@@ -80,7 +80,7 @@ def _split(text: str) -> list[str]:
 
 def parse_strategies(text: str) -> list[StrategyChoice]:
     """``"mirrored,parameter_server:sync"`` -> choices; an unknown mode is an error naming the valid ones
-    (unknown *strategies* are checked against the plugins later, so third-party ones are listed)."""
+    (*names* are checked against the plugins by :func:`plan`, so third-party ones count)."""
     choices = []
     for item in _split(text):
         name, _, mode = item.partition(":")
@@ -111,16 +111,31 @@ def cluster_for(strategy: StrategyChoice, mpi_job: bool, workers: int, ps: int) 
     return Cluster(workers, ps)
 
 
+def check_names(strategies: list[StrategyChoice], transports: list[str], manager) -> None:
+    """Refuse a strategy or transport name no plugin registers (a typo, most likely: ``mirored``),
+    with the known ones and a did-you-mean: a usage error, not a bench of nothing."""
+    from ..core.errors import PluginError
+
+    for option, kind, names in (("--strategies", "strategy", [s.name for s in strategies]),
+                                ("--transports", "transport", transports)):
+        for name in names:
+            try:
+                manager.spec(kind, name)
+            except PluginError as exc:
+                raise ConfigurationError(f"{option}: {exc}") from None
+
+
 def plan(strategies: list[StrategyChoice], transports: list[str], *, workers: int, ps: int,
          manager) -> list[Combination]:
     """Every combination, in strategy-major order, each with its cluster or the reason it is skipped.
 
-    ``manager`` is the plugin manager: it says which strategies exist; each transport is checked once
+    ``manager`` is the plugin manager: it says which strategies and transports exist (an unknown name
+    raises ``ConfigurationError``: :func:`check_names`); each transport is checked once
     (:func:`~stratagem.bench.availability.check_transport`, importing it)."""
     from ..core.errors import PluginError
     from .availability import check_transport
 
-    known_strategies = set(manager.names("strategy"))
+    check_names(strategies, transports, manager)
     checks: dict[str, TransportCheck] = {}
     for transport in transports:
         try:
@@ -130,10 +145,7 @@ def plan(strategies: list[StrategyChoice], transports: list[str], *, workers: in
 
     combinations = []
     for strategy in strategies:
-        if strategy.name not in known_strategies:
-            problem = (f"no strategy {strategy.name!r} is registered "
-                       f"(known: {', '.join(sorted(known_strategies))})")
-        elif strategy.name not in MODES:
+        if strategy.name not in MODES:
             problem = (f"the bench has no driver for the third-party strategy {strategy.name!r} "
                        f"(it drives {', '.join(MODES)})")
         elif strategy.name in NEEDS_PS and ps < 1:

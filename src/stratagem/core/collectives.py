@@ -1,4 +1,4 @@
-"""Collective algorithms, written once over the transport contract (DESIGN §5).
+"""Collective algorithms, written once over the transport contract (:mod:`stratagem.core.transport`).
 
 Every algorithm here only calls ``Transport.send`` and ``Transport.recv`` (mailbox semantics, ordered
 per ``(src, dst, tag)``), so it runs over every transport. The public face is

@@ -1,4 +1,5 @@
-"""The public face of the collectives: a :class:`Communicator` over one transport (DESIGN §5).
+"""The public face of the collectives: a :class:`Communicator` over one transport
+(README: "The API in one example").
 
 A communicator is a group of tasks (by default the world's replicas: the chief, then the workers),
 each with a ``rank``. Every member calls the same collectives in the same order; each call returns a
@@ -360,9 +361,12 @@ def _check_options(name, timeout, chunk_bytes, small_bytes, transport: Transport
             raise ConfigurationError(f"{option} must be an integer >= {minimum}, got {value!r}")
 
 
-def open_communicator(transport_name: str = "zmq", *, transport_options: dict | None = None,
+def open_communicator(transport_name: str | None = None, *, transport_options: dict | None = None,
                       **options) -> Communicator:
     """A communicator over a new, started transport for this process's task.
+
+    ``transport_name`` defaults to the environment's ``STRATAGEM_TRANSPORT``
+    (``stratagem launch --transport``), else ``zmq``.
 
     The cluster, task and secret come from the environment (``ClusterResolver.from_env()``:
     ``STRATAGEM_CONFIG``, ``TF_CONFIG`` or MPI variables). ``options`` are the Communicator's
@@ -385,8 +389,9 @@ def open_communicator(transport_name: str = "zmq", *, transport_options: dict | 
     transport_options = dict(transport_options or {})
     if options.get("timeout") is not None:
         transport_options.setdefault("timeout", options["timeout"])
-    from ..plugins.manager import plugin_manager
+    from ..plugins.manager import plugin_manager, transport_or_default
 
+    transport_name = transport_or_default(transport_name)
     transport = plugin_manager().create_transport(
         transport_name, cluster=resolved.cluster, task=resolved.task, secret=resolved.secret,
         **transport_options,

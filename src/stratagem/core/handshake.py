@@ -1,4 +1,4 @@
-"""The connection handshake every socket transport runs before it accepts data (DESIGN §4).
+"""The connection handshake every socket transport runs before it accepts data (README: "Security").
 
 A *connector* opens a connection to an *acceptor* and sends HELLO: protocol version, cluster id,
 its task and a fresh nonce. Without a cluster secret, the acceptor checks version and cluster id and

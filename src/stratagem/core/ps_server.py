@@ -1,4 +1,4 @@
-"""The parameter server: what a ``ps`` task runs (DESIGN §6).
+"""The parameter server: what a ``ps`` task runs (README: "Parameter servers").
 
 A :class:`ParameterServer` holds the pieces of the variables placed on its task, the optimizer that
 updates them (rebuilt on the server from ``opt.get_config()``, with its slots kept here), and a step

@@ -118,7 +118,7 @@ class PSStrategyBase(Strategy):
         "exit_after_serving": True,
     }
 
-    def __init__(self, transport="zmq", **kwargs):
+    def __init__(self, transport=None, **kwargs):
         super().__init__(transport, **kwargs)
         try:
             self._setup()

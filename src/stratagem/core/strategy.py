@@ -1,4 +1,4 @@
-"""The base class of every strategy (DESIGN §6).
+"""The base class of every strategy (README: "Training with a strategy").
 
 A strategy decides how replicas stay in sync; it moves data only through its transport and core's
 collectives, never by importing a transport module. This base class owns what every strategy shares:
@@ -84,7 +84,8 @@ class Strategy(Checkpointing):
 
     Args:
         transport: the transport plugin's name (``"zmq"``, ``"local"``...), or a ``Transport`` instance
-            the caller created (and keeps: ``shutdown`` does not close it).
+            the caller created (and keeps: ``shutdown`` does not close it). Default: the environment's
+            ``STRATAGEM_TRANSPORT`` (``stratagem launch --transport``), else ``"zmq"``.
         cluster, task: this task's cluster and task; default: ``ClusterResolver.from_env()``.
         transport_options: options for the transport's constructor (``{"fabric": ...}`` for ``local``,
             ``{"timeout": 60}``...).
@@ -105,9 +106,9 @@ class Strategy(Checkpointing):
     #: The strategy's own options and their defaults (merged with those of its base classes).
     options: ClassVar[Mapping[str, Any]] = {}
 
-    def __init__(self, transport: "str | Transport" = "zmq", *, cluster=None, task=None,
+    def __init__(self, transport: "str | Transport | None" = None, *, cluster=None, task=None,
                  transport_options: Mapping[str, Any] | None = None, plugins=None, **options):
-        from ..plugins.manager import plugin_manager, reject_unknown_options
+        from ..plugins.manager import plugin_manager, reject_unknown_options, transport_or_default
 
         defaults = self.option_defaults()
         reject_unknown_options(f"strategy {self.name!r}", options, [*defaults, *BASE_KEYWORDS])
@@ -124,6 +125,7 @@ class Strategy(Checkpointing):
         self._pending_optimizer_state: dict | None = None  # restored before its optimizer was known
         self._batch_share: float | None = None    # this replica's share of the last global batch
         self._step = 0                            # updates applied through _apply_gradients
+        transport = transport_or_default(transport, plugins)   # None: STRATAGEM_TRANSPORT, else zmq
         if isinstance(transport, Transport):
             self._adopt(transport, cluster, task, transport_options)
         elif isinstance(transport, str):

@@ -1,4 +1,5 @@
-"""Checkpoints of a strategy's variables and optimizer state: ``save`` and ``restore`` (DESIGN §6).
+"""Checkpoints of a strategy's variables and optimizer state: ``save`` and ``restore``
+(README: "Training with a strategy").
 
 :class:`Checkpointing` is a mixin of :class:`~stratagem.core.strategy.Strategy`: the chief writes
 and reads the files (:mod:`stratagem.core.checkpoint`), and the other replicas get the outcome and

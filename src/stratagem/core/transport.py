@@ -1,4 +1,4 @@
-"""The transport contract: the smallest thing every transport can provide well (DESIGN §3).
+"""The transport contract: the smallest thing every transport can provide well (README: "Transports").
 
 Mailbox semantics. A task sends a :class:`Message` to a peer under a string *tag*; the peer receives
 it with ``recv(src, tag)``. Delivery is reliable and ordered per ``(src, dst, tag)``; ``src=None``

@@ -1,4 +1,4 @@
-"""Variables: named, mutable arrays that a strategy can mirror, shard or hold (DESIGN §6).
+"""Variables: named, mutable arrays that a strategy can mirror, shard or hold (README: "Training with a strategy").
 
 A :class:`Variable` is created by the user; inside ``strategy.scope()`` it is handed to that strategy
 (``strategy._register_variable(var)``), which decides what it is: a local replica kept identical on

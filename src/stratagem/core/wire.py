@@ -1,4 +1,4 @@
-"""The wire format every byte-moving transport speaks (DESIGN §4).
+"""The wire format every byte-moving transport speaks (README: "Security").
 
 A frame is a fixed header, an *envelope* (msgpack: the tag, the user's metadata, and the dtype and
 shape of each buffer), then the raw array buffers. Nothing is pickled, so a frame from the network

@@ -1,4 +1,4 @@
-"""The plugin host: strategies and transports are plugins found through pluggy hooks (DESIGN §7).
+"""The plugin host: strategies and transports are plugins found through pluggy hooks (README: "Writing a plugin").
 
 What a plugin author needs is importable from here, cheaply (importing this package loads no plugin
 and reads no entry point)::

@@ -1,4 +1,4 @@
-"""The plugin hooks and the description every hook returns (DESIGN §7).
+"""The plugin hooks and the description every hook returns (README: "Writing a plugin").
 
 Stratagem's strategies and transports are plugins, found through two `pluggy`_ hooks. A plugin is any
 module (or object) with functions marked :data:`hookimpl`; built-ins are registered by

@@ -37,6 +37,11 @@ from .hookspecs import ENTRY_POINT_GROUP, KINDS, PROJECT_NAME, PluginSpec
 DISABLE_AUTOLOAD_ENV = "STRATAGEM_DISABLE_PLUGIN_AUTOLOAD"
 #: The environment variable holding the cluster secret (read by ``ClusterResolver`` too).
 SECRET_ENV = "STRATAGEM_SECRET"
+#: The environment variable naming the transport a script gets when it names none
+#: (``stratagem launch --transport T`` sets it; ``launch --mpi`` sets it to ``mpi``).
+TRANSPORT_ENV = "STRATAGEM_TRANSPORT"
+#: The transport a script gets when neither its code nor its environment names one.
+DEFAULT_TRANSPORT = "zmq"
 #: The source recorded for the plugins of :mod:`stratagem.plugins.builtin`.
 BUILTIN_SOURCE = "builtin"
 #: The pluggy name the built-in plugin module is registered under.
@@ -487,8 +492,9 @@ class PluginManager:
         cls.check_usable()
         return cls(cluster, task, **options)
 
-    def create_strategy(self, name: str, transport="zmq", **options):
-        """Create strategy ``name`` over ``transport`` (a transport name, or a ``Transport`` instance).
+    def create_strategy(self, name: str, transport=None, **options):
+        """Create strategy ``name`` over ``transport`` (a transport name, or a ``Transport`` instance;
+        default: :func:`transport_or_default`, i.e. ``STRATAGEM_TRANSPORT``, else ``zmq``).
 
         The strategy resolves the cluster and creates and starts its transport; see
         :class:`stratagem.core.strategy.Strategy` for the options every strategy takes. A strategy that
@@ -498,6 +504,7 @@ class PluginManager:
         from ..core.strategy import check_compatible
 
         cls = self.strategy_class(name)
+        transport = transport_or_default(transport, self)
         if isinstance(transport, str):
             check_compatible(cls, self.transport_class(transport), strategy_name=name, transport_name=transport)
         options.setdefault("plugins", self)
@@ -522,6 +529,33 @@ def reject_unknown_options(what: str, options: Mapping[str, Any], accepted) -> N
         message += f" (did you mean {close[0]!r}?)"
     message += f"; it accepts: {', '.join(sorted(accepted)) or 'none'}"
     raise ConfigurationError(message)
+
+
+def transport_or_default(transport=None, manager: PluginManager | None = None):
+    """``transport`` if the caller named one (a name or a ``Transport``), else the environment's choice.
+
+    The one place the default transport is decided, for ``stratagem.strategy()``,
+    ``stratagem.communicator()`` and every ``Strategy(...)``: ``STRATAGEM_TRANSPORT`` (set by
+    ``stratagem launch --transport T``), else ``zmq``. A name in the environment that is not a
+    registered transport is refused with the known ones, saying where it came from.
+
+    >>> transport_or_default("grpc")    # an explicit choice always wins
+    'grpc'
+    """
+    if transport is not None:
+        return transport
+    name = os.environ.get(TRANSPORT_ENV, "").strip()
+    if not name:
+        return DEFAULT_TRANSPORT
+    manager = plugin_manager() if manager is None else manager
+    try:
+        manager.spec("transport", name)
+    except PluginError as exc:
+        raise ConfigurationError(
+            f"{TRANSPORT_ENV}={name!r} in the environment (stratagem launch --transport sets it) names no "
+            f"transport: {exc}. Fix or unset it, or pass transport= explicitly"
+        ) from None
+    return name
 
 
 _manager: PluginManager | None = None

@@ -1,4 +1,4 @@
-"""The ``between_graph`` strategy: TF1's between-graph replication over parameter servers (DESIGN §6).
+"""The ``between_graph`` strategy: TF1's between-graph replication over parameter servers (README: "Parameter servers").
 
 Every task runs the same script. ``ps`` tasks serve the variables from inside
 ``stratagem.strategy("between_graph", ...)`` and exit when training ends; every ``chief``/``worker``

@@ -1,4 +1,4 @@
-"""The ``in_graph`` strategy: one client drives every replica (DESIGN §6).
+"""The ``in_graph`` strategy: one client drives every replica (README: "In-graph replication").
 
 The client (the chief task) holds the variables and the data. ``strategy.run(step, args=(x, y))``
 splits ``x, y`` over the replicas, runs ``step`` on each with the current variable values, gathers the
@@ -160,7 +160,7 @@ class InGraphStrategy(Strategy):
             return serving                   # the replica importing the script: its serving strategy
         return super().__new__(cls)
 
-    def __init__(self, transport="zmq", **kwargs):
+    def __init__(self, transport=None, **kwargs):
         if _SERVING.get() is self:
             return
         super().__init__(transport, **kwargs)

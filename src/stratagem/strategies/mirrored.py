@@ -1,5 +1,5 @@
 """The ``mirrored`` strategy: a full copy of every variable on every replica, gradients all-reduced
-every step (DESIGN §6).
+every step (README: "Training with a strategy").
 
 Every replica (the ``chief`` and ``worker`` tasks) runs the same program on its shard of each global
 batch (SPMD). Variables created in ``scope()`` are local arrays; when the outermost ``scope()`` block
@@ -87,7 +87,7 @@ class MirroredStrategy(Strategy):
         "timeout": None,
     }
 
-    def __init__(self, transport="zmq", **kwargs):
+    def __init__(self, transport=None, **kwargs):
         super().__init__(transport, **kwargs)
         self._plans: dict[tuple, _Plan] = {}   # gradient signature -> buckets (buffers reused)
         if self.task not in self.cluster.replicas():

@@ -1,5 +1,5 @@
 """The ``parameter_server`` strategy: a coordinator schedules step functions onto workers (TF2's
-``ParameterServerStrategy``; DESIGN §6).
+``ParameterServerStrategy``; README: "Parameter servers").
 
 Every task runs the same script. Inside ``stratagem.strategy("parameter_server", ...)``:
 
@@ -94,7 +94,7 @@ class ParameterServerStrategy(PSStrategyBase):
     # so values riding back on the push reply would be thrown away: a third of a step's bytes.
     options = {"functions": "auto", "pull_with_push": False}
 
-    def __init__(self, transport="zmq", **kwargs):
+    def __init__(self, transport=None, **kwargs):
         self._coordinator: Coordinator | None = None
         self._adopting: dict[str, list] = {}
         super().__init__(transport, **kwargs)

