@@ -103,7 +103,6 @@ import logging
 import queue
 import threading
 import time
-from concurrent import futures
 
 import grpc
 
@@ -133,6 +132,7 @@ from .grpc_config import (
 from .grpc_acceptor import Acceptor
 from .grpc_framing import CONTROL_LIMITS, Reassembler, chunks, frame_bytes
 from .grpc_streams import END, Eager, Incoming, LazySend, Outgoing, fresh
+from .grpc_threads import DaemonExecutor
 
 log = logging.getLogger(__name__)
 
@@ -209,8 +209,7 @@ class GrpcTransport(Acceptor, Transport):
         handler = grpc.method_handlers_generic_handler(SERVICE, {
             METHOD: grpc.stream_stream_rpc_method_handler(self._serve_stream),  # raw bytes both ways
         })
-        pool = futures.ThreadPoolExecutor(self._max_workers,
-                                          thread_name_prefix=f"stratagem-grpc-{self.task.short}")
+        pool = DaemonExecutor(f"stratagem-grpc-{self.task.short}")  # never holds the interpreter at exit
         server = grpc.server(pool, handlers=[handler], options=server_options(self.peer_timeout),
                              maximum_concurrent_rpcs=self._max_workers)
         endpoint = ports.format_address(self._bind_host, self._port)
