@@ -132,7 +132,7 @@ from .grpc_config import (
 from .grpc_acceptor import Acceptor
 from .grpc_framing import CONTROL_LIMITS, Reassembler, chunks, frame_bytes
 from .grpc_streams import END, Eager, Incoming, LazySend, Outgoing, fresh
-from .grpc_threads import DaemonExecutor
+from .grpc_threads import DaemonExecutor, close_in_background
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,8 @@ class GrpcTransport(Acceptor, Transport):
         tls_server_name: the name the peers' certificates are checked against, instead of the host
             of their cluster address.
         handshake_timeout: seconds an incoming stream may take to complete its handshake.
-        linger: seconds ``close()`` waits for queued frames to be delivered.
+        linger: seconds ``close()`` waits for queued frames to be delivered (1 by default, as the
+            zmq transport): ``close()`` returns within about that, whatever the peers do.
         max_workers: threads of the gRPC server (each incoming stream holds one); default the
             cluster size plus 8.
     """
@@ -163,7 +164,7 @@ class GrpcTransport(Acceptor, Transport):
     def __init__(self, cluster, task, *, bind_host: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None,
                  tls_client_auth: bool = False, tls_server_name: str | None = None,
-                 handshake_timeout: float = 30.0, linger: float = 5.0, max_workers: int | None = None,
+                 handshake_timeout: float = 30.0, linger: float = 1.0, max_workers: int | None = None,
                  **common):
         super().__init__(cluster, task, **common)
         address = self.cluster.address(self.task)
@@ -278,7 +279,7 @@ class GrpcTransport(Acceptor, Transport):
             conn.out.put(None)
         for peer in peers:
             if peer.channel is not None:
-                peer.channel.close()
+                close_in_background(peer.channel, f"stratagem-grpc-{self.task.short}-close-{peer.task.short}")
         self._pool.shutdown(wait=False)
 
     # -- messaging ---------------------------------------------------------------------------------
@@ -498,7 +499,7 @@ class GrpcTransport(Acceptor, Transport):
     def _retire(self, peer: Outgoing) -> None:
         peer.cancel()
         if peer.channel is not None:
-            peer.channel.close()
+            close_in_background(peer.channel, f"stratagem-grpc-{self.task.short}-close-{peer.task.short}")
 
     # -- losses ------------------------------------------------------------------------------------
     def _schedule_loss(self, task: TaskId, reason: str, epoch: int, latest: float) -> None:

@@ -61,3 +61,11 @@ def _run(future: futures.Future, fn, args, kwargs) -> None:
         future.set_exception(exc)
     else:
         future.set_result(result)
+
+
+def close_in_background(channel, name: str) -> None:
+    """Close a gRPC channel on a daemon thread. ``Channel.close()`` waits until every operation of
+    its calls has completed, even of cancelled calls: a message being written to a peer that stopped
+    reading (a stopped process, a dead host) completes only when keepalive drops the connection,
+    seconds later. The calls are cancelled before this, so nothing is lost by not waiting."""
+    threading.Thread(target=channel.close, daemon=True, name=name).start()
