@@ -1,11 +1,13 @@
-"""A two-task grpc job whose first task ends without closing anything: the way a user's script ends.
+"""A two-task grpc job whose first task ends its part the way users' scripts do, without closing.
 
-    STRATAGEM_CONFIG=... python tests/scripts/grpc_exit.py normal|raise|exit3
+    STRATAGEM_CONFIG=... python tests/scripts/grpc_exit.py normal|raise|exit3|abort|close
 
 Both tasks open ``stratagem.communicator(transport="grpc")`` (cluster and task from
-``STRATAGEM_CONFIG``) and all-reduce once, so every stream is up. Then ``worker:0`` ends, never
-calling ``close()``: it returns from the script (``normal``), raises an uncaught ``RuntimeError``
-(``raise``) or calls ``sys.exit(3)`` (``exit3``). ``worker:1`` waits in ``recv`` for a message
+``STRATAGEM_CONFIG``) and all-reduce once, so every stream is up. Then ``worker:0``, never calling
+``close()``, returns from the script (``normal``), raises an uncaught ``RuntimeError`` (``raise``) or
+calls ``sys.exit(3)`` (``exit3``); or it calls ``transport.abort()`` (``abort``) or ``comm.close()``
+(``close``), prints ``ABORTED``/``CLOSED`` and stays alive until its stdin is closed, so that only
+what ``abort``/``close`` did can tell the other task. ``worker:1`` waits in ``recv`` for a message
 ``worker:0`` never sends: it prints ``LOST <task> after <seconds> s: <message>`` on
 ``PeerLostError``, or ``OTHER ...`` on anything else, and then also ends without closing.
 (Run by tests/test_grpc_exit.py.)
@@ -32,6 +34,13 @@ if comm.task == ending:
         raise RuntimeError("the user's script failed")
     if mode == "exit3":
         sys.exit(3)
+    if mode in ("abort", "close"):
+        if mode == "abort":
+            comm.transport.abort()
+        else:
+            comm.close()
+        print(f"{mode.upper().rstrip('E')}ED {comm.task}", flush=True)
+        sys.stdin.read()  # alive, with its process's sockets, until the test lets it go
     print(f"END {comm.task}", flush=True)
 else:
     started = time.monotonic()

@@ -137,6 +137,7 @@ from .grpc_threads import DaemonExecutor, close_in_background
 log = logging.getLogger(__name__)
 
 _LOSS_GRACE = 0.2          # seconds between a broken outgoing stream and declaring the peer lost
+_BUSY_RETRY = 0.05         # first pause before opening a stream again when the acceptor had no room
 
 
 class GrpcTransport(Acceptor, Transport):
@@ -155,8 +156,11 @@ class GrpcTransport(Acceptor, Transport):
         handshake_timeout: seconds an incoming stream may take to complete its handshake.
         linger: seconds ``close()`` waits for queued frames to be delivered (1 by default, as the
             zmq transport): ``close()`` returns within about that, whatever the peers do.
-        max_workers: threads of the gRPC server (each incoming stream holds one); default the
-            cluster size plus 8.
+        max_workers: incoming streams served at once after their handshake (each holds a thread of
+            the server); default the cluster size plus 8. Streams still in their handshake have a
+            budget of the same size of their own: when it is full, the oldest is cut off to make
+            room (its owner, if a task, tries again), so connections that never complete a
+            handshake cannot keep the cluster's tasks out.
     """
 
     name = "grpc"
@@ -193,13 +197,15 @@ class GrpcTransport(Acceptor, Transport):
         self._peers: dict[TaskId, Outgoing] = {}
         self._incoming: dict[TaskId, Incoming] = {}
         self._streams: set[Incoming] = set()
+        self._handshaking: dict[Incoming, None] = {}  # streams in their handshake, oldest first
         self._epochs: dict[TaskId, int] = {}
         self._stats_lock = threading.Lock()
         self._server: grpc.Server | None = None
         self._closed = False
         self.address: str | None = None
-        #: Counters a test or an operator can read: frames and streams refused, data frames received.
-        self.stats = {"rejected_frames": 0, "data_frames": 0}
+        #: Counters a test or an operator can read: frames and streams refused, streams cut off in their
+        #: handshake to make room for newer ones, data frames received.
+        self.stats = {"rejected_frames": 0, "cut_off_handshakes": 0, "data_frames": 0}
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -212,7 +218,7 @@ class GrpcTransport(Acceptor, Transport):
         })
         pool = DaemonExecutor(f"stratagem-grpc-{self.task.short}")  # never holds the interpreter at exit
         server = grpc.server(pool, handlers=[handler], options=server_options(self.peer_timeout),
-                             maximum_concurrent_rpcs=self._max_workers)
+                             maximum_concurrent_rpcs=2 * self._max_workers)  # served + handshaking
         endpoint = ports.format_address(self._bind_host, self._port)
         try:
             if self._tls is None:
@@ -293,15 +299,23 @@ class GrpcTransport(Acceptor, Transport):
         if dst is None:
             return COMPLETED
         timeout = self._timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = _BUSY_RETRY
         while True:
             peer = self._ensure_peer(dst)
-            if not peer.ready.wait(timeout):
+            if not peer.ready.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
                 raise TransportTimeout(
                     f"{self.task}: no handshake with {dst} at {peer.address} within {timeout:g} s (is it "
                     f"running, and do all tasks share the same STRATAGEM_SECRET and TLS settings?)"
                 )
             if peer.error is None:
                 break
+            if peer.busy and (deadline is None or time.monotonic() + pause < deadline):
+                # The acceptor had no room for our stream (too many connections in their handshake):
+                # a new stream, a little later, within the send's timeout.
+                time.sleep(pause)
+                pause = min(2 * pause, 1.0)
+                continue
             if not self._drop_refused(peer):
                 raise fresh(peer.error)
         parts = wire.encode(Kind.DATA, tag, msg.meta, msg.buffers, self.limits)
@@ -422,6 +436,9 @@ class GrpcTransport(Acceptor, Transport):
                 reassembler.feed(message, lambda frame: self._on_response(peer, frame))
         except grpc.RpcError as exc:
             how = f"{exc.code().name}: {exc.details()}" if hasattr(exc, "code") else str(exc)
+            # Before WELCOME, RESOURCE_EXHAUSTED means no room for the stream (gRPC's call limit, or
+            # the acceptor cut off its oldest handshake): worth another try.
+            peer.busy = not peer.welcomed and getattr(exc, "code", lambda: None)() == grpc.StatusCode.RESOURCE_EXHAUSTED
         except ProtocolError as exc:
             log.warning("%s: %s sent a malformed control frame: %s", self.task, peer.task, exc)
             peer.fail(ProtocolError(f"{peer.task} sent a malformed control frame: {exc}"))
