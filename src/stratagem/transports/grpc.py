@@ -24,7 +24,10 @@ WELCOME. Until then the acceptor accepts nothing but the next handshake frame, u
 limits, and refuses a stream that has not completed it within ``handshake_timeout``. A peer that
 fails the handshake, or a malformed, oversized or unexpected frame, gets a REJECT with the reason
 and its stream is ended with an error status; the reason is logged, and the server goes on serving
-every other stream.
+every other stream. Streams in their handshake have a budget of their own (``max_workers``): a new
+stream that finds it full cuts off the oldest unfinished handshake (RESOURCE_EXHAUSTED), so idle
+or flooding connections cannot hold the server's call slots; a task whose stream is refused that
+way, or by gRPC's own call limit, opens another within its send timeout.
 
 **Sending.** A message whose frame fits in one chunk is copied into it at once (``send`` returns
 immediately; queued small frames are coalesced into one gRPC message). A larger one is cut into
@@ -37,9 +40,9 @@ made, after which the arrays may be reused, and ``send`` waits for it.
 :class:`~stratagem.core.mailbox.Mailbox`; ``recv`` waits on the mailbox. (The zmq transport lets a
 waiting ``recv`` read its socket itself; here gRPC's own threads read the connection, so there is no
 socket to pump, and the reader thread is where the bytes arrive anyway.) Received arrays are owned
-by the receiver and writable, as with zmq: each buffer is allocated once its description has been
-checked and filled from the messages (a buffer that spans several messages has to be made
-contiguous anyway).
+by the receiver and writable, as with zmq: each buffer is filled from the messages (a buffer that
+spans several messages has to be made contiguous anyway), its memory taken as its bytes arrive,
+never on the word of a header (see :mod:`~stratagem.transports.grpc_framing`).
 
 **Copies.** gRPC's Python API moves ``bytes`` only, so on top of the kernel's copies a byte costs
 one copy of ours when sent (into the message) and one when received (into its array), plus gRPC's
@@ -73,8 +76,11 @@ streams at once. A broken incoming stream marks its peer lost at once (everythin
 came on that stream, in order, and has been filed); a broken outgoing stream marks it lost after a
 short grace, and only once its incoming stream (if any) has ended too, so data already received is
 kept. ``recv(src)`` opens a stream to ``src`` (as zmq connects to it), so a source that never sent
-us anything is watched too. A clean ``close()`` sends GOODBYE both ways and waits (``linger``) until
-each peer has read everything.
+us anything is watched too. A clean ``close()`` sends GOODBYE both ways and waits (``linger``, 1 s)
+until each peer has read everything; ``abort()`` cancels every stream at once. Both return within
+about that whatever the peers do, and leave no thread in the server's method. The server runs its
+calls on daemon threads, so a script that ends without closing its transport still exits, and its
+peers see its connections drop (see :mod:`~stratagem.transports.grpc_threads`).
 
 **TLS.** Give ``tls_cert`` and ``tls_key`` (PEM files: this task's certificate, used by its server
 and, when a server asks for one, as its client certificate) and ``tls_ca`` (the CA that signed the
@@ -82,7 +88,8 @@ peers' certificates); ``tls_client_auth=True`` makes the server require and veri
 certificate (mutual TLS). Without them the transport speaks plain-text HTTP/2.
 
 Helpers live beside this module: ``grpc_config`` (options, TLS files, bind address),
-``grpc_framing`` (chunking and reassembly; no grpc import) and ``grpc_streams`` (per-stream state).
+``grpc_framing`` (chunking and reassembly; no grpc import), ``grpc_streams`` (per-stream state) and
+``grpc_threads`` (the server's daemon threads, closing channels without waiting).
 
     >>> import numpy as np
     >>> from stratagem.core.cluster import ClusterSpec

@@ -8,7 +8,10 @@ Each incoming stream gets a reader thread that consumes the requests (under the 
 limits until the peer is accepted), while the gRPC server thread that runs the method only sends
 the responses the reader queues (CHALLENGE, WELCOME, REJECT, GOODBYE). A refused stream gets a
 REJECT with the reason and then an error status (UNAUTHENTICATED for handshake and secret failures,
-INVALID_ARGUMENT for malformed or oversized frames); the reason is logged.
+INVALID_ARGUMENT for malformed or oversized frames); the reason is logged. Streams still in their
+handshake have a budget of ``max_workers``: a new one that finds it full cuts off the oldest
+(RESOURCE_EXHAUSTED, which a task's transport answers by trying again), so connections that never
+complete a handshake cannot hold the server's call slots.
 """
 
 from __future__ import annotations
