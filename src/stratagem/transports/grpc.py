@@ -196,6 +196,8 @@ class GrpcTransport(Acceptor, Transport):
         self._handshake_timeout = float(handshake_timeout)
         self._linger = float(linger)
         self._max_workers = int(max_workers or len(self.cluster) + 8)
+        if self._max_workers < 1:
+            raise ConfigurationError(f"max_workers must be at least 1 (streams served at once), got {max_workers}")
         self._tls = load_tls(tls_cert, tls_key, tls_ca, bool(tls_client_auth))
         self._tls_server_name = tls_server_name
         self._cluster_id = self.cluster.cluster_id

@@ -56,7 +56,7 @@ HEAD_ROOM = 16 << 10
 CONTROL_LIMITS = Limits(max_envelope_bytes=64 << 10, max_payload_bytes=0, max_buffers=0)
 #: Buffers up to this size are allocated whole when their first byte arrives; larger ones grow as
 #: their bytes arrive (see the module docstring).
-WHOLE_BYTES = 16 << 20
+WHOLE_BYTES = 32 << 20
 
 
 def chunks(parts: Sequence, chunk_bytes: int, head_room: int = HEAD_ROOM) -> Iterator[bytes]:
