@@ -447,7 +447,8 @@ class GrpcTransport(Acceptor, Transport):
             how = f"{exc.code().name}: {exc.details()}" if hasattr(exc, "code") else str(exc)
             # Before WELCOME, RESOURCE_EXHAUSTED means no room for the stream (gRPC's call limit, or
             # the acceptor cut off its oldest handshake): worth another try.
-            peer.busy = not peer.welcomed and getattr(exc, "code", lambda: None)() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            code = exc.code() if hasattr(exc, "code") else None
+            peer.busy = not peer.welcomed and code == grpc.StatusCode.RESOURCE_EXHAUSTED
         except ProtocolError as exc:
             log.warning("%s: %s sent a malformed control frame: %s", self.task, peer.task, exc)
             peer.fail(ProtocolError(f"{peer.task} sent a malformed control frame: {exc}"))
