@@ -189,6 +189,8 @@ def test_options_are_checked(tmp_path):
         GrpcTransport(cluster, "worker:0", tls_cert=str(tmp_path / "c.pem"), tls_key=str(tmp_path / "k.pem"))
     with pytest.raises(ConfigurationError, match="needs tls_ca"):
         GrpcTransport(cluster, "worker:0", tls_cert="c", tls_key="k", tls_client_auth=True)
+    with pytest.raises(ConfigurationError, match="max_workers must be at least 1"):
+        GrpcTransport(cluster, "worker:0", max_workers=-1)
 
 
 def test_bind_conflict_is_a_clear_error():

@@ -24,7 +24,10 @@ WELCOME. Until then the acceptor accepts nothing but the next handshake frame, u
 limits, and refuses a stream that has not completed it within ``handshake_timeout``. A peer that
 fails the handshake, or a malformed, oversized or unexpected frame, gets a REJECT with the reason
 and its stream is ended with an error status; the reason is logged, and the server goes on serving
-every other stream.
+every other stream. Streams in their handshake have a budget of their own (``max_workers``): a new
+stream that finds it full cuts off the oldest unfinished handshake (RESOURCE_EXHAUSTED), so idle
+or flooding connections cannot hold the server's call slots; a task whose stream is refused that
+way, or by gRPC's own call limit, opens another within its send timeout.
 
 **Sending.** A message whose frame fits in one chunk is copied into it at once (``send`` returns
 immediately; queued small frames are coalesced into one gRPC message). A larger one is cut into
@@ -37,9 +40,9 @@ made, after which the arrays may be reused, and ``send`` waits for it.
 :class:`~stratagem.core.mailbox.Mailbox`; ``recv`` waits on the mailbox. (The zmq transport lets a
 waiting ``recv`` read its socket itself; here gRPC's own threads read the connection, so there is no
 socket to pump, and the reader thread is where the bytes arrive anyway.) Received arrays are owned
-by the receiver and writable, as with zmq: each buffer is allocated once its description has been
-checked and filled from the messages (a buffer that spans several messages has to be made
-contiguous anyway).
+by the receiver and writable, as with zmq: each buffer is filled from the messages (a buffer that
+spans several messages has to be made contiguous anyway), its memory taken as its bytes arrive,
+never on the word of a header (see :mod:`~stratagem.transports.grpc_framing`).
 
 **Copies.** gRPC's Python API moves ``bytes`` only, so on top of the kernel's copies a byte costs
 one copy of ours when sent (into the message) and one when received (into its array), plus gRPC's
@@ -73,8 +76,11 @@ streams at once. A broken incoming stream marks its peer lost at once (everythin
 came on that stream, in order, and has been filed); a broken outgoing stream marks it lost after a
 short grace, and only once its incoming stream (if any) has ended too, so data already received is
 kept. ``recv(src)`` opens a stream to ``src`` (as zmq connects to it), so a source that never sent
-us anything is watched too. A clean ``close()`` sends GOODBYE both ways and waits (``linger``) until
-each peer has read everything.
+us anything is watched too. A clean ``close()`` sends GOODBYE both ways and waits (``linger``, 1 s)
+until each peer has read everything; ``abort()`` cancels every stream at once. Both return within
+about that whatever the peers do, and leave no thread in the server's method. The server runs its
+calls on daemon threads, so a script that ends without closing its transport still exits, and its
+peers see its connections drop (see :mod:`~stratagem.transports.grpc_threads`).
 
 **TLS.** Give ``tls_cert`` and ``tls_key`` (PEM files: this task's certificate, used by its server
 and, when a server asks for one, as its client certificate) and ``tls_ca`` (the CA that signed the
@@ -82,7 +88,8 @@ peers' certificates); ``tls_client_auth=True`` makes the server require and veri
 certificate (mutual TLS). Without them the transport speaks plain-text HTTP/2.
 
 Helpers live beside this module: ``grpc_config`` (options, TLS files, bind address),
-``grpc_framing`` (chunking and reassembly; no grpc import) and ``grpc_streams`` (per-stream state).
+``grpc_framing`` (chunking and reassembly; no grpc import), ``grpc_streams`` (per-stream state) and
+``grpc_threads`` (the server's daemon threads, closing channels without waiting).
 
     >>> import numpy as np
     >>> from stratagem.core.cluster import ClusterSpec
@@ -103,7 +110,6 @@ import logging
 import queue
 import threading
 import time
-from concurrent import futures
 
 import grpc
 
@@ -133,10 +139,12 @@ from .grpc_config import (
 from .grpc_acceptor import Acceptor
 from .grpc_framing import CONTROL_LIMITS, Reassembler, chunks, frame_bytes
 from .grpc_streams import END, Eager, Incoming, LazySend, Outgoing, fresh
+from .grpc_threads import DaemonExecutor, close_in_background
 
 log = logging.getLogger(__name__)
 
 _LOSS_GRACE = 0.2          # seconds between a broken outgoing stream and declaring the peer lost
+_BUSY_RETRY = 0.05         # first pause before opening a stream again when the acceptor had no room
 
 
 class GrpcTransport(Acceptor, Transport):
@@ -153,9 +161,13 @@ class GrpcTransport(Acceptor, Transport):
         tls_server_name: the name the peers' certificates are checked against, instead of the host
             of their cluster address.
         handshake_timeout: seconds an incoming stream may take to complete its handshake.
-        linger: seconds ``close()`` waits for queued frames to be delivered.
-        max_workers: threads of the gRPC server (each incoming stream holds one); default the
-            cluster size plus 8.
+        linger: seconds ``close()`` waits for queued frames to be delivered (1 by default, as the
+            zmq transport): ``close()`` returns within about that, whatever the peers do.
+        max_workers: incoming streams served at once after their handshake (each holds a thread of
+            the server); default the cluster size plus 8. Streams still in their handshake have a
+            budget of the same size of their own: when it is full, the oldest is cut off to make
+            room (its owner, if a task, tries again), so connections that never complete a
+            handshake cannot keep the cluster's tasks out.
     """
 
     name = "grpc"
@@ -163,7 +175,7 @@ class GrpcTransport(Acceptor, Transport):
     def __init__(self, cluster, task, *, bind_host: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None,
                  tls_client_auth: bool = False, tls_server_name: str | None = None,
-                 handshake_timeout: float = 30.0, linger: float = 5.0, max_workers: int | None = None,
+                 handshake_timeout: float = 30.0, linger: float = 1.0, max_workers: int | None = None,
                  **common):
         super().__init__(cluster, task, **common)
         address = self.cluster.address(self.task)
@@ -185,6 +197,8 @@ class GrpcTransport(Acceptor, Transport):
         self._handshake_timeout = float(handshake_timeout)
         self._linger = float(linger)
         self._max_workers = int(max_workers or len(self.cluster) + 8)
+        if self._max_workers < 1:
+            raise ConfigurationError(f"max_workers must be at least 1 (streams served at once), got {max_workers}")
         self._tls = load_tls(tls_cert, tls_key, tls_ca, bool(tls_client_auth))
         self._tls_server_name = tls_server_name
         self._cluster_id = self.cluster.cluster_id
@@ -193,13 +207,15 @@ class GrpcTransport(Acceptor, Transport):
         self._peers: dict[TaskId, Outgoing] = {}
         self._incoming: dict[TaskId, Incoming] = {}
         self._streams: set[Incoming] = set()
+        self._handshaking: dict[Incoming, None] = {}  # streams in their handshake, oldest first
         self._epochs: dict[TaskId, int] = {}
         self._stats_lock = threading.Lock()
         self._server: grpc.Server | None = None
         self._closed = False
         self.address: str | None = None
-        #: Counters a test or an operator can read: frames and streams refused, data frames received.
-        self.stats = {"rejected_frames": 0, "data_frames": 0}
+        #: Counters a test or an operator can read: frames and streams refused, streams cut off in their
+        #: handshake to make room for newer ones, data frames received.
+        self.stats = {"rejected_frames": 0, "cut_off_handshakes": 0, "data_frames": 0}
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -210,10 +226,9 @@ class GrpcTransport(Acceptor, Transport):
         handler = grpc.method_handlers_generic_handler(SERVICE, {
             METHOD: grpc.stream_stream_rpc_method_handler(self._serve_stream),  # raw bytes both ways
         })
-        pool = futures.ThreadPoolExecutor(self._max_workers,
-                                          thread_name_prefix=f"stratagem-grpc-{self.task.short}")
+        pool = DaemonExecutor(f"stratagem-grpc-{self.task.short}")  # never holds the interpreter at exit
         server = grpc.server(pool, handlers=[handler], options=server_options(self.peer_timeout),
-                             maximum_concurrent_rpcs=self._max_workers)
+                             maximum_concurrent_rpcs=2 * self._max_workers)  # served + handshaking
         endpoint = ports.format_address(self._bind_host, self._port)
         try:
             if self._tls is None:
@@ -280,7 +295,7 @@ class GrpcTransport(Acceptor, Transport):
             conn.out.put(None)
         for peer in peers:
             if peer.channel is not None:
-                peer.channel.close()
+                close_in_background(peer.channel, f"stratagem-grpc-{self.task.short}-close-{peer.task.short}")
         self._pool.shutdown(wait=False)
 
     # -- messaging ---------------------------------------------------------------------------------
@@ -294,15 +309,23 @@ class GrpcTransport(Acceptor, Transport):
         if dst is None:
             return COMPLETED
         timeout = self._timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = _BUSY_RETRY
         while True:
             peer = self._ensure_peer(dst)
-            if not peer.ready.wait(timeout):
+            if not peer.ready.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
                 raise TransportTimeout(
                     f"{self.task}: no handshake with {dst} at {peer.address} within {timeout:g} s (is it "
                     f"running, and do all tasks share the same STRATAGEM_SECRET and TLS settings?)"
                 )
             if peer.error is None:
                 break
+            if peer.busy and (deadline is None or time.monotonic() + pause < deadline):
+                # The acceptor had no room for our stream (too many connections in their handshake):
+                # a new stream, a little later, within the send's timeout.
+                time.sleep(pause)
+                pause = min(2 * pause, 1.0)
+                continue
             if not self._drop_refused(peer):
                 raise fresh(peer.error)
         parts = wire.encode(Kind.DATA, tag, msg.meta, msg.buffers, self.limits)
@@ -423,6 +446,10 @@ class GrpcTransport(Acceptor, Transport):
                 reassembler.feed(message, lambda frame: self._on_response(peer, frame))
         except grpc.RpcError as exc:
             how = f"{exc.code().name}: {exc.details()}" if hasattr(exc, "code") else str(exc)
+            # Before WELCOME, RESOURCE_EXHAUSTED means no room for the stream (gRPC's call limit, or
+            # the acceptor cut off its oldest handshake): worth another try.
+            code = exc.code() if hasattr(exc, "code") else None
+            peer.busy = not peer.welcomed and code == grpc.StatusCode.RESOURCE_EXHAUSTED
         except ProtocolError as exc:
             log.warning("%s: %s sent a malformed control frame: %s", self.task, peer.task, exc)
             peer.fail(ProtocolError(f"{peer.task} sent a malformed control frame: {exc}"))
@@ -500,7 +527,7 @@ class GrpcTransport(Acceptor, Transport):
     def _retire(self, peer: Outgoing) -> None:
         peer.cancel()
         if peer.channel is not None:
-            peer.channel.close()
+            close_in_background(peer.channel, f"stratagem-grpc-{self.task.short}-close-{peer.task.short}")
 
     # -- losses ------------------------------------------------------------------------------------
     def _schedule_loss(self, task: TaskId, reason: str, epoch: int, latest: float) -> None:

@@ -8,7 +8,10 @@ Each incoming stream gets a reader thread that consumes the requests (under the 
 limits until the peer is accepted), while the gRPC server thread that runs the method only sends
 the responses the reader queues (CHALLENGE, WELCOME, REJECT, GOODBYE). A refused stream gets a
 REJECT with the reason and then an error status (UNAUTHENTICATED for handshake and secret failures,
-INVALID_ARGUMENT for malformed or oversized frames); the reason is logged.
+INVALID_ARGUMENT for malformed or oversized frames); the reason is logged. Streams still in their
+handshake have a budget of ``max_workers``: a new one that finds it full cuts off the oldest
+(RESOURCE_EXHAUSTED, which a task's transport answers by trying again), so connections that never
+complete a handshake cannot hold the server's call slots.
 """
 
 from __future__ import annotations
@@ -41,6 +44,13 @@ class Acceptor:
             if self._closed:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.task} is shutting down")
             self._streams.add(conn)
+            self._handshaking[conn] = None
+            # The oldest unfinished handshake gives way: a task's own completes in a round trip or
+            # two, so only connections that idle (or flood) are cut off, and a task's is retried.
+            oldest = next(iter(self._handshaking)) if len(self._handshaking) > self._max_workers else None
+        if oldest is not None:
+            self._cut_off(oldest, f"{self._max_workers} connections are waiting for their handshake; "
+                                  f"the oldest gives way")
         context.add_callback(lambda: conn.out.put(None))
         conn.timer = timer = threading.Timer(self._handshake_timeout, self._handshake_expired, args=(conn,))
         timer.daemon = True
@@ -59,6 +69,7 @@ class Acceptor:
             timer.cancel()
             with self._lock:
                 self._streams.discard(conn)
+                self._handshaking.pop(conn, None)
 
     def _handshake_expired(self, conn: Incoming) -> None:
         if not conn.accepted and not conn.ended.is_set():
@@ -148,6 +159,7 @@ class Acceptor:
             conn.epoch = self._epochs[task] = self._epochs.get(task, 0) + 1
             self._incoming[task] = conn
             conn.accepted = True
+            self._handshaking.pop(conn, None)
             conn.timer.cancel()
             was_lost = self._mailbox.is_lost(task) is not None
             self._mailbox.mark_alive(task)
@@ -157,11 +169,28 @@ class Acceptor:
         reassembler.expect((Kind.DATA, Kind.GOODBYE), self.limits)
         conn.out.put(frame_bytes(wire.encode(Kind.WELCOME, "", {"task": self.task.short})))
 
+    def _cut_off(self, conn: Incoming, reason: str) -> None:
+        """End a stream still in its handshake to make room for a newer one. RESOURCE_EXHAUSTED, and no
+        REJECT, tells a task's transport to try again (see ``GrpcTransport.send_async``)."""
+        with self._lock:
+            if conn.refused or conn.accepted or conn not in self._handshaking:
+                return
+            del self._handshaking[conn]
+            conn.refused = True
+        with self._stats_lock:
+            self.stats["cut_off_handshakes"] += 1
+            count = self.stats["cut_off_handshakes"]
+        if count <= 20 or count % _LOG_EVERY == 0:
+            log.warning("%s: cut off %s before its handshake completed: %s", self.task, conn.describe(), reason)
+        conn.out.put(Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, reason))
+
     def _refuse(self, conn: Incoming, reason: str, nonce=None) -> None:
         """Tell the stream's owner why it is refused, end the stream with an error, log the reason."""
         if conn.refused:
             return
         conn.refused = True
+        with self._lock:
+            self._handshaking.pop(conn, None)
         with self._stats_lock:
             self.stats["rejected_frames"] += 1
             count = self.stats["rejected_frames"]

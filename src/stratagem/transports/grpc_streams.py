@@ -65,6 +65,7 @@ class Outgoing:
         self.welcomed = False
         self.authenticating = False
         self.goodbye = False                # the acceptor said it is closing
+        self.busy = False                   # the acceptor had no room for the stream: try a new one
         self.error: Exception | None = None
         self.reported = False               # a pending send has raised ``error`` already
         self.closed = False                 # no more frames are accepted
