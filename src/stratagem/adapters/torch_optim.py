@@ -103,6 +103,11 @@ class DistributedOptimizer:
             )
         self.optimizer = optimizer
         self.strategy = strategy = resolve_strategy(strategy, "DistributedOptimizer")
+        from ..core.ps_strategy import PSStrategyBase   # the parameter-server strategies
+
+        self.on_parameter_servers = isinstance(strategy, PSStrategyBase)
+        if self.on_parameter_servers:
+            self._rule_config = ps_rule_config(optimizer)   # refused before any variable is made
         params = [p for group in optimizer.param_groups for p in group["params"]]
         names = {id(p): name for name, p in (named_parameters or ())}
         if len({id(p) for p in params}) != len(params):
@@ -117,15 +122,11 @@ class DistributedOptimizer:
         if to_wrap:
             wrap_parameters(to_wrap, strategy)
         self._pairs = [(param, variable_of(param)) for _, param in named]
-        from ..core.ps_strategy import PSStrategyBase   # the parameter-server strategies
-
-        self.on_parameter_servers = isinstance(strategy, PSStrategyBase)
         self._rule = None
         self._state = None
         if self.on_parameter_servers:
             from ..core.optimizers import from_config
 
-            self._rule_config = ps_rule_config(optimizer)
             with strategy.scope():
                 self._rule = from_config(self._rule_config)
         else:
