@@ -13,9 +13,11 @@ under the other. In-process tests (a world of one) cover the API's checks and th
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -245,3 +247,22 @@ def test_ps_rule_translation_and_refusals():
     groups = torch.optim.SGD([{"params": params}, {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 1.0}], lr=0.1)
     with pytest.raises(ConfigurationError, match="parameter groups have different settings"):
         st.ps_rule_config(groups)
+
+
+# -- the example, as a user runs it ------------------------------------------------------------------
+
+@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="scikit-learn is not installed (no digits data)")
+def test_example_mlp_torch_prints_the_same_figures_alone_mirrored_and_on_parameter_servers():
+    root = Path(__file__).resolve().parent.parent
+    example = [sys.executable, str(root / "examples" / "mlp_torch.py"), "--epochs", "2", "--log-every", "5"]
+    launcher = [sys.executable, "-m", "stratagem", "launch", "--timeout", "150"]
+    runs = {"alone": example,
+            "mirrored": [*launcher, "--worker", "2", "--", *example],
+            "between_graph": [*launcher, "--ps", "1", "--worker", "2", "--", *example, "--strategy", "between_graph"]}
+    figures = {}
+    for name, command in runs.items():
+        result = subprocess.run(command, capture_output=True, text=True, timeout=200, env=alone_env())
+        assert result.returncode == 0, result.stdout + result.stderr
+        figures[name] = re.findall(r"(?:loss|test accuracy) (\d\.\d+)", result.stdout)
+    assert len(figures["alone"]) == 9 + 2 + 1 and float(figures["alone"][-1]) > 0.9, figures
+    assert figures["mirrored"] == figures["alone"] and figures["between_graph"] == figures["alone"], figures
