@@ -124,3 +124,16 @@ def test_tree_variables_need_a_strategy():
 
     with pytest.raises(ConfigurationError, match="needs a strategy"):
         sj.TreeVariables({"w": jnp.ones(2)})
+
+
+def test_readme_jax_section_runs_as_written(tmp_path):
+    text = (ROOT / "README.md").read_text()
+    after = text[text.index("### JAX"):]
+    start = after.index("```python\n") + len("```python\n")
+    (tmp_path / "train.py").write_text(after[start:after.index("\n```", start)])
+    result = subprocess.run([sys.executable, "-m", "stratagem", "launch", "--worker", "2", "--timeout", "150", "--",
+                             sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=200, env=alone_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    losses = [float(x) for x in re.findall(r"task:\d (\S+)", result.stdout)]
+    assert len(losses) == 2 and max(losses) < 1e-3, result.stdout     # it learned y = 3 x0 + 1

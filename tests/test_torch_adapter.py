@@ -266,3 +266,20 @@ def test_example_mlp_torch_prints_the_same_figures_alone_mirrored_and_on_paramet
         figures[name] = re.findall(r"(?:loss|test accuracy) (\d\.\d+)", result.stdout)
     assert len(figures["alone"]) == 9 + 2 + 1 and float(figures["alone"][-1]) > 0.9, figures
     assert figures["mirrored"] == figures["alone"] and figures["between_graph"] == figures["alone"], figures
+
+
+def readme_block(heading: str) -> str:
+    """The first python code block after ``heading`` in the README."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    after = text[text.index(heading):]
+    return after[after.index("```python\n") + len("```python\n"):after.index("\n```", after.index("```python"))]
+
+
+def test_readme_torch_section_runs_as_written(tmp_path):
+    (tmp_path / "train.py").write_text(readme_block("### PyTorch"))
+    result = subprocess.run([sys.executable, "-m", "stratagem", "launch", "--worker", "2", "--timeout", "150", "--",
+                             sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=200, env=alone_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("/job:worker/task:") == 2
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["ckpt-00000001.npz", "ckpt-00000051.npz", "latest"]
