@@ -283,3 +283,17 @@ def test_readme_torch_section_runs_as_written(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("/job:worker/task:") == 2
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["ckpt-00000001.npz", "ckpt-00000051.npz", "latest"]
+
+
+def test_device_variables_are_viewed_through_dlpack(fake_cupy):
+    """The GPU path's torch side: a variable holding a (fake, numpy-backed) cupy array is seen by torch
+    through DLPack, sharing memory. (Without a CUDA build of torch, cupy.from_dlpack of a CUDA tensor,
+    the other direction, does not run in these tests.)"""
+    from stratagem.adapters.torch_tensors import as_tensor
+    from stratagem.core.variables import Variable, is_device_array
+
+    var = Variable(fake_cupy.zeros(3, dtype=np.float32), name="on_device")
+    assert is_device_array(var.value)
+    tensor = as_tensor(var.value)
+    var.assign(np.array([1.0, 2.0, 3.0], np.float32))          # in place, as the optimizers write
+    assert tensor.tolist() == [1.0, 2.0, 3.0]
