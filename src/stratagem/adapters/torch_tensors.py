@@ -6,7 +6,7 @@ updated in place, so a parameter made a view of a variable's buffer always compu
 value. (The CUDA path is written for the DLPack protocol both libraries implement; it has not run on a
 GPU in this project's tests, which have no CUDA build of torch.)
 
->>> import numpy as np, torch
+>>> import numpy as np
 >>> array = np.zeros(3, np.float32)
 >>> tensor = as_tensor(array)
 >>> array[0] = 7.0
@@ -17,6 +17,8 @@ GPU in this project's tests, which have no CUDA build of torch.)
 from __future__ import annotations
 
 import importlib
+
+import torch
 
 from ..core.variables import is_device_array
 
@@ -31,8 +33,6 @@ def as_array(tensor):
 
 def as_tensor(array):
     """A torch tensor sharing the memory of ``array`` (numpy: on the CPU; cupy: on its GPU)."""
-    import torch
-
     if is_device_array(array):
         return torch.from_dlpack(array)
     return torch.from_numpy(array)
