@@ -297,3 +297,34 @@ def test_device_variables_are_viewed_through_dlpack(fake_cupy):
     tensor = as_tensor(var.value)
     var.assign(np.array([1.0, 2.0, 3.0], np.float32))          # in place, as the optimizers write
     assert tensor.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_parameter_server_strategy_is_refused_with_the_way_to_train_there():
+    """Under parameter_server the coordinator's steps run on the workers: the wrapper cannot follow."""
+    import threading
+
+    import stratagem.torch as st
+    from stratagem.core.cluster import ClusterSpec
+    from stratagem.strategies.parameter_server import ParameterServerStrategy
+    from stratagem.transports.local import LocalFabric
+
+    cluster = ClusterSpec({"chief": ["local:0"], "worker": ["local:1"], "ps": ["local:2"]})
+    fabric = LocalFabric()
+
+    def start(task):
+        return ParameterServerStrategy("local", cluster=cluster, task=task, exit_after_serving=False,
+                                       transport_options={"fabric": fabric, "timeout": 30})
+
+    servers = [threading.Thread(target=start, args=(t,)) for t in ("ps:0", "worker:0")]
+    for t in servers:
+        t.start()
+    coordinator = start("chief:0")
+    try:
+        module = torch.nn.Linear(2, 1)
+        with pytest.raises(ConfigurationError, match="pass the Variables and a stratagem optimizer"):
+            st.DistributedOptimizer(torch.optim.Adam(module.parameters()), strategy=coordinator)
+    finally:
+        coordinator.shutdown()
+        for t in servers:
+            t.join(30)
+    assert not any(t.is_alive() for t in servers)

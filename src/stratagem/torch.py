@@ -8,8 +8,10 @@ Importing this module imports torch (``import stratagem`` does not). The parts:
   the module always computes with the strategy's current values and nothing is copied per step.
 - :class:`DistributedOptimizer` wraps any ``torch.optim`` optimizer. Under ``mirrored`` its ``step()``
   all-reduces the gradients (weighted by each replica's share of the batch) and runs the torch
-  optimizer's own rule, so Adam is torch's Adam; under ``between_graph`` / ``parameter_server`` the
-  rule runs on the ps tasks, translated to torch's exact equations (SGD, Adam, AdamW, Adagrad).
+  optimizer's own rule, so Adam is torch's Adam; under ``between_graph`` the rule runs on the ps
+  tasks, translated to torch's exact equations (SGD, Adam, AdamW, Adagrad). (Under
+  ``parameter_server`` the coordinator's steps run on the workers: it is refused, with the way to
+  train there: the Variables and ``stratagem.optimizers.TorchAdam`` & co. passed to the step.)
 - :func:`broadcast_parameters` copies one replica's tensors (a module's ``state_dict``, buffers
   included) into every other replica's, in place.
 - Checkpoints: ``strategy.save(dir)`` / ``strategy.restore(dir)`` keep the parameters and the torch

@@ -7,7 +7,7 @@ share of the global batch), writes them back into ``param.grad`` and calls the t
 makes on the whole batch. The parameters are views of the strategy's variables, so the update lands
 in them.
 
-Under ``between_graph`` and ``parameter_server`` the update runs on the ps tasks, which have no torch:
+Under ``between_graph`` the update runs on the ps tasks, which have no torch:
 the torch optimizer is translated into the stratagem rule with torch's exact equations
 (:mod:`stratagem.core.optimizers_torch`) — ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight
 decay, maximize), ``Adam`` and ``AdamW`` (weight decay, amsgrad, maximize) and ``Adagrad`` (lr decay,
@@ -39,8 +39,8 @@ def ps_rule_config(optimizer) -> dict[str, Any]:
     kind = supported.get(cls)
     if kind is None:
         raise ConfigurationError(
-            f"{cls.__module__}.{cls.__name__} cannot run on the ps tasks: under between_graph and "
-            f"parameter_server the update runs there, and stratagem has torch's exact rules for "
+            f"{cls.__module__}.{cls.__name__} cannot run on the ps tasks: under between_graph the "
+            f"update runs there, and stratagem has torch's exact rules for "
             f"torch.optim.SGD, Adam, AdamW and Adagrad only. Use one of those, or the 'mirrored' strategy "
             f"(where any torch optimizer runs as it is)"
         )
@@ -103,6 +103,16 @@ class DistributedOptimizer:
             )
         self.optimizer = optimizer
         self.strategy = strategy = resolve_strategy(strategy, "DistributedOptimizer")
+        if strategy.name == "parameter_server":
+            # The coordinator schedules step functions onto workers, and what they take travels by
+            # reference (the strategy's variables and optimizer) or by value (arrays): a torch module
+            # and this wrapper cannot follow them there.
+            raise ConfigurationError(
+                "DistributedOptimizer runs where the training loop runs: under 'mirrored' and "
+                "'between_graph'. Under 'parameter_server' the coordinator's steps run on the workers: "
+                "pass the Variables and a stratagem optimizer to the step (stratagem.optimizers.TorchAdam, "
+                "TorchSGD, TorchAdagrad are torch's rules) and view them there with torch.from_numpy"
+            )
         from ..core.ps_strategy import PSStrategyBase   # the parameter-server strategies
 
         self.on_parameter_servers = isinstance(strategy, PSStrategyBase)
