@@ -55,7 +55,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """The names of ``_LAZY`` and ``stratagem.optimizers``, imported at first use (keeps the import light)."""
+    """The names of ``_LAZY``, ``stratagem.optimizers`` and the adapters ``stratagem.torch`` and
+    ``stratagem.jax``, imported at first use (keeps the import light: no torch or jax until then)."""
     import importlib
 
     if name in _LAZY:
@@ -63,8 +64,8 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f"{__name__}.{module}"), attribute)
         globals()[name] = value
         return value
-    if name == "optimizers":
-        return importlib.import_module(f"{__name__}.optimizers")  # importing sets the attribute
+    if name in ("optimizers", "torch", "jax"):   # torch / jax: the adapters, which import those frameworks
+        return importlib.import_module(f"{__name__}.{name}")  # importing sets the attribute
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

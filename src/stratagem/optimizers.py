@@ -1,4 +1,5 @@
-"""The optimizers: ``stratagem.optimizers.SGD``, ``Adam``, ``Adagrad`` (Keras/TF update rules).
+"""The optimizers: ``stratagem.optimizers.SGD``, ``Adam``, ``Adagrad`` (Keras/TF update rules), and
+``TorchSGD``, ``TorchAdam``, ``TorchAdagrad`` (``torch.optim``'s rules, without torch).
 
 Create them inside ``strategy.scope()`` so that ``apply_gradients`` synchronises the replicas; see
 :mod:`stratagem.core.optimizers` for the update rules and :mod:`stratagem.core.optimizer_base` for
@@ -14,6 +15,6 @@ array([0.9, 0.9], dtype=float32)
 SGD(learning_rate=0.1, momentum=0.0, nesterov=False)
 """
 
-from .core.optimizers import SGD, Adagrad, Adam, Optimizer, from_config
+from .core.optimizers import SGD, Adagrad, Adam, Optimizer, TorchAdagrad, TorchAdam, TorchSGD, from_config
 
-__all__ = ["SGD", "Adam", "Adagrad", "Optimizer", "from_config"]
+__all__ = ["SGD", "Adam", "Adagrad", "TorchSGD", "TorchAdam", "TorchAdagrad", "Optimizer", "from_config"]

@@ -29,7 +29,9 @@ The update rules (``t`` is ``iterations`` after the increment, i.e. 1 at the fir
   ``sqrt(acc + epsilon)``, a difference of order epsilon).
 
 The base class (checks, slots, precision, chunked and out-of-place updates, ``from_config``) is
-:mod:`stratagem.core.optimizer_base`; its public names are importable from here too.
+:mod:`stratagem.core.optimizer_base`; its public names are importable from here too. PyTorch's own
+rules (``TorchSGD``, ``TorchAdam``, ``TorchAdagrad``: :mod:`stratagem.core.optimizers_torch`) are
+importable from here as well, so that ``from_config`` finds them on every task.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from .errors import ConfigurationError
 from .optimizer_base import Optimizer, _hyper, _rule_of, compute_dtype, from_config
 from .optimizer_chunks import scratch
 
-__all__ = ["Optimizer", "SGD", "Adam", "Adagrad", "from_config", "compute_dtype"]
+__all__ = ["Optimizer", "SGD", "Adam", "Adagrad", "TorchSGD", "TorchAdam", "TorchAdagrad", "from_config",
+           "compute_dtype"]
 
 
 def _own_rule(optimizer, cls) -> bool:
@@ -223,3 +226,7 @@ class Adagrad(Optimizer):
         xp.multiply(g, self.learning_rate, out=step)
         step /= tmp
         xp.subtract(src, step, out=w)                         # w -= lr * g / (sqrt(acc) + epsilon)
+
+
+# torch.optim's rules, defined beside these so that from_config (which imports this module) finds them.
+from .optimizers_torch import TorchAdagrad, TorchAdam, TorchSGD  # noqa: E402

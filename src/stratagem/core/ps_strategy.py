@@ -459,6 +459,14 @@ class PSStrategyBase(Strategy):
         optimizer.iterations = self._global_step
         return self.last_push
 
+    def reduce_gradients(self, grads_and_vars) -> list:
+        """Refused: on parameter servers the gradients are reduced and applied on the ps tasks."""
+        raise ConfigurationError(
+            f"under {self.name!r} the gradients are reduced and applied on the ps tasks: push them with "
+            f"optimizer.apply_gradients (stratagem.torch.DistributedOptimizer translates a torch "
+            f"optimizer into the rule the ps tasks run)"
+        )
+
     def _push_weight(self) -> float:
         return 1.0 if self._batch_share is None else float(self._batch_share)
 

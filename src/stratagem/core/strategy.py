@@ -324,6 +324,40 @@ class Strategy(Checkpointing):
                 f"checkpoints the chief writes. Train on 'chief' and 'worker' tasks"
             )
 
+    def reduce_gradients(self, grads_and_vars) -> list:
+        """The replicas' gradients, reduced as ``apply_gradients`` would reduce them, but not applied.
+
+        ``grads_and_vars`` is a list of ``(gradient, Variable)`` pairs (numpy or cupy gradients of the
+        variables' shapes). Returns the reduced gradients, in order, for an update rule that runs
+        outside stratagem (``stratagem.torch.DistributedOptimizer`` hands them to a ``torch.optim``
+        optimizer); the call counts as a step for ``save``. Every replica must call it with gradients
+        for the same variables. The returned arrays may be views into buffers reused by the next call.
+
+        The base (a strategy that applies gradients locally) and a world of one return them as they are;
+        ``mirrored`` returns their weighted mean over the replicas. Strategies that reduce gradients
+        elsewhere (on parameter servers) refuse it.
+
+        >>> from stratagem.core.cluster import ClusterSpec
+        >>> from stratagem.core.variables import Variable
+        >>> from stratagem.transports.local import LocalFabric
+        >>> with Strategy("local", cluster=ClusterSpec({"worker": ["local:0"]}), task="worker:0",
+        ...               transport_options={"fabric": LocalFabric()}) as strategy:
+        ...     with strategy.scope():
+        ...         w = Variable(np.zeros(2), name="w")
+        ...     strategy.reduce_gradients([(np.ones(2), w)])
+        [array([1., 1.])]
+        """
+        self._check_open()
+        self._check_trains()
+        pairs = list(grads_and_vars)
+        if self.num_replicas_in_sync > 1:
+            raise ConfigurationError(
+                f"strategy {self.name!r} does not reduce gradients apart from applying them; use "
+                f"optimizer.apply_gradients (or the 'mirrored' strategy)"
+            )
+        self._step += 1
+        return [grad for grad, _ in pairs]
+
     def distribute_dataset(self, dataset: Iterable) -> Iterator:
         """Yield this replica's shard of every global batch of ``dataset``.
 

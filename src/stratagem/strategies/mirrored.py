@@ -159,6 +159,25 @@ class MirroredStrategy(Strategy):
         self._step += 1
         return result
 
+    def reduce_gradients(self, grads_and_vars) -> list:
+        """The gradients' weighted mean over the replicas (each weighted by its share of the global
+        batch, as in ``apply_gradients``), without applying them: the same buckets and all-reduce, for
+        an update rule that runs outside stratagem (a ``torch.optim`` optimizer). Returns the averaged
+        gradients in order, as views into the buckets (valid until the next call); counts as a step.
+        See ``Strategy.reduce_gradients``."""
+        self._check_open()
+        pairs = list(grads_and_vars)
+        for index, (grad, var) in enumerate(pairs):
+            if grad is None or var.strategy is not self:
+                raise ConfigurationError(
+                    f"reduce_gradients() item {index}: pass (gradient, Variable) pairs of variables created "
+                    f"in this strategy's scope(), without None gradients"
+                )
+        if self.num_replicas_in_sync > 1 and pairs:
+            pairs = self._average(pairs)
+        self._step += 1
+        return [grad for grad, _ in pairs]
+
     def _average(self, pairs: list) -> list:
         """``pairs`` with every gradient replaced by its weighted mean over the replicas."""
         grads = [_as_array(grad, var) for grad, var in pairs]

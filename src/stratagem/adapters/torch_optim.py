@@ -1,0 +1,202 @@
+"""``DistributedOptimizer``: any ``torch.optim`` optimizer, its gradients reduced by the strategy.
+
+Under ``mirrored`` (and a world of one), ``step()`` all-reduces the parameters' gradients through the
+strategy (``strategy.reduce_gradients``: the weighted mean over the replicas, each weighted by its
+share of the global batch), writes them back into ``param.grad`` and calls the torch optimizer's own
+``step()``: every ``torch.optim`` rule works, unchanged, and N replicas make the update one process
+makes on the whole batch. The parameters are views of the strategy's variables, so the update lands
+in them.
+
+Under ``between_graph`` the update runs on the ps tasks, which have no torch:
+the torch optimizer is translated into the stratagem rule with torch's exact equations
+(:mod:`stratagem.core.optimizers_torch`) — ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight
+decay, maximize), ``Adam`` and ``AdamW`` (weight decay, amsgrad, maximize) and ``Adagrad`` (lr decay,
+weight decay, initial accumulator) — and ``step()`` pushes the gradients; the new values come back
+into the parameters' buffers. Other optimizers are refused there with the list of supported ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.errors import ConfigurationError
+from .torch_params import resolve_strategy, variable_of, wrap_parameters
+from .torch_state import TorchOptimizerState
+from .torch_tensors import as_array, as_tensor
+
+#: What runs on the ps tasks: torch optimizer class name -> the rule's name.
+PS_RULES = {"SGD": "TorchSGD", "Adam": "TorchAdam", "AdamW": "TorchAdam", "Adagrad": "TorchAdagrad"}
+
+
+def ps_rule_config(optimizer) -> dict[str, Any]:
+    """The ``get_config()`` of the stratagem rule equal to ``optimizer`` (a ``torch.optim`` optimizer),
+    or a ``ConfigurationError`` naming the supported optimizers and settings."""
+    import torch
+
+    cls = type(optimizer)
+    supported = {torch.optim.SGD: "SGD", torch.optim.Adam: "Adam", torch.optim.AdamW: "AdamW",
+                 torch.optim.Adagrad: "Adagrad"}
+    kind = supported.get(cls)
+    if kind is None:
+        raise ConfigurationError(
+            f"{cls.__module__}.{cls.__name__} cannot run on the ps tasks: under between_graph the "
+            f"update runs there, and stratagem has torch's exact rules for "
+            f"torch.optim.SGD, Adam, AdamW and Adagrad only. Use one of those, or the 'mirrored' strategy "
+            f"(where any torch optimizer runs as it is)"
+        )
+    configs = [_group_config(kind, group) for group in optimizer.param_groups]
+    if any(config != configs[0] for config in configs[1:]):
+        raise ConfigurationError(
+            f"the {kind} optimizer's parameter groups have different settings ({configs}); on the ps tasks "
+            f"one rule updates every parameter: use one group (or the 'mirrored' strategy)"
+        )
+    return configs[0]
+
+
+def _group_config(kind: str, group: dict) -> dict[str, Any]:
+    def number(key):
+        value = group[key]
+        return float(value.item() if hasattr(value, "item") else value)
+
+    if group.get("differentiable"):
+        raise ConfigurationError(f"{kind}(differentiable=True) cannot run on the ps tasks")
+    if kind == "SGD":
+        return {"name": "TorchSGD", "learning_rate": number("lr"), "momentum": number("momentum"),
+                "dampening": number("dampening"), "weight_decay": number("weight_decay"),
+                "nesterov": bool(group["nesterov"]), "maximize": bool(group.get("maximize", False))}
+    if kind in ("Adam", "AdamW"):
+        beta_1, beta_2 = (float(b.item() if hasattr(b, "item") else b) for b in group["betas"])
+        return {"name": "TorchAdam", "learning_rate": number("lr"), "beta_1": beta_1, "beta_2": beta_2,
+                "epsilon": number("eps"), "weight_decay": number("weight_decay"), "amsgrad": bool(group["amsgrad"]),
+                "decoupled_weight_decay": bool(group.get("decoupled_weight_decay", kind == "AdamW")),
+                "maximize": bool(group.get("maximize", False))}
+    return {"name": "TorchAdagrad", "learning_rate": number("lr"), "lr_decay": number("lr_decay"),
+            "weight_decay": number("weight_decay"), "initial_accumulator_value": number("initial_accumulator_value"),
+            "epsilon": number("eps"), "maximize": bool(group.get("maximize", False))}
+
+
+class DistributedOptimizer:
+    """Wrap a ``torch.optim`` optimizer so that ``step()`` synchronises the replicas (see the module doc).
+
+    Args:
+        optimizer: any ``torch.optim`` optimizer (under parameter servers: SGD, Adam, AdamW, Adagrad).
+        named_parameters: ``module.named_parameters()`` (Horovod's argument): names the parameters, and
+            so the variables and checkpoint entries. Parameters already wrapped by
+            :func:`~stratagem.adapters.torch_params.wrap_module` keep their variables; others are
+            wrapped here. Without it, parameters must have been wrapped, or get positional names
+            (``param.0``, ... in ``param_groups`` order).
+        strategy: the strategy (default: the one whose ``scope()`` is active).
+
+    Use it as the torch optimizer: ``loss.backward(); opt.step(); opt.zero_grad()``. Every replica
+    calls ``step()`` with gradients for the same parameters. Other attributes (``param_groups``,
+    ``state``, ``state_dict()``...) are the torch optimizer's. Checkpoints: ``strategy.save(dir)`` /
+    ``strategy.restore(dir)`` keep the parameters and this optimizer's state (see
+    :mod:`stratagem.adapters.torch_state`).
+    """
+
+    def __init__(self, optimizer, named_parameters=None, *, strategy=None):
+        import torch
+
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigurationError(
+                f"DistributedOptimizer wraps a torch.optim optimizer, not {type(optimizer).__name__}"
+            )
+        self.optimizer = optimizer
+        self.strategy = strategy = resolve_strategy(strategy, "DistributedOptimizer")
+        if strategy.name == "parameter_server":
+            # The coordinator schedules step functions onto workers, and what they take travels by
+            # reference (the strategy's variables and optimizer) or by value (arrays): a torch module
+            # and this wrapper cannot follow them there.
+            raise ConfigurationError(
+                "DistributedOptimizer runs where the training loop runs: under 'mirrored' and "
+                "'between_graph'. Under 'parameter_server' the coordinator's steps run on the workers: "
+                "pass the Variables and a stratagem optimizer to the step (stratagem.optimizers.TorchAdam, "
+                "TorchSGD, TorchAdagrad are torch's rules) and view them there with torch.from_numpy"
+            )
+        from ..core.ps_strategy import PSStrategyBase   # the parameter-server strategies
+
+        self.on_parameter_servers = isinstance(strategy, PSStrategyBase)
+        if self.on_parameter_servers:
+            self._rule_config = ps_rule_config(optimizer)   # refused before any variable is made
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        names = {id(p): name for name, p in (named_parameters or ())}
+        if len({id(p) for p in params}) != len(params):
+            raise ConfigurationError("a parameter appears twice in the optimizer's param_groups")
+        to_wrap, named = [], []
+        for index, param in enumerate(params):
+            var = variable_of(param)
+            name = var.name if var is not None else names.get(id(param), f"param.{index}")
+            named.append((name, param))
+            if var is None:
+                to_wrap.append((name, param))
+        if to_wrap:
+            wrap_parameters(to_wrap, strategy)
+        self._pairs = [(param, variable_of(param)) for _, param in named]
+        self._rule = None
+        self._state = None
+        if self.on_parameter_servers:
+            from ..core.optimizers import from_config
+
+            with strategy.scope():
+                self._rule = from_config(self._rule_config)
+        else:
+            self._state = TorchOptimizerState(optimizer, named)
+            strategy._register_optimizer(self._state)   # strategy.save/restore keep its state
+
+    @property
+    def variables(self) -> dict:
+        """``{name: Variable}`` of the parameters this optimizer updates."""
+        return {var.name: var for _, var in self._pairs}
+
+    def step(self, closure=None):
+        """Reduce the gradients through the strategy and update the parameters (see the class doc).
+        ``closure`` (re-evaluates the model, returns the loss) is called first, as in torch."""
+        import torch
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        present = [(param, var) for param, var in self._pairs if param.grad is not None]
+        if not present:
+            raise ConfigurationError("DistributedOptimizer.step(): no parameter has a gradient; call "
+                                     "loss.backward() first")
+        for param, var in present:
+            if param.grad.is_sparse:
+                raise ConfigurationError(f"parameter {var.name!r} has a sparse gradient; stratagem.torch "
+                                         f"reduces dense gradients only (use a dense embedding)")
+        if self.on_parameter_servers:
+            self._push(present)
+        else:
+            reduced = self.strategy.reduce_gradients([(as_array(param.grad), var) for param, var in present])
+            with torch.no_grad():
+                for (param, _), grad in zip(present, reduced):
+                    param.grad.copy_(as_tensor(grad))
+            self.optimizer.step()
+            self._state.iterations += 1
+        return loss
+
+    def _push(self, present) -> None:
+        config = ps_rule_config(self.optimizer)
+        if config != self._rule_config:
+            raise ConfigurationError(
+                f"the torch optimizer's settings changed ({self._rule_config} -> {config}); under "
+                f"{self.strategy.name!r} the ps tasks run the settings first sent (no learning-rate schedules)"
+            )
+        self._rule.apply_gradients([(as_array(param.grad), var) for param, var in present])
+        for _, var in self._pairs:
+            var.value   # noqa: B018 - a read refreshes this task's copy (the parameter's buffer) if stale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The torch optimizer's ``zero_grad``."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str):
+        # param_groups, state, state_dict, load_state_dict, add_param_group...: the torch optimizer's.
+        if name in ("optimizer", "__setstate__"):
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    def __repr__(self) -> str:
+        where = "on the ps tasks" if self.on_parameter_servers else "all-reduced"
+        return f"DistributedOptimizer({type(self.optimizer).__name__}, {len(self._pairs)} parameters, {where})"
