@@ -504,7 +504,7 @@ class ZmqTransport(Acceptor, Transport):
                 return
             routing_id = parts[0].bytes
             try:
-                self._on_message(routing_id, parts[1:], parts[0].get(zmq.SRCFD))
+                self._on_message(routing_id, parts[1:], _source_fd(parts[0]))
             except Exception as exc:  # a bad frame must never take the server down
                 self._reject(routing_id, f"error while handling a frame: {type(exc).__name__}: {exc}")
                 log.debug("frame handler error", exc_info=True)
@@ -603,6 +603,14 @@ class ZmqTransport(Acceptor, Transport):
         self._pending_loss.pop(task, None)
         # Its connections into our ROUTER stay known: frames it sent before going may still be
         # queued there, and they were sent by an authenticated peer.
+
+
+def _source_fd(frame: zmq.Frame) -> int:
+    """The socket a received message came in on (ZeroMQ's deprecated but present SRCFD; -1 if not)."""
+    try:
+        return frame.get(zmq.SRCFD)
+    except (zmq.ZMQError, AttributeError):
+        return -1
 
 
 def _close_socket(sock: zmq.Socket, linger: int) -> None:

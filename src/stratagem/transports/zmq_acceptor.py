@@ -55,7 +55,8 @@ class Acceptor:
 
     def _on_message(self, routing_id: bytes, parts, fd: int) -> None:
         """One message from the connection ``routing_id`` (socket ``fd``): route it by its shape."""
-        self._connection_fds[fd] = routing_id
+        if fd >= 0:
+            self._connection_fds[fd] = routing_id
         if len(parts[0]) == 0:
             if len(parts) == 1:
                 return  # flush()'s no-op
@@ -179,6 +180,7 @@ class Acceptor:
                         "authentication, refused by ZeroMQ", self.task, self._part_cap)
             return
         self._rejected.pop(routing_id, None)
+        self._drop_connection_state(routing_id)  # a frame it was streaming will never be finished
         conn = self._incoming.get(routing_id)
         if conn is not None and not conn.authenticated:
             del self._incoming[routing_id]
