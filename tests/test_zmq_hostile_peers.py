@@ -163,7 +163,8 @@ def test_a_killed_parameter_server_worker_restarted_as_a_new_process_rejoins(tmp
     procs: dict[str, subprocess.Popen] = {}
 
     def start(task: TaskId, *extra) -> subprocess.Popen:
-        env = {**script_env(), **env_threads, "STRATAGEM_CONFIG": json.dumps(
+        env = {**script_env(), **env_threads, "STRATAGEM_SECRET": "rejoin-secret",  # as launch gives
+               "STRATAGEM_CONFIG": json.dumps(
             {"cluster": cluster.as_dict(), "task": {"type": task.job, "index": task.index}})}
         log = open(tmp_path / f"{task.job}_{task.index}.{len(procs)}.log", "w")
         proc = subprocess.Popen([sys.executable, script, "--out", str(tmp_path), "--steps", "400",
