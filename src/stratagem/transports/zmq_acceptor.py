@@ -31,7 +31,7 @@ from ..core.cluster import TaskId
 from ..core.errors import ConfigurationError, ProtocolError
 from ..core.transport import Message
 from ..core.wire import Kind
-from .grpc_framing import Reassembler
+from .grpc_framing import CONTROL_LIMITS, Reassembler
 
 log = logging.getLogger("stratagem.transports.zmq")
 
@@ -67,9 +67,15 @@ class Acceptor:
             self._drop_connection_state(routing_id)
             self._reject(routing_id, "a frame arrived in the middle of a streamed frame")
             return
+        trusted = conn is not None and conn.authenticated
         try:
-            frame = wire.decode_parts([p.bytes if i == 0 else p.buffer for i, p in enumerate(parts)],
-                                      self.limits)
+            head = parts[0].bytes
+            if not trusted and wire.read_header(head, self.limits).kind == Kind.DATA:
+                self._reject(routing_id, "data before the handshake completed (unauthenticated connection)")
+                return
+            # Before the handshake only small control frames are decoded at all.
+            frame = wire.decode_parts([head, *(p.buffer for p in parts[1:])],
+                                      self.limits if trusted else CONTROL_LIMITS)
         except ProtocolError as exc:
             self._reject(routing_id, f"malformed frame: {exc}")
             return
