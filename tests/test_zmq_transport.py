@@ -163,6 +163,34 @@ def test_a_restarted_peer_is_accepted_again():
             b2.close()
 
 
+@pytest.mark.parametrize("noticed", [True, False], ids=["after-its-death-is-noticed", "at-once"])
+def test_a_peer_restarted_many_times_is_accepted_every_time(caplog, noticed):
+    """Each new incarnation must be admitted, however soon it comes back. At once: our connection to
+    the old process is still open (and reconnects to the new one without a handshake): it must be
+    replaced, not kept, or the old one's loss is blamed on the new one. After the loss: the new
+    connection's monitor must not clash with an old one's name (pyzmq names a monitor after the
+    socket's file descriptor, which the OS reuses; the HELLO was then dropped with 'Address already
+    in use')."""
+    cluster = local_cluster(2)
+    with caplog.at_level(logging.WARNING, logger="stratagem.transports.zmq"), \
+            ZmqTransport(cluster, "worker:0", timeout=TIMEOUT, peer_timeout=3.0) as a:
+        for life in range(20):
+            b = ZmqTransport(cluster, "worker:1", timeout=TIMEOUT, peer_timeout=3.0)
+            b.start()
+            try:
+                b.send(a.task, "hi", Message({"life": life}))
+                assert wait_for(lambda: b.task not in a.lost_peers())
+                assert a.recv(b.task, "hi", timeout=TIMEOUT).meta == {"life": life}
+                a.send(b.task, "back", Message({"life": life}))
+                assert b.recv(a.task, "back", timeout=TIMEOUT).meta == {"life": life}
+            finally:
+                b.abort()
+            if noticed:
+                assert wait_for(lambda: b.task in a.lost_peers())
+    dropped = [r.getMessage() for r in caplog.records if "dropped a frame" in r.getMessage()]
+    assert dropped == [] and a.stats["rejected_frames"] == 0
+
+
 def test_recv_from_a_task_that_never_started_times_out():
     cluster = local_cluster(2)
     with ZmqTransport(cluster, "worker:0", timeout=TIMEOUT) as a:

@@ -1,13 +1,15 @@
 """The linear regression under the ``parameter_server`` strategy, for tests/test_parameter_server.py.
 
     ps_coordinator.py --out DIR [--steps N] [--mode M] [--die-task worker:1 --die-at K] [--lambda]
+                      [--step-seconds S]
 
 Run under ``stratagem launch --chief --worker W --ps P``: the chief coordinates, the workers run the
 steps (each on its own per-worker dataset), the ps tasks hold W and b. The chief writes
 ``DIR/chief_0.json``: final W and b, results fetched, closures executed per worker, closures retried.
 ``--die-task T --die-at K``: worker T SIGKILLs itself in the middle of its K-th step (after pulling,
 before pushing). ``--lambda``: the step is a lambda defined after ``stratagem.strategy(...)``, so it
-must travel with cloudpickle (the launcher's secret authenticates the cluster).
+must travel with cloudpickle (the launcher's secret authenticates the cluster). ``--step-seconds S``:
+each step also sleeps S seconds (training lasts long enough for a restarted worker to come back).
 """
 
 import argparse
@@ -15,6 +17,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -31,6 +34,7 @@ parser.add_argument("--mode", default="async")
 parser.add_argument("--die-task")
 parser.add_argument("--die-at", type=int)
 parser.add_argument("--lambda", dest="use_lambda", action="store_true")
+parser.add_argument("--step-seconds", type=float, default=0.0)
 args = parser.parse_args()
 signal.signal(signal.SIGTERM, lambda *_: None)
 
@@ -52,6 +56,7 @@ def train_step(iterator, w, b, opt, strategy):
     STEPS_RUN["n"] += 1
     if strategy.task.short == args.die_task and STEPS_RUN["n"] == args.die_at:
         os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(args.step_seconds)
     opt.apply_gradients([(grad_w, w), (grad_b, b)])
     return {"loss": loss, "worker": strategy.task.index}
 

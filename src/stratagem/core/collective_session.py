@@ -113,13 +113,21 @@ class CollectiveSession:
         lost = set(self.transport.lost_peers())
         if meta.get("task"):
             lost.add(TaskId.parse(meta["task"]))
+        told = []
         for rank, task in enumerate(self.members):
             if rank in skip or task in lost:
                 continue
             try:
                 self.transport.send(task, self.tag, Message(dict(meta)), timeout=ABORT_SEND_TIMEOUT)
+                told.append(task)
             except Exception as send_error:  # best effort: the peer may be the one that is gone
                 log.debug("%s: could not send abort notice to %s: %s", self.tag, task, send_error)
+        # The error is raised next, and a script that does not catch it ends: a notice still queued
+        # in this process would die with it, and its receiver would blame this rank's exit instead.
+        try:
+            self.transport.flush(ABORT_SEND_TIMEOUT, told)
+        except Exception as flush_error:
+            log.debug("%s: could not flush the abort notices: %s", self.tag, flush_error)
 
 
 def _abort_meta(session: CollectiveSession, call: "CollectiveCall", exc: Exception) -> dict:

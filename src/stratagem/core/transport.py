@@ -213,6 +213,11 @@ class Transport(abc.ABC):
         """Peers known to be gone, with the reason."""
         return {}
 
+    def flush(self, timeout: float | None = None, tasks=None) -> None:
+        """Wait (up to ``timeout`` s, best effort) until what was sent to ``tasks`` (default: every
+        peer) has left this process, so that it arrives even if the process ends right after. The
+        default has nothing to wait for."""
+
     # -- helpers for subclasses --------------------------------------------------------------------
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout

@@ -231,6 +231,9 @@ class NcclTransport(Transport):
     def lost_peers(self) -> dict[TaskId, str]:
         return self.control.lost_peers()
 
+    def flush(self, timeout: float | None = None, tasks=None) -> None:
+        self.control.flush(timeout, tasks)
+
     # -- native collectives ------------------------------------------------------------------------
     def native_collectives(self) -> Mapping[str, Callable]:
         return {"allreduce": self._allreduce, "broadcast": self._broadcast,

@@ -5,23 +5,41 @@ a peer it opens a DEALER socket to the peer's ROUTER (lazily, once). So every di
 has its own connection, and ZeroMQ keeps messages on it in order, which gives the contract's
 per-(src, dst, tag) ordering.
 
-Threads: a background I/O thread owns the ROUTER and the connection monitors: it decodes frames,
-runs the handshake (``core/handshake.py``) and files data into the mailbox. User threads send on the
-DEALERs, one lock per peer. Large buffers are handed to ZeroMQ by reference (``copy=False``) and
-``send`` waits on ZeroMQ's tracker until the memory is released, so the caller may reuse its arrays
-as soon as ``send`` returns; small messages are copied, which is cheaper than tracking.
+Threads: a background I/O thread owns the ROUTER, the connection monitors and the DEALERs still in
+their handshake: it decodes messages, runs the handshake (``core/handshake.py``) and files data
+into the mailbox. User threads send on the DEALERs of peers that completed the handshake, one lock
+per peer. Large buffers are handed to ZeroMQ by reference (``copy=False``) and ``send`` waits on
+ZeroMQ's tracker until the memory is released, so the caller may reuse its arrays as soon as
+``send`` returns; small messages are copied, which is cheaper than tracking.
+
+Handshake: the connector sends HELLO on its DEALER; the acceptor answers on that same connection
+(CHALLENGE, then WELCOME after AUTH with a cluster secret; WELCOME at once without one; REJECT with
+the reason when it refuses), so a forged HELLO never makes us talk to the task it names. Data flows
+after WELCOME.
+
+Memory before the handshake: ZeroMQ allocates a whole message part before we see it, so the ROUTER
+refuses (and disconnects) any part over :data:`PART_BYTES` (or the largest frame head the limits
+allow, if that is more) and an unauthenticated peer can make us hold at most that much per
+connection. A frame with a larger buffer travels as a *stream*: messages ``[b"", piece]`` of at most
+that size, which the acceptor reassembles into arrays it allocates only for an authenticated peer
+(one copy on receipt; small frames still arrive without a copy as ``[head, buffer...]``). A DEALER
+only ever receives control frames, so it refuses anything over a control frame's size. (ZeroMQ
+keeps the parts of an unfinished multipart message without a bound of its own; that is not closed
+here.)
 
 Failure detection: a DEALER's monitor reports the connection dropping the moment a peer process dies
-(the kernel closes its sockets); ZeroMQ heartbeats (``peer_timeout``) catch a peer that went silent
-without closing (host down, cable cut). Either way the peer is marked lost and waiting ``recv`` calls
-raise ``PeerLostError`` naming it.
+(the kernel closes its sockets); ZeroMQ heartbeats catch a peer that went silent without closing
+(host down, cable cut, process stopped): pings every ``peer_timeout / 5`` and a timeout chosen so that
+the loss is declared within ``peer_timeout`` of the last sign of life. Either way the peer is marked
+lost and waiting ``recv`` calls raise ``PeerLostError`` naming it. :meth:`ZmqTransport.flush` waits
+until what was sent has been written to the sockets, so a notice sent just before a process ends
+(a collective's abort notice) is not lost with it.
 
 Security: frames are decoded by ``core/wire.py`` (no pickle, limits checked first), and handled by
-the accepting side, :mod:`stratagem.transports.zmq_acceptor`. Data is accepted only on connections that completed the handshake; with a cluster secret that includes the HMAC
-challenge-response. A malformed or unauthenticated frame is dropped with a logged reason and the
-connection's owner gets a REJECT when it can be told; the server keeps serving everyone else.
-Note that ZeroMQ allocates a frame part before we see it, bounded by ``MAXMSGSIZE`` (set from the
-limits), even for a peer that has not authenticated yet.
+the accepting side, :mod:`stratagem.transports.zmq_acceptor`. Data is accepted only on connections
+that completed the handshake; with a cluster secret that includes the HMAC challenge-response. A
+malformed or unauthenticated frame is dropped with a logged reason; the server keeps serving
+everyone else.
 
     >>> import numpy as np
     >>> from stratagem.core.cluster import ClusterSpec, TaskId
@@ -38,6 +56,7 @@ limits), even for a peer that has not authenticated yet.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -49,14 +68,17 @@ from zmq.utils.monitor import recv_monitor_message
 from ..core import handshake, ports, wire
 from ..core.cluster import TaskId
 from ..core.errors import (
+    AuthenticationError,
     ConfigurationError,
     PeerLostError,
+    ProtocolError,
     TransportClosed,
     TransportTimeout,
 )
 from ..core.mailbox import Mailbox
 from ..core.transport import COMPLETED, Message, SendHandle, Transport
 from ..core.wire import Kind
+from .grpc_framing import CONTROL_LIMITS
 from .zmq_acceptor import Acceptor, Incoming
 
 log = logging.getLogger(__name__)
@@ -67,6 +89,14 @@ _USER_POLL = 0.1          # a waiting recv() re-checks for losses and timeouts t
 _BACKGROUND_POLL = 0.05   # the background reader's poll slice
 _BACKGROUND_GRACE = 0.02  # the background reader stays away this long after a recv() read
 _LOSS_GRACE = 0.2         # seconds between a dropped connection and declaring the peer lost
+#: The largest message part the ROUTER takes (from anyone: this bounds an unauthenticated peer).
+PART_BYTES = 4 << 20
+#: The largest part a DEALER takes: it only ever receives control frames.
+_CONTROL_PART_BYTES = wire.HEADER_SIZE + CONTROL_LIMITS.max_envelope_bytes
+# pyzmq names a monitor endpoint after the socket's file descriptor, which the OS hands out again once
+# a socket is closed; a new connection to a restarted peer then failed to bind ("Address already in
+# use") while the old monitor still held the name. Ours are numbered, never reused.
+_MONITOR_NUMBERS = itertools.count()
 
 
 class _Peer:
@@ -83,6 +113,8 @@ class _Peer:
         self.error: Exception | None = None
         self.connected = False            # a connection came up, so a later drop means lost
         self.closed = False
+        self.handshaking = False          # the reader reads its answers (until WELCOME or REJECT)
+        self.challenged = False           # the acceptor proved it knows the secret; AUTH sent
 
     def fail(self, error: Exception) -> None:
         self.error = error
@@ -120,6 +152,7 @@ class ZmqTransport(Acceptor, Transport):
             raise ConfigurationError(f"io_threads must be >= 1, got {io_threads}")
         self._io_threads = io_threads
         self.zero_copy_bytes = int(zero_copy_bytes)
+        self._part_cap = max(PART_BYTES, wire.HEADER_SIZE + self.limits.max_envelope_bytes)
         self._linger_ms = int(linger * 1000)
         self._cluster_id = self.cluster.cluster_id
         self._ctx: zmq.Context | None = None
@@ -134,6 +167,8 @@ class ZmqTransport(Acceptor, Transport):
         # message reaches it without a thread hand-off), else the background thread.
         self._reader = threading.Lock()
         self._monitors: dict[zmq.Socket, _Peer] = {}
+        self._handshakes: dict[zmq.Socket, _Peer] = {}   # DEALERs whose answers the reader reads
+        self._connection_fds: dict[int, bytes] = {}      # a ROUTER connection's socket -> routing id
         self._poller: zmq.Poller | None = None
         self._pending_loss: dict[TaskId, tuple[float, str, _Peer]] = {}
         self._background_reading = False
@@ -156,9 +191,10 @@ class ZmqTransport(Acceptor, Transport):
             router = ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.RCVHWM, 0)  # never drop: the mailbox is the queue
             router.setsockopt(zmq.LINGER, 0)
-            # ZeroMQ refuses (and disconnects) a part larger than this before allocating it.
-            router.setsockopt(zmq.MAXMSGSIZE, max(self.limits.max_payload_bytes,
-                                                  wire.HEADER_SIZE + self.limits.max_envelope_bytes))
+            # ZeroMQ refuses (and disconnects) a part larger than this before allocating it; bigger
+            # buffers come as a stream of parts (see the module docstring).
+            router.setsockopt(zmq.MAXMSGSIZE, self._part_cap)
+            router_monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED, self._monitor_address())
             endpoint = f"tcp://{self._bind_host}"
             if self._port == 0:
                 self._port = router.bind_to_random_port(endpoint)
@@ -179,7 +215,9 @@ class ZmqTransport(Acceptor, Transport):
             ctx.destroy(linger=0)
             raise
         self._ctx, self._router, self._control_in, self._control_out = ctx, router, control_in, control_out
+        self._router_monitor = router_monitor
         self._poller = zmq.Poller()
+        self._poller.register(router_monitor, zmq.POLLIN)
         self._poller.register(router, zmq.POLLIN)
         self._poller.register(control_in, zmq.POLLIN)
         self.address = f"{self._host}:{self._port}"
@@ -200,36 +238,38 @@ class ZmqTransport(Acceptor, Transport):
         if self._ctx is None:
             self._mailbox.close("closed before it started")
             return
-        with self._peers_lock:
-            peers = list(self._peers.values())
-            self._peers.clear()
-        lost = self._mailbox.lost()
-        for peer in peers:
-            # A peer that already left gets nothing more, so waiting to flush to it is pointless.
-            linger = self._linger_ms if graceful and peer.task not in lost else 0
-            with peer.lock:
-                if linger and not peer.closed and peer.ready.is_set() and peer.error is None:
-                    try:
-                        peer.sock.send_multipart(wire.encode(Kind.GOODBYE, ""), flags=zmq.NOBLOCK)
-                    except zmq.ZMQError:
-                        pass
-                peer.closed = True
-                peer.sock.close(linger=linger)
-            peer.fail(TransportClosed(f"{self.task}: transport closed"))
+        # The reader stops first: it may be reading DEALERs in their handshake, which are closed below.
         self._stopping = True
         self._mailbox.close(f"{self.task} closed its transport")  # wakes waiting recv() calls
         self._poke(b"stop")
         if self._io_thread is not None:
             self._io_thread.join(timeout=10)
-        # Once no thread reads, the reader's sockets can be closed.
         got_reader = self._reader.acquire(timeout=10)
         try:
+            with self._peers_lock:
+                peers = list(self._peers.values())
+                self._peers.clear()
+            lost = self._mailbox.lost()
+            for peer in peers:
+                # A peer that already left gets nothing more, so waiting to flush to it is pointless.
+                linger = self._linger_ms if graceful and peer.task not in lost else 0
+                with peer.lock:
+                    if linger and not peer.closed and peer.ready.is_set() and peer.error is None:
+                        try:
+                            peer.sock.send_multipart(wire.encode(Kind.GOODBYE, ""), flags=zmq.NOBLOCK)
+                        except zmq.ZMQError:
+                            pass
+                    _close_socket(peer.sock, linger)
+                    peer.closed = True
+                peer.fail(TransportClosed(f"{self.task}: transport closed"))
             while not self._new_monitors.empty():  # monitors no reader got to register yet
                 self._new_monitors.get().monitor.close(linger=0)
             for sock in self._monitors:
                 sock.close(linger=0)
             self._monitors.clear()
-            self._router.close(linger=0)
+            self._handshakes.clear()
+            _close_socket(self._router, 0)
+            self._router_monitor.close(linger=0)
             self._control_in.close(linger=0)
             self._control_out.close(linger=0)
         finally:
@@ -265,11 +305,58 @@ class ZmqTransport(Acceptor, Transport):
         with peer.lock:
             if peer.closed:
                 raise _fresh(peer.error) if peer.error else PeerLostError(dst, "connection closed")
-            if payload < self.zero_copy_bytes:
+            if any(len(p) > PART_BYTES for p in parts):
+                tracker = self._send_stream(peer, parts, copy=payload < self.zero_copy_bytes)
+            elif payload < self.zero_copy_bytes:
                 peer.sock.send_multipart(parts, copy=True)  # copied: the caller may reuse at once
                 return COMPLETED
-            tracker = peer.sock.send_multipart(parts, copy=False, track=True)
-        return _TrackedSend(tracker, self.task, dst, payload)
+            else:
+                tracker = peer.sock.send_multipart(parts, copy=False, track=True)
+        return COMPLETED if tracker is None else _TrackedSend(tracker, self.task, dst, payload)
+
+    @staticmethod
+    def _send_stream(peer: _Peer, parts, copy: bool) -> zmq.MessageTracker | None:
+        """Send a frame with a part over PART_BYTES as stream pieces ``[b"", piece]`` (peer.lock held)."""
+        trackers = []
+        for part in parts:
+            view = memoryview(part).cast("B")
+            for start in range(0, len(view), PART_BYTES):
+                piece = view[start:start + PART_BYTES]
+                if copy:
+                    peer.sock.send_multipart([b"", piece], copy=True)
+                else:
+                    trackers.append(peer.sock.send_multipart([b"", piece], copy=False, track=True))
+        return zmq.MessageTracker(*trackers) if trackers else None
+
+    def flush(self, timeout=None, tasks=None) -> None:
+        """Wait up to ``timeout`` seconds until everything sent so far to ``tasks`` (default: every
+        peer that completed the handshake) has been written to their sockets (best effort: a peer
+        that takes nothing is given up on at the deadline). Lets a notice sent just before the
+        process ends arrive."""
+        timeout = self._timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        trackers = []
+        wanted = None if tasks is None else {TaskId.parse(t) for t in tasks}
+        for peer in list(self._peers.values()):
+            if wanted is not None and peer.task not in wanted:
+                continue
+            with peer.lock:
+                if peer.closed or not peer.ready.is_set() or peer.error is not None:
+                    continue
+                # A message is written in order after what was queued before it; this one is
+                # handed over by reference, so its tracker tells when ZeroMQ is done with it (which
+                # is only once no Frame object holds it either: hence no name for it here).
+                try:
+                    trackers.append(peer.sock.send(zmq.Frame(b"", track=True, copy=False, copy_threshold=0),
+                                                   copy=False, track=True, flags=zmq.NOBLOCK))
+                except zmq.ZMQError:
+                    continue
+        for tracker in trackers:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                tracker.wait(remaining)
+            except zmq.NotDone:
+                return
 
     def recv(self, src, tag, timeout=None) -> Message:
         self._require_started()
@@ -304,21 +391,24 @@ class ZmqTransport(Acceptor, Transport):
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, self._linger_ms)
-            interval_ms = max(100, int(self.peer_timeout * 1000 / 4))
+            sock.setsockopt(zmq.MAXMSGSIZE, _CONTROL_PART_BYTES)  # it only ever receives control frames
+            interval_ms, timeout_ms = heartbeat_ms(self.peer_timeout)
             sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.peer_timeout * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
             sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.peer_timeout * 1000))
-            monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+            monitor = sock.get_monitor_socket(_MONITOR_EVENTS, self._monitor_address())
             sock.connect(f"tcp://{address}")
             hello, nonce = handshake.make_hello(self.task, self._cluster_id, self.secret)
             peer = _Peer(task, sock, monitor, nonce, address)
-            if self.secret is None:
-                peer.ready.set()  # data may follow HELLO at once; the acceptor reads them in order
+            peer.handshaking = True  # from now on only the reader uses sock, until WELCOME or REJECT
             sock.send_multipart(wire.encode(Kind.HELLO, "", hello))
             self._peers[task] = peer
         self._new_monitors.put(peer)
         self._poke(b"watch")
         return peer
+
+    def _monitor_address(self) -> str:
+        return f"inproc://stratagem-monitor-{id(self):x}-{next(_MONITOR_NUMBERS)}"
 
     def _poke(self, command: bytes) -> None:
         with self._control_lock:
@@ -378,6 +468,9 @@ class ZmqTransport(Acceptor, Transport):
             peer = self._new_monitors.get()
             self._monitors[peer.monitor] = peer
             self._poller.register(peer.monitor, zmq.POLLIN)
+            if peer.handshaking and not peer.closed:
+                self._handshakes[peer.sock] = peer
+                self._poller.register(peer.sock, zmq.POLLIN)
         if self._pending_loss:
             timeout = max(0.0, min(timeout, min(d for d, _, _ in self._pending_loss.values()) - time.monotonic()))
         try:
@@ -389,8 +482,13 @@ class ZmqTransport(Acceptor, Transport):
         if self._control_in in ready:
             while self._control_in.poll(0):
                 self._control_in.recv()  # "stop", "watch", "yield": each just wakes the poll
+        if self._router_monitor in ready:  # first: a connection's end comes before a reuse of its fd
+            while self._router_monitor.poll(0):
+                self._connection_closed(recv_monitor_message(self._router_monitor)["value"])
         if self._router in ready:
             self._drain_router()
+        for sock in [s for s in ready if s in self._handshakes]:
+            self._on_answer(self._handshakes[sock])
         for sock in [s for s in ready if s in self._monitors]:
             if self._on_monitor(self._monitors[sock]):
                 self._poller.unregister(sock)
@@ -407,10 +505,62 @@ class ZmqTransport(Acceptor, Transport):
                 return
             routing_id = parts[0].bytes
             try:
-                self._on_frame(routing_id, parts[1:])
+                self._on_message(routing_id, parts[1:], _source_fd(parts[0]))
             except Exception as exc:  # a bad frame must never take the server down
                 self._reject(routing_id, f"error while handling a frame: {type(exc).__name__}: {exc}")
                 log.debug("frame handler error", exc_info=True)
+
+    # -- our side of the handshake: the answers to our HELLOs, read by the reader -------------------
+    def _on_answer(self, peer: _Peer) -> None:
+        """Read what the acceptor answered on ``peer``'s DEALER while its handshake runs."""
+        while peer.handshaking:
+            try:
+                parts = peer.sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                frame = wire.decode_parts(parts, CONTROL_LIMITS)
+            except ProtocolError as exc:
+                log.warning("%s: %s at %s answered our HELLO with a malformed frame (ignored): %s",
+                            self.task, peer.task, peer.address, exc)
+                continue
+            self._on_answer_frame(peer, frame)
+
+    def _on_answer_frame(self, peer: _Peer, frame: wire.Frame) -> None:
+        meta = frame.meta
+        if frame.kind == Kind.CHALLENGE and self.secret is not None and not peer.challenged:
+            if not handshake.answers_hello(meta, peer.nonce):
+                log.warning("%s: %s sent a CHALLENGE that answers no HELLO of ours; ignored", self.task, peer.task)
+                return
+            try:
+                # Checked against the task we connected to, whatever the challenge claims.
+                auth = handshake.answer_challenge(self.secret, self._cluster_id, self.task, peer.task,
+                                                  peer.nonce, meta)
+            except ProtocolError as exc:
+                log.warning("%s: %s", self.task, exc)
+                self._end_handshake(peer)
+                peer.fail(exc)
+                return
+            peer.challenged = True
+            self._send_control(peer, Kind.AUTH, auth)
+        elif frame.kind == Kind.WELCOME and (self.secret is None or peer.challenged):
+            self._end_handshake(peer)
+            peer.ready.set()
+        elif frame.kind == Kind.REJECT:
+            reason = meta.get("reason") if isinstance(meta.get("reason"), str) else "no reason given"
+            log.warning("%s: %s refused our connection: %s", self.task, peer.task, reason)
+            error_type = AuthenticationError if "secret" in reason.lower() else ProtocolError
+            self._end_handshake(peer)
+            peer.fail(error_type(f"{peer.task} refused the connection: {reason}"))
+        else:
+            log.warning("%s: %s answered our HELLO with an unexpected %s frame; ignored", self.task,
+                        peer.task, frame.kind.name)
+
+    def _end_handshake(self, peer: _Peer) -> None:
+        """Stop reading ``peer``'s DEALER (reader thread): from here on user threads send on it."""
+        peer.handshaking = False
+        if self._handshakes.pop(peer.sock, None) is not None:
+            self._poller.unregister(peer.sock)
 
     # -- failure detection -------------------------------------------------------------------------
     def _on_monitor(self, peer: _Peer) -> bool:
@@ -425,7 +575,8 @@ class ZmqTransport(Acceptor, Transport):
                 self._pending_loss[peer.task] = (
                     time.monotonic() + _LOSS_GRACE, f"connection to {peer.task} at {peer.address} was "
                     f"lost (the process died, or the network failed)", peer)
-            return True
+        # Read to the end: ZeroMQ's I/O thread *blocks* sending an event to a monitor nobody reads,
+        # and then serves no connection of this process at all (not even heartbeats).
         return event == zmq.EVENT_MONITOR_STOPPED
 
     def _settle_losses(self) -> None:
@@ -445,13 +596,45 @@ class ZmqTransport(Acceptor, Transport):
             peer = self._peers.pop(task, None)
         if peer is None:
             return
+        self._end_handshake(peer)
         with peer.lock:
             peer.closed = True
-            peer.sock.close(linger=0)
+            _close_socket(peer.sock, 0)
         peer.fail(error or PeerLostError(task, "reconnected as a new process"))
         self._pending_loss.pop(task, None)
         # Its connections into our ROUTER stay known: frames it sent before going may still be
         # queued there, and they were sent by an authenticated peer.
+
+
+def _source_fd(frame: zmq.Frame) -> int:
+    """The socket a received message came in on (ZeroMQ's deprecated but present SRCFD; -1 if not)."""
+    try:
+        return frame.get(zmq.SRCFD)
+    except (zmq.ZMQError, AttributeError):
+        return -1
+
+
+def _close_socket(sock: zmq.Socket, linger: int) -> None:
+    """Close a monitored socket: its monitor first, so that ZeroMQ never waits on a monitor that
+    nobody reads any more (its I/O thread would block: see ``_on_monitor``)."""
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass
+    sock.close(linger=linger)
+
+
+def heartbeat_ms(peer_timeout: float) -> tuple[int, int]:
+    """ZeroMQ's heartbeat interval and timeout (ms) for a peer silent ``peer_timeout`` s to be lost.
+
+    ZeroMQ pings every interval and drops the connection when nothing came back within the timeout
+    of a ping, so a peer that froze just after answering one is dropped up to interval + timeout
+    after its last sign of life; the loss is declared ``_LOSS_GRACE`` later, seen within a poll slice.
+    All of that must fit in ``peer_timeout``.
+    """
+    total = peer_timeout * 1000
+    interval = max(50, int(total / 5))
+    return interval, max(interval, int(total - interval - (_LOSS_GRACE + _USER_POLL) * 1000))
 
 
 class _TrackedSend(SendHandle):
