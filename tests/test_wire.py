@@ -516,7 +516,7 @@ def test_bad_magic():
     refuses(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad magic")
 
 
-@pytest.mark.parametrize("version", [0, 2, 255])
+@pytest.mark.parametrize("version", [0, VERSION - 1, VERSION + 1, 255])
 def test_other_version(version):
     refuses(raw_frame(env(), version=version), f"protocol version {version}", f"speaks {VERSION}")
 

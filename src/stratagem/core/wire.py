@@ -37,8 +37,9 @@ import numpy as np
 from .errors import ProtocolError
 
 MAGIC = b"STRG"
-#: Protocol version; peers of another version are refused at the handshake.
-VERSION = 1
+#: Protocol version; peers of another version are refused at the handshake. 2: zmq answers a HELLO
+#: on the connection it came in on and streams buffers over 4 MiB in pieces.
+VERSION = 2
 HEADER = struct.Struct("<4sBBHIQ")
 HEADER_SIZE = HEADER.size  # 20 bytes
 
