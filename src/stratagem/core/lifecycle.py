@@ -8,8 +8,10 @@ script ended:
   called ``shutdown()`` (a chief tells the parameter servers that training is over, an ``in_graph``
   client releases its replicas), then every transport closes, saying goodbye to its peers;
 - **by an uncaught exception** (``KeyboardInterrupt`` included): strategies leave with that error
-  (the parameter servers report it, naming this task) and transports *abort*, as a crash would, so
-  that peers raise ``PeerLostError`` naming this task at once instead of waiting on it.
+  (the parameter servers report it, naming this task, and fail the job) and transports close, so
+  that peers raise ``PeerLostError`` naming this task at once instead of waiting on it (a transport
+  closes rather than aborts so that what it still has queued, such as the abort notices of a failed
+  collective, reaches the peers).
 
 Why not plain :mod:`atexit`: the interpreter joins the worker threads of ``concurrent.futures``
 executors (grpc's server runs on one) *before* it runs atexit callbacks, and a handler thread that

@@ -529,8 +529,10 @@ class Strategy(Checkpointing):
 
     def _leave_with_error(self, error: str) -> None:
         """Leave after this task failed with ``error``: peers must learn at once that this task is gone
-        rather than wait for it, so an owned transport ends as after a failure (most abort, as a crash
-        would). Strategies whose peers can be told why (the parameter servers) override this."""
+        rather than wait for it, so an owned transport ends as after a failure (with its goodbye; the
+        mpi transport also ends the process). Unlike ``shutdown()`` nothing is said to peers as if
+        training were over (an ``in_graph`` client does not release its replicas normally). Strategies
+        whose peers can be told why (the parameter servers) override this."""
         if self._closed:
             return
         self._closed = True

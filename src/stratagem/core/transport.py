@@ -155,12 +155,12 @@ class Transport(abc.ABC):
         self.close()
 
     def _end_at_exit(self, error: str | None) -> None:
-        """Called once at interpreter exit if still open: close after a normal end; abort after an
-        uncaught exception (``error``), so that peers learn at once that this task is gone."""
-        if error is None:
-            self.close()
-        else:
-            self.abort()
+        """Called once at interpreter exit if still open (``error``: the uncaught exception ending the
+        script, or ``None``). Closes, however the script ended: the goodbye tells every peer at once
+        that this task is gone (a collective waiting on it raises ``PeerLostError`` naming it), and
+        unlike ``abort()`` it first delivers what is queued, such as the abort notices a failed
+        collective sends to the other members, which name the culprit."""
+        self.close()
 
     def __enter__(self) -> "Transport":
         self.start()
