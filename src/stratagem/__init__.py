@@ -49,7 +49,7 @@ __all__ = [
     "AuthenticationError", "ClusterResolver", "ClusterSpec", "CollectiveMismatchError",
     "CommunicationError", "ConfigurationError", "IncompatibleError", "PeerLostError", "PluginError",
     "ProtocolError", "StratagemError", "TaskId", "TransportClosed", "TransportTimeout",
-    "communicator", "strategy", "transport", "plugin_manager", "__version__", "optimizers",
+    "communicator", "strategy", "transport", "plugin_manager", "__version__", "optimizers", "ray",
     *_LAZY,
 ]
 
@@ -65,6 +65,11 @@ def __getattr__(name: str):
         return value
     if name == "optimizers":
         return importlib.import_module(f"{__name__}.optimizers")  # importing sets the attribute
+    if name == "ray":
+        # stratagem.ray.run(...): jobs on a Ray cluster. Imports stratagem's engine, not Ray itself.
+        module = importlib.import_module(f"{__name__}.engines.ray")
+        globals()[name] = module
+        return module
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
