@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'stratagem[ray]')")
-
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).parent / "scripts"
 EXAMPLES = ROOT / "examples"
@@ -33,6 +31,7 @@ THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS
 @pytest.fixture(scope="module")
 def ray_cluster():
     """The address of a two-node Ray cluster on loopback (1 CPU per node), stopped afterwards."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'stratagem[ray]')")
     from ray.cluster_utils import Cluster
 
     node = {"num_cpus": 1, "node_ip_address": "127.0.0.1"}
@@ -153,3 +152,19 @@ def test_timeout_and_usage_errors(ray_cluster):
 
     both = _stratagem("launch", "--ray", ray_cluster, "--mpi", "--", sys.executable, "-c", "pass")
     assert both.returncode == 2 and "--mpi and --ray cannot be combined" in both.stderr
+
+
+def test_without_ray_the_error_says_how_to_install_it():
+    """No Ray here (its import fails): a usage error naming the extra, before anything starts."""
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "from stratagem.cli import main\n"
+            "sys.exit(main(['launch', '--ray', 'local', '--', sys.executable, '-c', 'pass']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_env())
+    assert proc.returncode == 2
+    assert "Ray is not installed; install it with: pip install 'stratagem[ray]'" in proc.stderr
+
+
+def test_ray_options_need_ray():
+    proc = _stratagem("launch", "--spread", "--worker", "2", "--", sys.executable, "-c", "pass")
+    assert proc.returncode == 2
+    assert "--spread, --cpus-per-task and --placement-timeout apply only with --ray ADDRESS" in proc.stderr
