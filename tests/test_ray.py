@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import uuid
@@ -168,3 +169,34 @@ def test_ray_options_need_ray():
     proc = _stratagem("launch", "--spread", "--worker", "2", "--", sys.executable, "-c", "pass")
     assert proc.returncode == 2
     assert "--spread, --cpus-per-task and --placement-timeout apply only with --ray ADDRESS" in proc.stderr
+
+
+def test_a_lost_actor_stops_the_job_and_is_reported(ray_cluster):
+    """The actor process of worker:1 is SIGKILLed (a node lost, say): its task dies with it, the job is
+    stopped and reported as a failure naming the task and its actor."""
+    marker = f"stratagem-ray-test-{uuid.uuid4().hex}"
+    code = (f"import os, time  # {marker}\n"
+            "print('actor', os.getppid(), flush=True)\n"
+            "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "stratagem", "launch", "--ray", ray_cluster, "--cpus-per-task",
+                             "0.5", "--worker", "2", "--grace", "2", "--", sys.executable, "-c", code],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+                            stdin=subprocess.DEVNULL)
+    try:
+        actor = None
+        for line in proc.stdout:
+            if line.startswith("[worker:1] actor "):
+                actor = int(line.split()[-1])
+                break
+        assert actor is not None, proc.stderr.read()
+        os.kill(actor, signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, err
+    assert "the Ray actor of worker:1 died" in err
+    assert "stratagem launch: FAILED: worker:1 was killed by SIGKILL; stopped the other tasks" in err
+    assert re.search(r"worker:0 +\d+ +stopped by launcher \(SIGTERM\)", err), err
+    assert _processes_with(marker) == []

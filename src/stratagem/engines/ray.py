@@ -41,6 +41,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, TextIO
@@ -56,6 +57,8 @@ DEFAULT_PLACEMENT_TIMEOUT = 60.0
 CALL_TIMEOUT = 60.0
 #: Seconds a task may take to exit once SIGKILLed before its actor is killed outright.
 _REAP_SECONDS = 10.0
+#: Seconds the actors' and the placement group's removal may take at the end of a job.
+_CLEANUP_SECONDS = 20.0
 _INSTALL_HINT = "pip install 'stratagem[ray]'"
 
 
@@ -342,32 +345,46 @@ def _run(command: Sequence[str] | None, function: Callable[[], Any] | None, *, s
             nodes={t.short: node for t, node in zip(tasks_ids, nodes)}, values=values,
         )
     finally:
-        _clean_up(ray, actors, group, pump)
+        _clean_up(ray, actors, None if started_ray else group, err)  # our own instance: shutdown removes it
         if started_ray:
             ray.shutdown()
     err.write(result.summary() + "\n")
     return result
 
 
-def _clean_up(ray, actors: list, group, pump: _RayPump) -> None:
-    """Kill every task that still runs, then the actors and the placement group: nothing outlives the job."""
-    closing = [a.close.remote() for a in actors]
-    try:
-        ray.wait(closing, num_returns=len(closing), timeout=_REAP_SECONDS)
-    except Exception:  # noqa: BLE001  (a dead actor: its task died with it)
-        pass
-    for actor in actors:
-        try:
-            ray.kill(actor)
-        except Exception:  # noqa: BLE001
-            pass
-    if group is not None:
-        from ray.util.placement_group import remove_placement_group
+def _clean_up(ray, actors: list, group, err: Sink) -> None:
+    """Kill every task that still runs, then the actors and the placement group: nothing outlives the job.
 
+    Done in a thread given ``_CLEANUP_SECONDS``: Ray's calls wait for its processes without a time
+    limit, and a Ctrl-C in a terminal also reaches the processes of a Ray instance started here (they
+    share our process group), which then never answer. Tasks die with their actors in any case
+    (``PR_SET_PDEATHSIG``).
+    """
+    def clean() -> None:
+        closing = [a.close.remote() for a in actors]
         try:
-            remove_placement_group(group)
-        except Exception:  # noqa: BLE001
+            ray.wait(closing, num_returns=len(closing), timeout=_REAP_SECONDS)
+        except Exception:  # noqa: BLE001  (a dead actor: its task died with it)
             pass
+        for actor in actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001
+                pass
+        if group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(group)
+            except Exception:  # noqa: BLE001
+                pass
+
+    thread = threading.Thread(target=clean, daemon=True, name="stratagem-ray-cleanup")
+    thread.start()
+    thread.join(_CLEANUP_SECONDS)
+    if thread.is_alive():
+        err.write(f"stratagem launch: the Ray cluster did not confirm within {_CLEANUP_SECONDS:g}s that the "
+                  f"job's actors and placement group are gone; check with 'ray list actors'\n")
 
 
 def run(script_or_fn: "str | os.PathLike | Sequence[str] | Callable[[], Any]", worker: int = 1, ps: int = 0,
