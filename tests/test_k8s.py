@@ -276,6 +276,8 @@ def test_mpijob_matches_the_schema_and_every_rank_resolves_its_task(workers, ps,
 def test_output_file_is_private_and_yaml_equals_json(tmp_path):
     yaml = pytest.importorskip("yaml")
     out = tmp_path / "job.yaml"
+    out.write_text("an older file, readable by all\n")
+    out.chmod(0o644)
     proc = manifest("--worker", "2", "--ps", "1", "--image", "img:1", "--env", "MODE=yes", "--env", "ODD=0755",
                     "-o", str(out), "--", "python3", "-c", "print('a: b # c')")
     assert stat.S_IMODE(out.stat().st_mode) == 0o600

@@ -118,17 +118,22 @@ def test_python_api_runs_a_function_on_every_task(ray_cluster):
     assert "[worker:1] rank 1 of 2: sum 3" in proc.stdout.splitlines()
 
 
-def test_a_failed_task_stops_the_job_and_is_reported(ray_cluster):
-    """worker:1 exits 3: worker:0 (which would sleep a minute) is stopped, the launcher exits 1 with the
-    per-task table, and no process of the job is left."""
+def test_a_failed_task_stops_the_job_and_is_reported(ray_cluster, tmp_path):
+    """worker:1 exits 3 (once worker:0 has started): worker:0 (which would sleep a minute) is stopped,
+    the launcher exits 1 with the per-task table, and no process of the job is left."""
     marker = f"stratagem-ray-test-{uuid.uuid4().hex}"
+    started = tmp_path / "worker0.started"
     code = (f"import os, sys, time  # {marker}\n"
             "task = os.environ['STRATAGEM_CONFIG']\n"
             "print('started', flush=True)\n"
-            "if '\"index\": 1' in task: sys.exit(3)\n"
+            "if '\"index\": 1' in task:\n"
+            "    deadline = time.monotonic() + 30\n"
+            "    while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline: time.sleep(0.05)\n"
+            "    sys.exit(3)\n"
+            "open(sys.argv[1], 'w').close()\n"
             "time.sleep(60)\n")
     proc = _stratagem("launch", "--ray", ray_cluster, "--cpus-per-task", "0.5", "--worker", "2", "--grace", "2",
-                      "--", sys.executable, "-c", code)
+                      "--", sys.executable, "-c", code, str(started))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "[worker:0] started" in proc.stdout and "[worker:1] started" in proc.stdout
     assert "stratagem launch: FAILED: worker:1 exited with code 3; stopped the other tasks" in proc.stderr

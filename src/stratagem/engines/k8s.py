@@ -397,6 +397,7 @@ def run(args: argparse.Namespace) -> int:
         args._parser.error(str(exc))  # usage line, exit 2
     if args.output:
         fd = os.open(args.output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # also when the file was there before, with other permissions
         with os.fdopen(fd, "w") as f:
             f.write(text)
     else:

@@ -31,7 +31,9 @@ How it runs (``pip install 'stratagem[ray]'``; every node needs stratagem and th
 
 ``address``: ``None`` connects to the Ray instance this process already uses, else the one Ray
 finds (``RAY_ADDRESS``, a cluster started on this node), else starts one; ``"local"`` always starts
-a Ray instance of its own, bound to 127.0.0.1, without a dashboard, and stops it at the end; an
+a Ray instance of its own, bound to 127.0.0.1, without a dashboard, with at least as many CPUs as
+the tasks ask for (like ``stratagem launch``, it may run more tasks than cores), and stops it at
+the end; an
 address (``"10.0.0.5:6379"``, ``"ray://head:10001"``) connects to that cluster. An address on
 127.0.0.1 (a cluster of this machine bound to loopback) is reached over loopback.
 """
@@ -39,6 +41,7 @@ address (``"10.0.0.5:6379"``, ``"ray://head:10001"``) connects to that cluster. 
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import sys
 import threading
@@ -99,14 +102,16 @@ def _import_ray(address: str | None):
     return ray
 
 
-def _connect(address: str | None):
-    """``(ray, whether we started the connection and so must shut it down)``."""
+def _connect(address: str | None, cpus_needed: float = 1.0):
+    """``(ray, whether we started the connection and so must shut it down)``. A local instance
+    offers at least ``cpus_needed`` CPUs: like ``stratagem launch``, it may run more tasks than cores."""
     ray = _import_ray(address)
     if ray.is_initialized():
         return ray, False
     options: dict[str, Any] = {"log_to_driver": False, "logging_level": "WARNING"}
     if address == "local":
-        options.update(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
+        options.update(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
+                       num_cpus=max(os.cpu_count() or 1, math.ceil(cpus_needed)))
     else:
         options["address"] = address
         if _is_loopback(address):
@@ -285,11 +290,11 @@ def _run(command: Sequence[str] | None, function: Callable[[], Any] | None, *, s
     out = Sink(output if output is not None else sys.stdout)
     err = Sink(error_output if error_output is not None else sys.stderr)
 
-    ray, started_ray = _connect(address)
+    tasks_ids = _tasks(workers, ps, chief)
+    ray, started_ray = _connect(address, len(tasks_ids) * float(cpus_per_task))
     from .ray_task import TaskRunner
 
     runner = ray.remote(TaskRunner)
-    tasks_ids = _tasks(workers, ps, chief)
     pump = _RayPump(ray, out, err)
     group = None
     actors: list = []
