@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -118,6 +119,19 @@ def test_python_api_runs_a_function_on_every_task(ray_cluster):
     assert "[worker:1] rank 1 of 2: sum 3" in proc.stdout.splitlines()
 
 
+def test_python_api_runs_a_script_on_every_task(ray_cluster):
+    """``stratagem.ray.run("allreduce_demo.py", worker=2, args=[...])``: the script's own check passes."""
+    code = ("import sys, stratagem\n"
+            "result = stratagem.ray.run(sys.argv[1], worker=2, address=sys.argv[2], cpus_per_task=0.5, timeout=90,\n"
+            "                           args=['--length', '1001', '--iters', '1'])\n"
+            "sys.exit(result.exit_code)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(EXAMPLES / "allreduce_demo.py"), ray_cluster],
+                          capture_output=True, text=True, timeout=100, env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "result check PASSED" in proc.stdout
+    assert "[worker:1] rank 1/2 (/job:worker/task:1): local check ok" in proc.stdout.splitlines()
+
+
 def test_a_failed_task_stops_the_job_and_is_reported(ray_cluster, tmp_path):
     """worker:1 exits 3 (once worker:0 has started): worker:0 (which would sleep a minute) is stopped,
     the launcher exits 1 with the per-task table, and no process of the job is left."""
@@ -158,6 +172,12 @@ def test_timeout_and_usage_errors(ray_cluster):
 
     both = _stratagem("launch", "--ray", ray_cluster, "--mpi", "--", sys.executable, "-c", "pass")
     assert both.returncode == 2 and "--mpi and --ray cannot be combined" in both.stderr
+
+    with socket.socket() as probe:  # a port of this machine where nothing listens
+        probe.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{probe.getsockname()[1]}"
+    dead = _stratagem("launch", "--ray", nobody, "--", sys.executable, "-c", "pass", timeout=60)
+    assert dead.returncode == 2 and f"nothing answers at the Ray address {nobody}" in dead.stderr
 
 
 def test_without_ray_the_error_says_how_to_install_it():

@@ -58,6 +58,8 @@ from ..core.task_output import COLORS, PipeReader, Sink, task_prefix
 DEFAULT_PLACEMENT_TIMEOUT = 60.0
 #: Seconds any one call to an actor may take before the actor counts as lost.
 CALL_TIMEOUT = 60.0
+#: Seconds to wait for the cluster's address to accept a connection.
+_CONNECT_SECONDS = 5.0
 #: Seconds a task may take to exit once SIGKILLed before its actor is killed outright.
 _REAP_SECONDS = 10.0
 #: Seconds the actors' and the placement group's removal may take at the end of a job.
@@ -102,12 +104,31 @@ def _import_ray(address: str | None):
     return ray
 
 
+def _check_reachable(address: str) -> None:
+    """Refuse a ``host:port`` where nothing listens, at once: Ray itself keeps retrying for minutes."""
+    if "://" in address or address in ("auto", "local"):
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigurationError(f"--ray {address!r}: give HOST:PORT of the cluster's head (e.g. 10.0.0.5:6379), "
+                                 f"'auto' or 'local'")
+    import socket
+
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_SECONDS).close()
+    except OSError as exc:
+        raise ConfigurationError(f"nothing answers at the Ray address {address} ({exc}); is the cluster up "
+                                 f"('ray status' on its head) and the address its GCS address?") from None
+
+
 def _connect(address: str | None, cpus_needed: float = 1.0):
     """``(ray, whether we started the connection and so must shut it down)``. A local instance
     offers at least ``cpus_needed`` CPUs: like ``stratagem launch``, it may run more tasks than cores."""
     ray = _import_ray(address)
     if ray.is_initialized():
         return ray, False
+    if address is not None:
+        _check_reachable(address)
     options: dict[str, Any] = {"log_to_driver": False, "logging_level": "WARNING"}
     if address == "local":
         options.update(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",

@@ -73,6 +73,7 @@ class TaskRunner:
         self._err: _PipeCollector | None = None
         self._result_file: str | None = None
         self._workdir: str | None = None
+        self._group_killed = False
 
     def reserve(self, host: str | None = None) -> str:
         """Hold a free port on this node (``host``, default the node's Ray address) until :meth:`start`;
@@ -127,7 +128,7 @@ class TaskRunner:
         """``(stdout, stderr, returncode, ended)``: the output since the last call, the exit status
         (None while running; ``-N``: killed by signal N), and whether both pipes have ended."""
         code = self._process.poll()
-        if code is not None and not getattr(self, "_group_killed", False):
+        if code is not None and not self._group_killed:
             # As the launcher does: what the task left in its process group goes with it.
             self._group_killed = True
             _signal_group(self._process.pid, signal.SIGKILL)
