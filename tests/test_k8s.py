@@ -14,7 +14,8 @@ Three kinds of check, on the manifests the command writes (run as a user runs it
   the pod's type and index), the secret is read from the Secret through the pod's ``secretKeyRef``, and
   ``ClusterResolver.from_env()`` must resolve the job's cluster, the pod's task and the secret. For an
   MPIJob: the operator's hostfile (``NAME-worker-I slots=S``) must hold the ranks ``mpirun -np`` starts,
-  and every rank (``OMPI_COMM_WORLD_RANK``, plus what ``-x`` forwards) must resolve its task.
+  and every rank (``OMPI_COMM_WORLD_RANK``, plus what ``-x`` forwards) must resolve its task; the
+  launcher's ``mpirun`` options also run for real, with this machine's MPI (skipped without one).
 - the command line: files written 0600, YAML and JSON alike, usage errors that say what to fix.
 """
 
@@ -305,3 +306,45 @@ def test_usage_errors_say_what_to_fix(args, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "usage: stratagem k8s manifest" in proc.stderr
+
+
+def _mpi_why_not() -> str | None:
+    from stratagem.core import mpi_launch
+
+    if mpi_launch.find_mpiexec() is None:
+        return mpi_launch.no_mpiexec()
+    if mpi_launch.private_netns()[0] is None:
+        return f"cannot make a private network namespace for MPI jobs: {mpi_launch.private_netns()[1]}"
+    return None
+
+
+def test_the_launchers_mpirun_arguments_start_ranks_that_resolve_their_tasks(tmp_path):
+    """The MPIJob launcher's mpirun options (the hostfile, -np, every -x), run for real with this machine's
+    MPI, the hostfile listing this host as the operator lists the worker pods: every rank resolves its task."""
+    why = _mpi_why_not()
+    if why:
+        pytest.skip(why)
+    from stratagem.core.mpi_launch import run_mpi_job
+
+    user_command = [sys.executable, "-c",
+                    "import os; from stratagem import ClusterResolver; r = ClusterResolver.from_env(); "
+                    "print('rank', r.task.short, r.cluster.num_tasks('worker'), r.secret.decode(), "
+                    "os.environ['STRATAGEM_TRANSPORT'], os.environ['EPOCHS'], flush=True)"]
+    secret, job = documents("--mpi", "--worker", "3", "--ps", "1", "--slots-per-worker", "2", "--image", "img:1",
+                            "--name", "hvd", "--env", "EPOCHS=3", "--", *user_command)
+    launcher = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+    command = launcher["command"]
+    assert command[-len(user_command):] == user_command
+    options = command[1:-len(user_command)]                     # what follows "mpirun"
+    np = int(options[options.index("-np") + 1])
+    hostfile = tmp_path / "hostfile"                              # the operator's: one line per worker pod
+    hostfile.write_text(f"localhost slots={np}\n")
+    forwarded = [a for i, a in enumerate(options) if i and options[i - 1] == "-x"]
+    extra = ["--hostfile", str(hostfile)] + [a for name in forwarded for a in ("-x", name)]
+    env = {**{k: v for k, v in os.environ.items() if k not in ("STRATAGEM_CONFIG", "TF_CONFIG")},
+           **pod_env(launcher, {"hvd-secret": secret}),
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    result = run_mpi_job(np, user_command, timeout=120, env=env, extra_args=extra)
+    assert result.returncode == 0, result.output
+    ranks = sorted(line.split()[1:] for line in result.output.splitlines() if line.startswith("rank "))
+    assert ranks == sorted([[f"worker:{i}", "3", SECRET, "mpi", "3"] for i in range(3)] + [["ps:0", "3", SECRET, "mpi", "3"]])
