@@ -174,9 +174,16 @@ class _RayTask:
         return self.returncode
 
     def send(self, sig: int) -> None:
-        if self.returncode is None:
-            self.stopped_by_launcher = True
-            self.actor.signal.remote(int(sig))
+        """Signal the task if it still runs (asked of its actor, which knows: a task that has just
+        exited on its own is not counted as stopped by the launcher)."""
+        if self.returncode is not None or self.ended:
+            return
+        try:
+            signalled = self._pump.ray.get(self.actor.signal.remote(int(sig)), timeout=CALL_TIMEOUT)
+        except self._pump.ray.exceptions.RayError as exc:
+            self._pump.lose(self, f"could not be signalled ({type(exc).__name__})")
+            return
+        self.stopped_by_launcher = self.stopped_by_launcher or signalled
 
     def wait(self) -> int:
         deadline = time.monotonic() + _REAP_SECONDS

@@ -135,10 +135,12 @@ class TaskRunner:
         ended = code is not None and self._out.ended.is_set() and self._err.ended.is_set()
         return self._out.take(), self._err.take(), code, ended
 
-    def signal(self, sig: int) -> None:
-        """Send ``sig`` to the task's process group if the task still runs."""
-        if self._process is not None and self._process.poll() is None:
-            _signal_group(self._process.pid, sig)
+    def signal(self, sig: int) -> bool:
+        """Send ``sig`` to the task's process group if the task still runs; say whether it did."""
+        if self._process is None or self._process.poll() is not None:
+            return False
+        _signal_group(self._process.pid, sig)
+        return True
 
     def value(self) -> bytes | None:
         """A function task's pickled return value, once it has exited 0 (None for a command)."""
