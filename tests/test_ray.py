@@ -193,7 +193,10 @@ def test_without_ray_the_error_says_how_to_install_it():
 def test_ray_options_need_ray():
     proc = _stratagem("launch", "--spread", "--worker", "2", "--", sys.executable, "-c", "pass")
     assert proc.returncode == 2
-    assert "--spread, --cpus-per-task and --placement-timeout apply only with --ray ADDRESS" in proc.stderr
+    assert "--spread: only with --ray ADDRESS" in proc.stderr
+    proc = _stratagem("launch", "--cpus-per-task", "1", "--placement-timeout", "5", "--", sys.executable, "-c", "pass")
+    assert proc.returncode == 2
+    assert "--cpus-per-task, --placement-timeout: only with --ray ADDRESS" in proc.stderr
 
 
 def test_a_lost_actor_stops_the_job_and_is_reported(ray_cluster):

@@ -553,9 +553,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "placement group; needs pip install 'stratagem[ray]'")
     parser.add_argument("--spread", action="store_true",
                         help="with --ray: every task on a different node (placement strategy STRICT_SPREAD)")
-    parser.add_argument("--cpus-per-task", type=float, default=1.0, metavar="C",
+    parser.add_argument("--cpus-per-task", type=float, metavar="C",
                         help="with --ray: CPUs each task's placement bundle reserves (default: 1)")
-    parser.add_argument("--placement-timeout", type=float, default=60.0, metavar="SECONDS",
+    parser.add_argument("--placement-timeout", type=float, metavar="SECONDS",
                         help="with --ray: how long the cluster may take to place every task (default: 60)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every task runs, after '--'")
     parser.set_defaults(_launch_parser=parser)
@@ -569,18 +569,23 @@ def run(args: argparse.Namespace) -> int:
     try:
         if getattr(args, "mpi", False) and getattr(args, "ray", None):
             raise ConfigurationError("--mpi and --ray cannot be combined: give one of them")
-        if getattr(args, "ray", None) is None and (getattr(args, "spread", False)
-                                                   or getattr(args, "cpus_per_task", 1.0) != 1.0
-                                                   or getattr(args, "placement_timeout", 60.0) != 60.0):
-            raise ConfigurationError("--spread, --cpus-per-task and --placement-timeout apply only with --ray ADDRESS")
+        ray_only = {"--spread": getattr(args, "spread", False) or None,
+                    "--cpus-per-task": getattr(args, "cpus_per_task", None),
+                    "--placement-timeout": getattr(args, "placement_timeout", None)}
+        if getattr(args, "ray", None) is None and any(v is not None for v in ray_only.values()):
+            given = ", ".join(flag for flag, value in ray_only.items() if value is not None)
+            raise ConfigurationError(f"{given}: only with --ray ADDRESS")
         if getattr(args, "ray", None):
-            from ..engines.ray import launch_ray
+            from ..engines.ray import DEFAULT_PLACEMENT_TIMEOUT, launch_ray
 
-            result = launch_ray(command, workers=args.worker, ps=args.ps, chief=args.chief,
-                                transport=args.transport, secret=args.secret, timeout=args.timeout,
-                                address=args.ray, spread=args.spread, cpus_per_task=args.cpus_per_task,
-                                grace=args.grace, ps_grace=args.ps_grace,
-                                placement_timeout=args.placement_timeout)
+            result = launch_ray(
+                command, workers=args.worker, ps=args.ps, chief=args.chief, transport=args.transport,
+                secret=args.secret, timeout=args.timeout, address=args.ray, spread=args.spread,
+                cpus_per_task=1.0 if args.cpus_per_task is None else args.cpus_per_task,
+                grace=args.grace, ps_grace=args.ps_grace,
+                placement_timeout=(DEFAULT_PLACEMENT_TIMEOUT if args.placement_timeout is None
+                                   else args.placement_timeout),
+            )
         elif getattr(args, "mpi", False):
             from .mpi_launch import launch_mpi
 

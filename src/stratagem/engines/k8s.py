@@ -97,7 +97,8 @@ def _check(command: Sequence[str], name: str, namespace: str, image: str, worker
     if slots_per_worker < 1:
         raise ConfigurationError("--slots-per-worker must be at least 1")
     if restart_policy not in RESTART_POLICIES:
-        raise ConfigurationError(f"--restart-policy must be one of {', '.join(RESTART_POLICIES)}, got {restart_policy!r}")
+        raise ConfigurationError(f"--restart-policy must be one of {', '.join(RESTART_POLICIES)}, "
+                                 f"got {restart_policy!r}")
 
 
 # -- the objects -----------------------------------------------------------------------------------

@@ -140,7 +140,8 @@ def _connect(address: str | None, cpus_needed: float = 1.0):
     try:
         ray.init(**options)
     except (ConnectionError, ValueError, RuntimeError) as exc:
-        where = "start a local Ray instance" if address == "local" else f"connect to the Ray cluster {address or '(auto)'}"
+        where = ("start a local Ray instance" if address == "local"
+                 else f"connect to the Ray cluster {address or '(auto)'}")
         raise ConfigurationError(f"cannot {where}: {exc}") from None
     return ray, True
 
@@ -294,7 +295,8 @@ def _remote_error(ray, exc: BaseException, what: str) -> ConfigurationError:
     cause = getattr(exc, "cause", None)
     if isinstance(cause, ConfigurationError):
         return ConfigurationError(str(cause))
-    return ConfigurationError(f"{what}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")
+    last_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+    return ConfigurationError(f"{what}: {type(exc).__name__}: {last_line}")
 
 
 def _run(command: Sequence[str] | None, function: Callable[[], Any] | None, *, script: bool, workers: int,
