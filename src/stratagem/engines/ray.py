@@ -35,7 +35,9 @@ a Ray instance of its own, bound to 127.0.0.1, without a dashboard, with at leas
 the tasks ask for (like ``stratagem launch``, it may run more tasks than cores), and stops it at
 the end; an
 address (``"10.0.0.5:6379"``, ``"ray://head:10001"``) connects to that cluster. An address on
-127.0.0.1 (a cluster of this machine bound to loopback) is reached over loopback.
+127.0.0.1 (a cluster of this machine bound to loopback) is reached over loopback: Ray would rewrite
+it to this node's outward address unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, which is set here
+when Ray is not yet imported (set it yourself if your program imports Ray first).
 """
 
 from __future__ import annotations
