@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 #: Modules that importing the package (or building the CLI parser) must not pull in.
-HEAVY = ["grpc", "mpi4py", "cupy", "torch", "jax", "zmq", "stratagem.transports.zmq",
+HEAVY = ["grpc", "mpi4py", "cupy", "torch", "jax", "zmq", "ray", "kubernetes", "stratagem.transports.zmq",
          "stratagem.plugins.manager", "stratagem.core.strategy"]
 
 PROBE = """
@@ -51,6 +51,12 @@ def test_import_stratagem_is_light():
 
 def test_plugin_author_imports_are_light():
     result = _probe("from stratagem.plugins import PluginSpec, hookimpl")
+    assert result["loaded"] == [] and result["entry_point_loads"] == 0
+
+
+def test_the_ray_engine_is_light_until_used():
+    """``stratagem.ray`` is the engine module; Ray itself is imported only when a job runs."""
+    result = _probe("import stratagem; stratagem.ray.run")
     assert result["loaded"] == [] and result["entry_point_loads"] == 0
 
 

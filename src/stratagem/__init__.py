@@ -49,14 +49,15 @@ __all__ = [
     "AuthenticationError", "ClusterResolver", "ClusterSpec", "CollectiveMismatchError",
     "CommunicationError", "ConfigurationError", "IncompatibleError", "PeerLostError", "PluginError",
     "ProtocolError", "StratagemError", "TaskId", "TransportClosed", "TransportTimeout",
-    "communicator", "strategy", "transport", "plugin_manager", "__version__", "optimizers",
+    "communicator", "strategy", "transport", "plugin_manager", "__version__", "optimizers", "ray",
     *_LAZY,
 ]
 
 
 def __getattr__(name: str):
-    """The names of ``_LAZY``, ``stratagem.optimizers`` and the adapters ``stratagem.torch`` and
-    ``stratagem.jax``, imported at first use (keeps the import light: no torch or jax until then)."""
+    """The names of ``_LAZY``, ``stratagem.optimizers``, the adapters ``stratagem.torch`` and
+    ``stratagem.jax``, and ``stratagem.ray`` (jobs on a Ray cluster), imported at first use (keeps the
+    import light: no torch, jax or ray until then)."""
     import importlib
 
     if name in _LAZY:
@@ -66,6 +67,11 @@ def __getattr__(name: str):
         return value
     if name in ("optimizers", "torch", "jax"):   # torch / jax: the adapters, which import those frameworks
         return importlib.import_module(f"{__name__}.{name}")  # importing sets the attribute
+    if name == "ray":
+        # stratagem.ray.run(...): jobs on a Ray cluster. Imports stratagem's engine, not Ray itself.
+        module = importlib.import_module(f"{__name__}.engines.ray")
+        globals()[name] = module
+        return module
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -92,6 +92,8 @@ example:
 Each task gets STRATAGEM_CONFIG (its cluster and task, TF_CONFIG-shaped), STRATAGEM_SECRET and,
 with --transport, STRATAGEM_TRANSPORT (the transport a script gets when it names none). Output
 lines are prefixed with the task ([worker:1] ...).
+With --ray ADDRESS the same job runs as Ray actors, one per task, on the nodes Ray chooses:
+  stratagem launch --ray auto --worker 4 --ps 2 --spread -- python3 train.py
 Exit status: 0 all tasks succeeded (ps tasks stopped after --ps-grace count as success), 1 a task
 failed, 2 usage error, 124 --timeout expired, 130/143 interrupted by SIGINT/SIGTERM.
 """
@@ -264,11 +266,12 @@ def _task_env(base: Mapping[str, str], cluster: ClusterSpec, task: TaskId, secre
     return env
 
 
-def _start_task(task: TaskId, command: Sequence[str], env: dict[str, str]) -> subprocess.Popen:
+def _start_task(task: TaskId, command: Sequence[str], env: dict[str, str],
+                cwd: str | None = None) -> subprocess.Popen:
     try:
         return subprocess.Popen(
             _die_with_launcher(command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True,
+            stderr=subprocess.PIPE, start_new_session=True, cwd=cwd,
         )
     except OSError as exc:
         raise ConfigurationError(
@@ -390,7 +393,8 @@ def _kill_and_reap(tasks: list[_RunningTask]) -> None:
 
 
 def _check_options(command: Sequence[str], workers: int, ps: int, chief: bool, secret: str | None,
-                   timeout: float | None, grace: float, ps_grace: float, path: str | None) -> None:
+                   timeout: float | None, grace: float, ps_grace: float, path: str | None,
+                   check_program: bool = True) -> None:
     if not command:
         raise ConfigurationError(
             "no command to launch: put it after '--', e.g. stratagem launch --worker 2 -- python train.py"
@@ -407,7 +411,7 @@ def _check_options(command: Sequence[str], workers: int, ps: int, chief: bool, s
     for name, value in (("grace", grace), ("ps_grace", ps_grace)):
         if not value >= 0:
             raise ConfigurationError(f"{name} must be a number of seconds >= 0, got {value!r}")
-    if shutil.which(command[0], path=path) is None:
+    if check_program and shutil.which(command[0], path=path) is None:
         raise ConfigurationError(
             f"cannot find the program {command[0]!r} to launch: check the command after '--' "
             f"(is it installed and on PATH?)"
@@ -543,6 +547,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the command once, as an MPI job: mpiexec -n WORKERS+PS in a private network "
                              "namespace (rank 0 is worker:0, the last PS ranks are ps tasks; "
                              "STRATAGEM_TRANSPORT defaults to mpi)")
+    parser.add_argument("--ray", metavar="ADDRESS",
+                        help="run every task in a Ray actor of the cluster at ADDRESS ('auto': the one this "
+                             "node is in; 'local': a Ray instance of its own on 127.0.0.1), placed with a "
+                             "placement group; needs pip install 'stratagem[ray]'")
+    parser.add_argument("--spread", action="store_true",
+                        help="with --ray: every task on a different node (placement strategy STRICT_SPREAD)")
+    parser.add_argument("--cpus-per-task", type=float, metavar="C",
+                        help="with --ray: CPUs each task's placement bundle reserves (default: 1)")
+    parser.add_argument("--placement-timeout", type=float, metavar="SECONDS",
+                        help="with --ray: how long the cluster may take to place every task (default: 60)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every task runs, after '--'")
     parser.set_defaults(_launch_parser=parser)
 
@@ -553,7 +567,26 @@ def run(args: argparse.Namespace) -> int:
     if command[:1] == ["--"]:
         command = command[1:]
     try:
-        if getattr(args, "mpi", False):
+        if getattr(args, "mpi", False) and getattr(args, "ray", None):
+            raise ConfigurationError("--mpi and --ray cannot be combined: give one of them")
+        ray_only = {"--spread": getattr(args, "spread", False) or None,
+                    "--cpus-per-task": getattr(args, "cpus_per_task", None),
+                    "--placement-timeout": getattr(args, "placement_timeout", None)}
+        if getattr(args, "ray", None) is None and any(v is not None for v in ray_only.values()):
+            given = ", ".join(flag for flag, value in ray_only.items() if value is not None)
+            raise ConfigurationError(f"{given}: only with --ray ADDRESS")
+        if getattr(args, "ray", None):
+            from ..engines.ray import DEFAULT_PLACEMENT_TIMEOUT, launch_ray
+
+            result = launch_ray(
+                command, workers=args.worker, ps=args.ps, chief=args.chief, transport=args.transport,
+                secret=args.secret, timeout=args.timeout, address=args.ray, spread=args.spread,
+                cpus_per_task=1.0 if args.cpus_per_task is None else args.cpus_per_task,
+                grace=args.grace, ps_grace=args.ps_grace,
+                placement_timeout=(DEFAULT_PLACEMENT_TIMEOUT if args.placement_timeout is None
+                                   else args.placement_timeout),
+            )
+        elif getattr(args, "mpi", False):
             from .mpi_launch import launch_mpi
 
             result = launch_mpi(command, workers=args.worker, ps=args.ps, chief=args.chief,
