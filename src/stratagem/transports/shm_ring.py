@@ -74,6 +74,9 @@ class Region:
         self.fd = fd  # kept by the producer until handed over, then closed
         self.capacity = capacity
         self._mm = mm
+        # Counters are loaded and stored as aligned native 8-byte words (one instruction each, so
+        # never torn; struct's little-endian packing would go byte by byte).
+        self._words = np.frombuffer(mm, dtype=np.uint64, count=HEADER_BYTES // 8)
         self.data = np.frombuffer(mm, dtype=np.uint8, count=capacity, offset=HEADER_BYTES)
 
     @classmethod
@@ -121,10 +124,10 @@ class Region:
         return cls(None, mm, capacity)
 
     def load(self, offset: int) -> int:
-        return _U64.unpack_from(self._mm, offset)[0]
+        return int(self._words[offset // 8])
 
     def store(self, offset: int, value: int) -> None:
-        _U64.pack_into(self._mm, offset, value)
+        self._words[offset // 8] = value
 
     def close_fd(self) -> None:
         if self.fd is not None:
@@ -134,7 +137,7 @@ class Region:
     def close(self) -> None:
         """Unmap (the memory itself goes once the peer unmaps too). Safe to call twice."""
         self.close_fd()
-        self.data = None
+        self.data = self._words = None
         try:
             self._mm.close()
         except BufferError:
