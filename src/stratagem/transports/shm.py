@@ -359,7 +359,8 @@ class ShmTransport(Transport):
         if old is not None:
             old.close()
         token = os.urandom(TOKEN_BYTES)
-        region = Region.create(f"{self.task.short}->{dst.short}", self.ring_bytes)
+        # The name only shows in /proc/PID/maps (a memfd has no file): cluster, then direction.
+        region = Region.create(f"{self.cluster.cluster_id[:8]}:{self.task.short}->{dst.short}", self.ring_bytes)
         conn = None
         try:
             conn = offer(socket_address(self.cluster.cluster_id, dst), token, self.ring_bytes, region.fd,
