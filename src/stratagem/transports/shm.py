@@ -25,6 +25,9 @@ Design:
   background thread reads when nobody does; a ``send`` waiting for room in a full ring reads too, so
   two tasks that send each other more than a ring holds always make progress. Reading never waits
   for a peer (a half-arrived frame is resumed later), so it cannot deadlock with sending.
+* **Receive buffers.** Messages own their buffers; large ones are reused once the receiver has
+  dropped every reference to them (:mod:`~stratagem.transports.shm_buffers`), since first-touch page
+  faults on fresh memory cost more than the copy out of the ring.
 * **No leaks.** The rings have no name: no ``/dev/shm`` entry exists at any time, and the memory goes
   when the last task mapping it unmaps or dies (``kill -9`` included). The Unix sockets are
   *abstract* (no file either). A ring to or from a lost peer is unmapped as soon as the loss is known.
@@ -70,6 +73,7 @@ from ..core.errors import (ConfigurationError, PeerLostError, PluginError, Proto
 from ..core.mailbox import Mailbox
 from ..core.transport import Message, Transport
 from ..core.wire import Kind
+from .shm_buffers import BufferPool
 from .shm_rendezvous import TOKEN_BYTES, Listener, offer, socket_address
 from .shm_ring import MAX_CAPACITY, MIN_CAPACITY, Region, RingError, RingReader, RingWriter
 from .zmq import ZmqTransport
@@ -143,9 +147,11 @@ class _Outgoing:
 class _Incoming:
     """A peer's ring to us."""
 
-    def __init__(self, src: TaskId, conn: socket.socket, region: Region, limits, chunk_bytes: int):
+    def __init__(self, src: TaskId, conn: socket.socket, region: Region, limits, chunk_bytes: int,
+                 buffers: BufferPool):
         self.src, self.conn, self.region = src, conn, region
-        self.reader = RingReader(region, limits, notify=functools.partial(_ring_bell, conn), notify_bytes=chunk_bytes)
+        self.reader = RingReader(region, limits, notify=functools.partial(_ring_bell, conn), notify_bytes=chunk_bytes,
+                                 allocate=buffers.take)
         self.eof = False
 
     def close(self) -> None:
@@ -211,6 +217,7 @@ class ShmTransport(Transport):
         self._out_lock = threading.Lock()
         # reading: whoever holds the reader lock reads every incoming ring
         self._reader = threading.Lock()
+        self._buffers = BufferPool(max_bytes=4 * ring_bytes)  # used by the reader lock's holder only
         self._incoming: dict[TaskId, _Incoming] = {}
         self._by_fd: dict[int, _Incoming] = {}
         self._poller = select.poll()
@@ -278,6 +285,7 @@ class ShmTransport(Transport):
             self._incoming.clear()
             while not self._attach.empty():
                 self._attach.get().close()
+            self._buffers.clear()
             with self._listener_lock:
                 self._listener.close()
             os.close(self._wake_r)
@@ -329,6 +337,8 @@ class ShmTransport(Transport):
                     self._inbox.mark_lost(dst, reason)
                     raise PeerLostError(dst, reason) from None
                 raise
+            if ring.broken is not None:  # the peer was lost while we wrote: unmap now, not at close
+                self._drop_outgoing(ring, ring.broken)
         finally:
             lock.release()
 
@@ -399,10 +409,15 @@ class ShmTransport(Transport):
             finally:
                 self._reader.release()
                 self._inbox.notify()
-        if ring.writer.free():
-            return
         wait = _SEND_POLL if remaining is None else min(remaining, _SEND_POLL)
-        if ring.poller.poll(max(1, int(wait * 1000))) and not _drain_bell(ring.conn):
+        ring.writer.sleeping(True)
+        try:
+            if ring.writer.free():
+                return
+            ready = ring.poller.poll(max(1, int(wait * 1000)))
+        finally:
+            ring.writer.sleeping(False)
+        if ready and not _drain_bell(ring.conn):
             reason = (f"the shared-memory channel to {ring.dst} closed (it closed its transport or its process "
                       f"ended) while {self.task} was sending to it")
             self._inbox.mark_lost(ring.dst, reason)
@@ -444,7 +459,7 @@ class ShmTransport(Transport):
             return
         finally:
             os.close(fd)
-        ring = _Incoming(src, conn, region, self.limits, self.chunk_bytes)
+        ring = _Incoming(src, conn, region, self.limits, self.chunk_bytes, self._buffers)
         with self._retire_lock:
             self._announced[src] = ring
         self._attach.put(ring)
@@ -526,7 +541,19 @@ class ShmTransport(Transport):
         self._sync_rings()
         if self._read_all() or timeout <= 0:
             return
-        for fd, _ in self._poller.poll(max(1, int(timeout * 1000))):
+        rings = list(self._incoming.values())
+        for ring in rings:
+            ring.reader.sleeping(True)
+        try:
+            if any(_has_data(ring) for ring in rings):
+                events = []
+            else:
+                events = self._poller.poll(max(1, int(timeout * 1000)))
+        finally:
+            for ring in rings:
+                if ring.region.data is not None:
+                    ring.reader.sleeping(False)
+        for fd, _ in events:
             if fd == self._wake_r:
                 try:
                     os.read(self._wake_r, 4096)
@@ -610,6 +637,14 @@ class ShmTransport(Transport):
             earlier = self._retire.pop(ring.src, None)
         self._forget_incoming(ring)
         self._inbox.lose(ring.src, earlier[0] if earlier is not None and earlier[1] is ring else reason)
+
+
+def _has_data(ring: _Incoming) -> bool:
+    """Whether ``ring`` has bytes to read (or a broken counter, which reading will report)."""
+    try:
+        return ring.reader.available() > 0
+    except ProtocolError:
+        return True
 
 
 def _remaining(deadline: float | None) -> float | None:

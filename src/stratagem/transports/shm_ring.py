@@ -13,6 +13,8 @@ shrinking so a peer can never make our mapping fault (SIGBUS). Layout::
     0     magic "STRGRING" | capacity u64
     64    written   u64   total bytes the producer has published (written by the producer only)
     128   consumed  u64   total bytes the consumer has taken     (written by the consumer only)
+    192   consumer sleeps u64   1 while the consumer may sleep waiting for data
+    256   producer sleeps u64   1 while the producer may sleep waiting for room
     4096  data      capacity bytes; stream byte i lives at data[i % capacity]
 
 Each side keeps its own counter in private memory and reads the other's from shared memory as
@@ -22,9 +24,16 @@ wire header or envelope, checked by :mod:`stratagem.core.wire` against the recei
 anything is allocated, so a hostile or buggy peer can neither make us read outside the region nor
 allocate more than a frame from the network could.
 
-Memory order: the producer copies the data, then stores ``written`` (and rings the peer's doorbell,
-a system call); the consumer loads ``written``, then copies. x86-64 keeps stores in order; on other
-architectures the doorbell's system call on both sides orders them.
+Waking up: a side about to sleep sets its *sleeps* word, then looks at the other's counter once
+more; a side that moves its counter then looks at the other's *sleeps* word and calls ``notify()``
+(the transport rings a doorbell) only if it is set. With a full fence between the store and the
+load on both sides (:func:`fence`: a lock operation, a locked instruction on x86-64) one of the two
+always sees the other, so no wake-up is lost, and a side that is busy copying is never woken for
+nothing (a wake-up costs far more than a copy of a chunk on a loaded machine). Where a lock is not
+a full fence (weakly ordered CPUs) a lost wake-up costs one poll slice of the waiter, never a hang.
+
+Memory order of the data: the producer copies it, then stores ``written``; the consumer loads
+``written``, then copies. x86-64 keeps stores in order (and loads in order).
 
     >>> import numpy as np
     >>> from stratagem.core.wire import Kind, encode
@@ -43,6 +52,7 @@ import mmap
 import os
 import stat
 import struct
+import threading
 from typing import Callable, Sequence
 
 import numpy as np
@@ -54,12 +64,22 @@ from ..core.wire import Frame, Kind, Limits
 MAGIC = b"STRGRING"
 #: Bytes before the data: the magic and the two counters, each counter on its own cache line.
 HEADER_BYTES = 4096
-_WRITTEN, _CONSUMED = 64, 128
+_WRITTEN, _CONSUMED, _CONSUMER_SLEEPS, _PRODUCER_SLEEPS = 64, 128, 192, 256
 _U64 = struct.Struct("<Q")
 #: Smallest and largest rings we make or accept.
 MIN_CAPACITY = 64 << 10
 MAX_CAPACITY = 1 << 30
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+_FENCE = threading.Lock()
+
+
+def fence() -> None:
+    """A full memory fence, as far as Python can have one: a lock taken and released (an atomic
+    read-modify-write, which x86-64 orders with every earlier store and later load)."""
+    _FENCE.acquire()
+    _FENCE.release()
 
 
 class RingError(ProtocolError):
@@ -149,7 +169,7 @@ class Region:
 class RingWriter:
     """The producer's end: copies frames in, publishing every ``chunk_bytes``.
 
-    ``notify()`` is called after each publish (the transport rings the consumer's doorbell).
+    ``notify()`` is called after a publish if the consumer sleeps (the transport rings its doorbell).
     """
 
     def __init__(self, region: Region, chunk_bytes: int = 1 << 20, notify: Callable[[], None] = lambda: None):
@@ -167,6 +187,13 @@ class RingWriter:
             raise RingError(f"the consumer's counter {consumed} is outside {self._consumed}..{self.written}")
         self._consumed = consumed
         return self.region.capacity - (self.written - consumed)
+
+    def sleeping(self, sleeps: bool) -> None:
+        """Say whether the producer may sleep waiting for room (see the module docstring): set it,
+        then check :meth:`free` once more before sleeping."""
+        self.region.store(_PRODUCER_SLEEPS, int(sleeps))
+        if sleeps:
+            fence()
 
     def write(self, parts: Sequence, wait: Callable[[], object]) -> None:
         """Write one frame (``wire.encode`` parts). ``wait()`` is called whenever the ring is full;
@@ -194,7 +221,9 @@ class RingWriter:
         if self.written != self._published:
             self.region.store(_WRITTEN, self.written)
             self._published = self.written
-            self.notify()
+            fence()
+            if self.region.load(_CONSUMER_SLEEPS):
+                self.notify()
 
 
 class RingReader:
@@ -205,8 +234,10 @@ class RingReader:
     """
 
     def __init__(self, region: Region, limits: Limits = wire.DEFAULT_LIMITS,
-                 notify: Callable[[], None] = lambda: None, notify_bytes: int = 1 << 20):
+                 notify: Callable[[], None] = lambda: None, notify_bytes: int = 1 << 20,
+                 allocate: Callable[[int], np.ndarray] = lambda n: np.empty(n, dtype=np.uint8)):
         self.region = region
+        self.allocate = allocate  # fresh uint8 buffers nobody else refers to
         self.limits = limits
         self.notify = notify
         self.notify_bytes = notify_bytes
@@ -255,7 +286,16 @@ class RingReader:
 
     def _notify(self) -> None:
         self._notified = self.consumed
-        self.notify()
+        fence()
+        if self.region.load(_PRODUCER_SLEEPS):
+            self.notify()
+
+    def sleeping(self, sleeps: bool) -> None:
+        """Say whether the consumer may sleep waiting for data (see the module docstring): set it,
+        then check :meth:`available` once more before sleeping."""
+        self.region.store(_CONSUMER_SLEEPS, int(sleeps))
+        if sleeps:
+            fence()
 
     def _copy_out(self, dest: np.ndarray, n: int) -> None:
         """Copy the next ``n`` stream bytes into ``dest`` (``n`` <= available)."""
@@ -284,7 +324,7 @@ class RingReader:
                     return n
             tag, meta, specs = wire.read_envelope(self._header, memoryview(self._head)[wire.HEADER_SIZE:], self.limits)
             # The receiver owns every buffer: fresh memory, filled from the ring.
-            self._frame = Frame(Kind.DATA, tag, meta, [np.empty(s.nbytes, dtype=np.uint8) for s in specs])
+            self._frame = Frame(Kind.DATA, tag, meta, [self.allocate(s.nbytes) for s in specs])
             self._specs = specs
             self._finish_if_filled(frames)
             return n
