@@ -6,6 +6,8 @@
   at once, with a cluster secret; a long two-process echo stream keeps its bytes and order.
 - A task killed with SIGKILL in the middle of a message: the survivor raises ``PeerLostError`` naming
   it, unmaps both rings it shared with it, and nothing is left in ``/dev/shm`` (no ring ever had a name).
+- A send blocked by a frozen (SIGSTOP) receiver ends with ``PeerLostError`` once its heartbeats
+  stop (``peer_timeout``), or with ``TransportClosed`` when the sender's transport closes.
 - A hostile peer: a producer counter beyond the ring, a frame header claiming a huge payload, a memfd
   offered by a local process that never authenticated; the receiver drops the offender (or ignores
   the offer) and keeps serving the others.
@@ -28,7 +30,7 @@ import pytest
 
 from stratagem.core import wire
 from stratagem.core.cluster import ClusterSpec
-from stratagem.core.errors import ConfigurationError, PeerLostError
+from stratagem.core.errors import ConfigurationError, PeerLostError, TransportClosed
 from stratagem.core.transport import Message
 from stratagem.testing.peer import spawn_peer
 from stratagem.testing.world import local_cluster, transport_world
@@ -175,6 +177,58 @@ def test_kill_9_mid_transfer_names_the_task_and_leaves_no_shared_memory():
             proc.wait(timeout=30)
     leaked = [name for name in set(os.listdir("/dev/shm")) - before if "stratagem" in name or name.startswith("psm_")]
     assert leaked == []
+
+
+# -- a frozen receiver -------------------------------------------------------------------------------
+
+def test_a_send_blocked_by_a_frozen_receiver_ends_by_loss_or_close():
+    cluster = local_cluster(2)
+    me, other = cluster.tasks()
+    big = np.ones(8 << 20, np.float32)  # 32 MiB: four rings' worth
+    with ShmTransport(cluster, me, timeout=CALL, peer_timeout=2.0) as t:
+        with spawn_peer("shm", cluster, other, me, peer_timeout=2.0) as proc:
+            t.recv(other, "ready", timeout=60)
+            # A round trip: rings both ways, and the control connections' handshakes are done.
+            t.send(other, "echo", Message({}, [np.zeros(10)]))
+            t.recv(other, "echo", timeout=CALL)
+            os.kill(proc.pid, signal.SIGSTOP)  # alive, but nobody drains its ring any more
+            try:
+                start = time.monotonic()
+                with pytest.raises(PeerLostError) as info:
+                    t.send(other, "big", Message({}, [big]))
+                # Its heartbeats stop, so the send gives up after peer_timeout, naming it.
+                assert info.value.task == other and time.monotonic() - start < 2.0 + 8
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+
+    cluster = local_cluster(2)
+    me, other = cluster.tasks()
+    t = ShmTransport(cluster, me, timeout=CALL, peer_timeout=30.0)
+    t.start()
+    try:
+        with spawn_peer("shm", cluster, other, me, peer_timeout=30.0) as proc:
+            t.recv(other, "ready", timeout=60)
+            t.send(other, "echo", Message({}, [np.zeros(10)]))
+            t.recv(other, "echo", timeout=CALL)
+            os.kill(proc.pid, signal.SIGSTOP)
+            errors: list = []
+
+            def send():
+                try:
+                    t.send(other, "big", Message({}, [big]))
+                except Exception as exc:
+                    errors.append(exc)
+
+            sender = threading.Thread(target=send)
+            sender.start()
+            time.sleep(0.5)
+            assert sender.is_alive()  # waiting for room in the ring
+            t.close()
+            sender.join(10)
+            assert not sender.is_alive() and len(errors) == 1 and isinstance(errors[0], TransportClosed), errors
+            os.kill(proc.pid, signal.SIGCONT)
+    finally:
+        t.close()
 
 
 # -- hostile peers ----------------------------------------------------------------------------------
