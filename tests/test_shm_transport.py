@@ -6,6 +6,9 @@
   at once, with a cluster secret; a long two-process echo stream keeps its bytes and order.
 - A task killed with SIGKILL in the middle of a message: the survivor raises ``PeerLostError`` naming
   it, unmaps both rings it shared with it, and nothing is left in ``/dev/shm`` (no ring ever had a name).
+- The native all-reduce (through shared arenas): exact results on every rank for every op and several
+  dtypes at 2 and 3 ranks, arenas that grow, ``out=`` and in place, a mismatch reported on every
+  rank, a rank killed in the middle named by the survivor (and its memory unmapped).
 - A send blocked by a frozen (SIGSTOP) receiver ends with ``PeerLostError`` once its heartbeats
   stop (``peer_timeout``), or with ``TransportClosed`` when the sender's transport closes.
 - A hostile peer: a producer counter beyond the ring, a frame header claiming a huge payload, a memfd
@@ -25,15 +28,18 @@ import threading
 import time
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
+from stratagem.core import collectives as coll
 from stratagem.core import wire
 from stratagem.core.cluster import ClusterSpec
-from stratagem.core.errors import ConfigurationError, PeerLostError, TransportClosed
+from stratagem.core.communicator import Communicator
+from stratagem.core.errors import CollectiveMismatchError, ConfigurationError, PeerLostError, TransportClosed
 from stratagem.core.transport import Message
 from stratagem.testing.peer import spawn_peer
-from stratagem.testing.world import local_cluster, transport_world
+from stratagem.testing.world import local_cluster, run_ranks, transport_world
 from stratagem.transports import shm_rendezvous
 from stratagem.transports.shm import ShmTransport, socket_address
 
@@ -41,6 +47,7 @@ pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the shm transport is Linux-only")]
 
 SCRIPTS = Path(__file__).parent / "scripts"
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 CALL = 30.0
 
 
@@ -177,6 +184,105 @@ def test_kill_9_mid_transfer_names_the_task_and_leaves_no_shared_memory():
             proc.wait(timeout=30)
     leaked = [name for name in set(os.listdir("/dev/shm")) - before if "stratagem" in name or name.startswith("psm_")]
     assert leaked == []
+
+
+# -- the native all-reduce ----------------------------------------------------------------------------
+
+def _communicators(world, **options):
+    return [Communicator(t, timeout=CALL, **options) for t in world]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_the_native_allreduce_gives_every_rank_the_same_exact_result(size):
+    rng = np.random.default_rng(7)
+    cases = [("sum", np.float32, 300_001), ("mean", np.int64, 200_003), ("max", np.float64, 150_001),
+             ("min", np.int16, 600_007), ("prod", np.float32, 262_144), ("sum", BFLOAT16, 700_001)]
+    inputs = {(i, r): rng.standard_normal(n).astype(dtype) if np.dtype(dtype).kind == "f"
+              else rng.integers(-100, 100, n).astype(dtype) for i, (_, dtype, n) in enumerate(cases)
+              for r in range(size)}
+    with transport_world("shm", size, timeout=CALL) as world:
+        comms = _communicators(world)
+
+        def body(rank, _):
+            return [comms[rank].allreduce(inputs[(i, rank)], op=op) for i, (op, _, _) in enumerate(cases)]
+
+        results = run_ranks(world, body, timeout=60)
+        for i, (op, dtype, n) in enumerate(cases):
+            work = coll.working_dtype(op, np.dtype(dtype))
+            expected = inputs[(i, 0)].astype(work)
+            for r in range(1, size):  # in rank order, as the native path reduces
+                expected = coll.OPS[op](expected, inputs[(i, r)].astype(work))
+            if op == "mean":
+                expected = expected / work.type(size)
+            for rank in range(size):
+                assert results[rank][i].dtype == work and results[rank][i].shape == (n,)
+                assert results[rank][i].tobytes() == expected.tobytes(), (op, dtype, rank)
+        assert comms[0]._session.seq == len(cases)  # counted once per call
+
+
+def test_the_native_allreduce_grows_its_arenas_and_honours_out_and_in_place():
+    with transport_world("shm", 2, timeout=CALL) as world:
+        comms = _communicators(world)
+
+        def body(rank, _):
+            results = []
+            for n in (300_000, 3_000_000, 500_000):  # 1.2 MB, 12 MB (arenas grow), 2 MB
+                x = np.full(n, rank + 1.0, np.float32)
+                out = np.empty_like(x)
+                assert comms[rank].allreduce(x, out=out) is out
+                comms[rank].allreduce(x, out=x)  # in place
+                results.append((float(out.min()), float(out.max()), float(x.min()), float(x.max())))
+            return results
+
+        assert run_ranks(world, body, timeout=60) == [[(3.0, 3.0, 3.0, 3.0)] * 3] * 2
+
+
+def test_a_native_allreduce_mismatch_is_reported_on_every_rank():
+    with transport_world("shm", 3, timeout=CALL) as world:
+        comms = _communicators(world)
+
+        def body(rank, _):
+            shape = 400_000 if rank != 2 else 400_001
+            try:
+                comms[rank].allreduce(np.ones(shape, np.float32))
+            except CollectiveMismatchError as exc:
+                return str(exc)
+            return None
+
+        errors = run_ranks(world, body, timeout=60)
+        assert all(error is not None and "mismatch" in error for error in errors), errors
+    with transport_world("shm", 2, timeout=CALL) as world:  # the native path against core's ring
+        comms = _communicators(world)
+
+        def other_algorithm(rank, _):
+            with pytest.raises(CollectiveMismatchError):
+                comms[rank].allreduce(np.ones(400_000, np.float32), algorithm="auto" if rank == 0 else "ring")
+
+        run_ranks(world, other_algorithm, timeout=60)
+
+
+def test_a_rank_killed_during_native_allreduces_is_named():
+    cluster = local_cluster(2)
+    me, other = cluster.tasks()
+    with ShmTransport(cluster, me, timeout=CALL, peer_timeout=3.0) as t:
+        comm = Communicator(t, timeout=CALL)
+        proc = subprocess.Popen([sys.executable, str(SCRIPTS / "shm_allreduce_loop.py"), cluster.to_json(),
+                                 other.short], start_new_session=True)
+        try:
+            x = np.ones(4 << 20, np.float32)
+            for _ in range(5):
+                assert comm.allreduce(x)[-1] == 2.0
+            os.kill(proc.pid, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(PeerLostError) as info:
+                for _ in range(1000):
+                    comm.allreduce(x)
+            assert info.value.task == other and time.monotonic() - start < 3.0 + 5
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        assert _wait_until(lambda: not _rings_mapped(f"{cluster.cluster_id[:8]}:{other.short}"))
 
 
 # -- a frozen receiver -------------------------------------------------------------------------------

@@ -28,6 +28,9 @@ Design:
 * **Receive buffers.** Messages own their buffers; large ones are reused once the receiver has
   dropped every reference to them (:mod:`~stratagem.transports.shm_buffers`), since first-touch page
   faults on fresh memory cost more than the copy out of the ring.
+* **Native all-reduce.** Large all-reduces go through per-communicator shared arenas, each segment
+  reduced straight out of the others' memory (:mod:`~stratagem.transports.shm_collectives`);
+  ``native_allreduce=False`` runs core's ring over the rings instead.
 * **No leaks.** The rings have no name: no ``/dev/shm`` entry exists at any time, and the memory goes
   when the last task mapping it unmaps or dies (``kill -9`` included). The Unix sockets are
   *abstract* (no file either). A ring to or from a lost peer is unmapped as soon as the loss is known.
@@ -74,6 +77,7 @@ from ..core.mailbox import Mailbox
 from ..core.transport import Message, Transport
 from ..core.wire import Kind
 from .shm_buffers import BufferPool
+from .shm_collectives import ShmCollectives
 from .shm_rendezvous import TOKEN_BYTES, Listener, offer, socket_address
 from .shm_ring import MAX_CAPACITY, MIN_CAPACITY, Region, RingError, RingReader, RingWriter
 from .zmq import ZmqTransport
@@ -188,6 +192,8 @@ class ShmTransport(Transport):
         ring_bytes: capacity of each ring (one per ordered pair of tasks that talk).
         chunk_bytes: a sender publishes (and a receiver frees) the ring in pieces of this size, so
             that copying in and copying out overlap.
+        native_allreduce: all-reduce large tensors through per-communicator shared arenas
+            (:mod:`~stratagem.transports.shm_collectives`) instead of core's ring over the rings.
         control_options: options for the control :class:`ZmqTransport` (``bind_host``...).
         **common: the options every transport takes (``secret``, ``timeout``...), shared with the
             control transport.
@@ -196,7 +202,7 @@ class ShmTransport(Transport):
     name = "shm"
 
     def __init__(self, cluster, task, *, ring_bytes: int = 8 << 20, chunk_bytes: int = 1 << 20,
-                 control_options: dict | None = None, **common):
+                 native_allreduce: bool = True, control_options: dict | None = None, **common):
         super().__init__(cluster, task, **common)
         if not isinstance(ring_bytes, int) or not MIN_CAPACITY <= ring_bytes <= MAX_CAPACITY:
             raise ConfigurationError(f"shm: ring_bytes must be an int between {MIN_CAPACITY} and {MAX_CAPACITY}, "
@@ -206,6 +212,7 @@ class ShmTransport(Transport):
                                      f"({ring_bytes // 2}), got {chunk_bytes!r}")
         check_same_host(self.cluster)
         self.ring_bytes, self.chunk_bytes = ring_bytes, chunk_bytes
+        self._collectives = ShmCollectives(self) if native_allreduce else None
         self._inbox = _Inbox(self)
         self.control = _Control(self._inbox, self.cluster, self.task, **common, **(control_options or {}))
         self._address = socket_address(self.cluster.cluster_id, self.task)
@@ -293,6 +300,8 @@ class ShmTransport(Transport):
         finally:
             if got_reader:
                 self._reader.release()
+        if self._collectives is not None:
+            self._collectives.close()
         with self._out_lock:
             outgoing = list(self._out.items())
         for dst, ring in outgoing:
@@ -354,6 +363,9 @@ class ShmTransport(Transport):
 
     def lost_peers(self) -> dict[TaskId, str]:
         return self._inbox.lost()
+
+    def native_collectives(self):
+        return {} if self._collectives is None else self._collectives.table()
 
     # -- sending -----------------------------------------------------------------------------------
     def _send_lock(self, dst: TaskId) -> threading.Lock:
@@ -477,7 +489,9 @@ class ShmTransport(Transport):
         return True
 
     def _on_lost(self, task: TaskId, reason: str) -> None:
-        """A peer is gone (any thread): retire our ring to it; never blocks."""
+        """A peer is gone (any thread): retire our ring to it and its arenas; never blocks."""
+        if self._collectives is not None:
+            self._collectives.peer_lost(task)
         with self._out_lock:
             ring = self._out.get(task)
             lock = self._send_locks.get(task)
