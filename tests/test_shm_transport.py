@@ -237,6 +237,24 @@ def test_the_native_allreduce_grows_its_arenas_and_honours_out_and_in_place():
         assert run_ranks(world, body, timeout=60) == [[(3.0, 3.0, 3.0, 3.0)] * 3] * 2
 
 
+def test_allreduce_traffic_is_counted_once_on_either_path():
+    with transport_world("shm", 2, timeout=CALL) as world:
+        comms = _communicators(world)
+
+        def body(rank, _):
+            before = world[rank].traffic.snapshot()
+            comms[rank].allreduce(np.ones(1000, np.float32))      # small: core's algorithm
+            small = world[rank].traffic.snapshot() - before
+            comms[rank].allreduce(np.ones(1 << 20, np.float32))   # 4 MiB: the native path
+            large = world[rank].traffic.snapshot() - small - before
+            return small.sent_bytes(), large.sent_bytes()
+
+        for small, large in run_ranks(world, body, timeout=60):
+            assert small == 4000  # recursive doubling at 2 ranks: the tensor once, not booked again
+            # booked at what a ring moves (2 (n-1)/n of the tensor), plus the 24-byte agreement
+            assert large == (4 << 20) + 24
+
+
 def test_a_native_allreduce_mismatch_is_reported_on_every_rank():
     with transport_world("shm", 3, timeout=CALL) as world:
         comms = _communicators(world)

@@ -106,11 +106,8 @@ class ShmCollectives:
                 arenas.lock.release()
 
     def allreduce(self, session: CollectiveSession, x, op: str = "sum", algorithm: str = "auto", out=None):
-        # The communicator numbered this call already; both paths below number it again
-        # (session.collective), so take the first number back: calls stay counted once.
-        session.seq -= 1
         if coll.is_device_array(x):
-            return coll.allreduce(session, x, op=op, algorithm=algorithm, out=out)
+            return NotImplemented
         x = coll.as_array(x)
         coll.check_dtype(x.dtype, "allreduce")
         coll.check_op(op, x.dtype, "allreduce")
@@ -122,7 +119,10 @@ class ShmCollectives:
         # The same choice on every member: it depends only on what the fingerprint covers.
         if (algorithm != "auto" or session.size < 2 or nbytes < NATIVE_MIN_BYTES or x.size < session.size
                 or nbytes > MAX_CAPACITY):
-            return coll.allreduce(session, x, op=op, algorithm=algorithm, out=out)
+            return NotImplemented  # core's algorithm runs it (see Communicator)
+        # The communicator numbered this call already, and session.collective numbers it again:
+        # take the first number back, so that calls stay counted once.
+        session.seq -= 1
         fp = fingerprint("allreduce", op=op, dtype=dtype_name(x.dtype), shape=x.shape, algo="shm")
         src = x.reshape(-1) if x.dtype == dtype and x.flags.c_contiguous else x.astype(dtype).reshape(-1)
         work = np.empty(x.size, dtype=dtype) if out is None else out.reshape(-1)
