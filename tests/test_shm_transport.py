@@ -188,6 +188,10 @@ def test_kill_9_mid_transfer_names_the_task_and_leaves_no_shared_memory():
 
 # -- the native all-reduce ----------------------------------------------------------------------------
 
+#: The native all-reduce's threshold in these tests (1 MiB, for speed; 8 MiB by default).
+NATIVE = 1 << 20
+
+
 def _communicators(world, **options):
     return [Communicator(t, timeout=CALL, **options) for t in world]
 
@@ -200,7 +204,7 @@ def test_the_native_allreduce_gives_every_rank_the_same_exact_result(size):
     inputs = {(i, r): rng.standard_normal(n).astype(dtype) if np.dtype(dtype).kind == "f"
               else rng.integers(-100, 100, n).astype(dtype) for i, (_, dtype, n) in enumerate(cases)
               for r in range(size)}
-    with transport_world("shm", size, timeout=CALL) as world:
+    with transport_world("shm", size, timeout=CALL, native_allreduce_bytes=NATIVE) as world:
         comms = _communicators(world)
 
         def body(rank, _):
@@ -218,10 +222,11 @@ def test_the_native_allreduce_gives_every_rank_the_same_exact_result(size):
                 assert results[rank][i].dtype == work and results[rank][i].shape == (n,)
                 assert results[rank][i].tobytes() == expected.tobytes(), (op, dtype, rank)
         assert comms[0]._session.seq == len(cases)  # counted once per call
+        assert all(len(t._collectives._arenas) == 1 for t in world)  # it was the native path
 
 
 def test_the_native_allreduce_grows_its_arenas_and_honours_out_and_in_place():
-    with transport_world("shm", 2, timeout=CALL) as world:
+    with transport_world("shm", 2, timeout=CALL, native_allreduce_bytes=NATIVE) as world:
         comms = _communicators(world)
 
         def body(rank, _):
@@ -238,7 +243,7 @@ def test_the_native_allreduce_grows_its_arenas_and_honours_out_and_in_place():
 
 
 def test_allreduce_traffic_is_counted_once_on_either_path():
-    with transport_world("shm", 2, timeout=CALL) as world:
+    with transport_world("shm", 2, timeout=CALL, native_allreduce_bytes=NATIVE) as world:
         comms = _communicators(world)
 
         def body(rank, _):
@@ -256,7 +261,7 @@ def test_allreduce_traffic_is_counted_once_on_either_path():
 
 
 def test_a_native_allreduce_mismatch_is_reported_on_every_rank():
-    with transport_world("shm", 3, timeout=CALL) as world:
+    with transport_world("shm", 3, timeout=CALL, native_allreduce_bytes=NATIVE) as world:
         comms = _communicators(world)
 
         def body(rank, _):
@@ -269,7 +274,7 @@ def test_a_native_allreduce_mismatch_is_reported_on_every_rank():
 
         errors = run_ranks(world, body, timeout=60)
         assert all(error is not None and "mismatch" in error for error in errors), errors
-    with transport_world("shm", 2, timeout=CALL) as world:  # the native path against core's ring
+    with transport_world("shm", 2, timeout=CALL, native_allreduce_bytes=NATIVE) as world:  # native vs ring
         comms = _communicators(world)
 
         def other_algorithm(rank, _):
@@ -418,6 +423,8 @@ def test_bad_options_and_reserved_metadata_are_refused():
         ShmTransport(cluster, "worker:0", ring_bytes=100)
     with pytest.raises(ConfigurationError, match="chunk_bytes"):
         ShmTransport(cluster, "worker:0", ring_bytes=1 << 20, chunk_bytes=1 << 20)
+    with pytest.raises(ConfigurationError, match="native_allreduce_bytes"):
+        ShmTransport(cluster, "worker:0", native_allreduce_bytes=0)
     with ShmTransport(cluster, "worker:0") as t:
         with pytest.raises(ConfigurationError, match="reserved"):
             t.send(t.task, "x", Message({"__shm__": 1}))

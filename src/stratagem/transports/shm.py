@@ -28,9 +28,9 @@ Design:
 * **Receive buffers.** Messages own their buffers; large ones are reused once the receiver has
   dropped every reference to them (:mod:`~stratagem.transports.shm_buffers`), since first-touch page
   faults on fresh memory cost more than the copy out of the ring.
-* **Native all-reduce.** Large all-reduces go through per-communicator shared arenas, each segment
-  reduced straight out of the others' memory (:mod:`~stratagem.transports.shm_collectives`);
-  ``native_allreduce=False`` runs core's ring over the rings instead.
+* **Native all-reduce.** All-reduces of ``native_allreduce_bytes`` (8 MiB) and more go through
+  per-communicator shared arenas, each segment reduced straight out of the others' memory
+  (:mod:`~stratagem.transports.shm_collectives`); smaller ones run core's ring over the rings.
 * **No leaks.** The rings have no name: no ``/dev/shm`` entry exists at any time, and the memory goes
   when the last task mapping it unmaps or dies (``kill -9`` included). The Unix sockets are
   *abstract* (no file either). A ring to or from a lost peer is unmapped as soon as the loss is known.
@@ -77,7 +77,7 @@ from ..core.mailbox import Mailbox
 from ..core.transport import Message, Transport
 from ..core.wire import Kind
 from .shm_buffers import BufferPool
-from .shm_collectives import ShmCollectives
+from .shm_collectives import NATIVE_MIN_BYTES, ShmCollectives
 from .shm_rendezvous import TOKEN_BYTES, Listener, offer, socket_address
 from .shm_ring import MAX_CAPACITY, MIN_CAPACITY, Region, RingError, RingReader, RingWriter
 from .zmq import ZmqTransport
@@ -192,8 +192,9 @@ class ShmTransport(Transport):
         ring_bytes: capacity of each ring (one per ordered pair of tasks that talk).
         chunk_bytes: a sender publishes (and a receiver frees) the ring in pieces of this size, so
             that copying in and copying out overlap.
-        native_allreduce: all-reduce large tensors through per-communicator shared arenas
-            (:mod:`~stratagem.transports.shm_collectives`) instead of core's ring over the rings.
+        native_allreduce_bytes: all-reduces of at least this many bytes run through per-communicator
+            shared arenas (:mod:`~stratagem.transports.shm_collectives`), smaller ones core's ring
+            over the rings; ``None``: always core's. The same on every task.
         control_options: options for the control :class:`ZmqTransport` (``bind_host``...).
         **common: the options every transport takes (``secret``, ``timeout``...), shared with the
             control transport.
@@ -202,7 +203,8 @@ class ShmTransport(Transport):
     name = "shm"
 
     def __init__(self, cluster, task, *, ring_bytes: int = 8 << 20, chunk_bytes: int = 1 << 20,
-                 native_allreduce: bool = True, control_options: dict | None = None, **common):
+                 native_allreduce_bytes: int | None = NATIVE_MIN_BYTES, control_options: dict | None = None,
+                 **common):
         super().__init__(cluster, task, **common)
         if not isinstance(ring_bytes, int) or not MIN_CAPACITY <= ring_bytes <= MAX_CAPACITY:
             raise ConfigurationError(f"shm: ring_bytes must be an int between {MIN_CAPACITY} and {MAX_CAPACITY}, "
@@ -212,7 +214,13 @@ class ShmTransport(Transport):
                                      f"({ring_bytes // 2}), got {chunk_bytes!r}")
         check_same_host(self.cluster)
         self.ring_bytes, self.chunk_bytes = ring_bytes, chunk_bytes
-        self._collectives = ShmCollectives(self) if native_allreduce else None
+        if native_allreduce_bytes is not None and (isinstance(native_allreduce_bytes, bool)
+                                                   or not isinstance(native_allreduce_bytes, int)
+                                                   or native_allreduce_bytes < 1):
+            raise ConfigurationError(f"shm: native_allreduce_bytes must be an int >= 1 or None, "
+                                     f"got {native_allreduce_bytes!r}")
+        self._collectives = (None if native_allreduce_bytes is None
+                             else ShmCollectives(self, min_bytes=native_allreduce_bytes))
         self._inbox = _Inbox(self)
         self.control = _Control(self._inbox, self.cluster, self.task, **common, **(control_options or {}))
         self._address = socket_address(self.cluster.cluster_id, self.task)
