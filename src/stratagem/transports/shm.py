@@ -639,10 +639,14 @@ class ShmTransport(Transport):
             return False
         try:
             frames = ring.reader.poll()
-        except ProtocolError as exc:
-            log.warning("%s: dropped %s, which broke the shared-memory ring's rules: %s", self.task, ring.src, exc)
+        except (ProtocolError, MemoryError) as exc:
+            # The stream cannot be resynchronised past a bad frame (nor one we cannot hold): drop the
+            # peer, and keep serving the others.
+            what = "broke the shared-memory ring's rules" if isinstance(exc, ProtocolError) else \
+                "sent a frame this task cannot allocate"
+            log.warning("%s: dropped %s, which %s: %s", self.task, ring.src, what, exc)
             self._forget_incoming(ring)
-            self._inbox.lose(ring.src, f"{ring.src} broke the shared-memory ring's rules: {exc}")
+            self._inbox.lose(ring.src, f"{ring.src} {what}: {type(exc).__name__}: {exc}")
             return False
         for frame in frames:
             self._inbox.deliver(ring.src, frame.tag, Message(frame.meta, frame.buffers, ring.src))

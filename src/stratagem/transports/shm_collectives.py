@@ -213,29 +213,34 @@ class ShmCollectives:
         n, me = session.size, session.rank
         bounds = coll.split_bounds(src.size, n)
         nbytes = src.size * dtype.itemsize
-        mine = arenas.mine.data[:nbytes].view(dtype)
-        theirs = {rank: region.data[:nbytes].view(dtype) for rank, region in arenas.peers.items()}
-        lo, hi = bounds[me], bounds[me + 1]
-        mine[:lo] = src[:lo]
-        mine[hi:] = src[hi:]
-        fence()
-        arenas.mine.store(_IN, seq)
-        self._wait(session, arenas, _IN, seq, "copy its input into shared memory")
-
-        def part(rank: int):
-            return src[lo:hi] if rank == me else theirs[rank][lo:hi]
-
-        result = work[lo:hi]
-        ufunc(part(0), part(1), out=result)
-        for rank in range(2, n):
-            ufunc(result, part(rank), out=result)
-        mine[lo:hi] = result
-        fence()
-        arenas.mine.store(_OUT, seq)
-        self._wait(session, arenas, _OUT, seq, "reduce its segment")
-        for rank, data in theirs.items():
-            a, b = bounds[rank], bounds[rank + 1]
-            work[a:b] = data[a:b]
+        # Views of the arenas live only in ``views``, emptied on the way out: a view kept alive (by
+        # the traceback of an error, say) would keep its arena mapped after a failure unmaps it.
+        views = {rank: region.data[:nbytes].view(dtype) for rank, region in arenas.peers.items()}
+        views[me] = arenas.mine.data[:nbytes].view(dtype)
+        parts: list = []
+        try:
+            lo, hi = bounds[me], bounds[me + 1]
+            views[me][:lo] = src[:lo]
+            views[me][hi:] = src[hi:]
+            fence()
+            arenas.mine.store(_IN, seq)
+            self._wait(session, arenas, _IN, seq, "copy its input into shared memory")
+            result = work[lo:hi]
+            parts.extend(src[lo:hi] if rank == me else views[rank][lo:hi] for rank in range(n))
+            ufunc(parts[0], parts[1], out=result)
+            for i in range(2, n):
+                ufunc(result, parts[i], out=result)
+            views[me][lo:hi] = result
+            fence()
+            arenas.mine.store(_OUT, seq)
+            self._wait(session, arenas, _OUT, seq, "reduce its segment")
+            for rank in range(n):
+                if rank != me:
+                    a, b = bounds[rank], bounds[rank + 1]
+                    work[a:b] = views[rank][a:b]
+        finally:
+            views.clear()
+            parts.clear()
 
     def _wait(self, session: CollectiveSession, arenas: _Arenas, word: int, seq: int, what: str) -> None:
         """Until every other member's ``word`` reaches ``seq``: a lost member, a close or the timeout raise."""
