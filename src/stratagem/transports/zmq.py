@@ -38,6 +38,7 @@ limits), even for a peer that has not authenticated yet.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -67,6 +68,10 @@ _USER_POLL = 0.1          # a waiting recv() re-checks for losses and timeouts t
 _BACKGROUND_POLL = 0.05   # the background reader's poll slice
 _BACKGROUND_GRACE = 0.02  # the background reader stays away this long after a recv() read
 _LOSS_GRACE = 0.2         # seconds between a dropped connection and declaring the peer lost
+#: Monitor endpoints get names of their own: pyzmq's default names one after the socket's file
+#: descriptor, which a socket made just after another closed reuses while the old endpoint is
+#: still bound ("Address already in use").
+_MONITOR_IDS = itertools.count()
 
 
 class _Peer:
@@ -307,7 +312,8 @@ class ZmqTransport(Acceptor, Transport):
             sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.peer_timeout * 1000))
             sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.peer_timeout * 1000))
-            monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+            monitor = sock.get_monitor_socket(
+                _MONITOR_EVENTS, addr=f"inproc://stratagem-monitor-{id(self)}-{next(_MONITOR_IDS)}")
             sock.connect(f"tcp://{address}")
             hello, nonce = handshake.make_hello(self.task, self._cluster_id, self.secret)
             peer = _Peer(task, sock, monitor, nonce, address)
