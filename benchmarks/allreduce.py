@@ -35,6 +35,8 @@ TARGET_BW_BYTES = 64 << 20
 TARGET_LAT_BYTES = 4 << 10
 GOALS = {"mpi": [(TARGET_BW_BYTES, "bandwidth", "mpi4py", 0.9)]}  # mpi is held to raw mpi4py (same MPI)
 DEFAULT_GOALS = [(TARGET_BW_BYTES, "bandwidth", "gloo", 1.0), (TARGET_LAT_BYTES, "latency", "gloo", 2.0)]
+#: Absolute targets, busbw GB/s at 2 processes: (bytes, bound) per transport (shm: issue 14).
+ABSOLUTE_GOALS = {"shm": [(TARGET_BW_BYTES, 5.0)]}
 
 
 def log(msg: str) -> None:
@@ -111,6 +113,18 @@ def targets(report: collectives.Report) -> list[dict]:
             met = met and se["correct"]
             out.append({**row, "ratio_median": ratio, "ratio_best": best, "met": met,
                         "verdict": "MET" if met else "MISSED", "text": text})
+        for size, bound in ABSOLUTE_GOALS.get(job.label, []):
+            se, s = find(job.label, size)
+            row = {"backend": job.label, "bytes": size, "kind": "bandwidth", "reference": None}
+            if s is None:
+                out.append({**row, "verdict": "not measured",
+                            "text": f"{human(size)} bandwidth of {job.label}: not measured (needs np 2 and that size)"})
+                continue
+            met = s["busbw_GBps"] >= bound and se["correct"]
+            out.append({**row, "busbw_GBps": s["busbw_GBps"], "busbw_best_GBps": s["busbw_best_GBps"], "met": met,
+                        "verdict": "MET" if met else "MISSED",
+                        "text": f"{human(size)}, 2 processes: {job.label} busbw {s['busbw_GBps']:.3f} GB/s "
+                                f"(best-case {s['busbw_best_GBps']:.3f}); target >= {bound} GB/s"})
     return out
 
 

@@ -40,7 +40,7 @@ from stratagem.transports.local import LocalFabric, LocalTransport
 RECV_TIMEOUT = 10.0
 #: Seconds a whole multi-rank call may take before the test declares a hang.
 RUN_TIMEOUT = 30.0
-TRANSPORTS = ["local", "zmq"]
+TRANSPORTS = ["local", "zmq", "shm"]
 #: Extra constructor options per transport. zmq: close() lingers up to ``linger`` seconds on a
 #: GOODBYE queued to a peer that has closed already, which would add seconds per test.
 TRANSPORT_OPTIONS = {"zmq": {"linger": 0.5}}

@@ -107,7 +107,7 @@ def _names(text: str, task: str) -> bool:
     return f"/job:{job}/task:{index}" in text or re.search(rf"\b{job}:{index}\b", text) is not None
 
 
-TRANSPORTS = ["zmq", pytest.param("grpc", marks=needs_grpc)]
+TRANSPORTS = ["zmq", pytest.param("grpc", marks=needs_grpc), "shm"]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

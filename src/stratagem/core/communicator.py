@@ -74,7 +74,9 @@ class Communicator:
         owns_transport: close the transport in :meth:`close` (``open_communicator`` sets it).
 
     If the transport's ``native_collectives()`` offers a collective, it is called instead of the core
-    algorithm, with the signature documented in :mod:`stratagem.core.collectives`.
+    algorithm, with the signature documented in :mod:`stratagem.core.collectives`. A native may return
+    ``NotImplemented`` (before moving any data, on the same inputs on every rank) to have core's
+    algorithm run the call instead.
 
     Methods may be called from one thread at a time per communicator (calls are serialised).
     """
@@ -305,6 +307,9 @@ class Communicator:
         except Exception as exc:
             session.broken = exc
             raise
+        if result is NotImplemented:  # declined: core runs it (and numbers it, and counts its traffic)
+            session.seq -= 1
+            return self._core(collective, x, kwargs)
         if collective != "barrier":
             sized = x if x is not None else result       # a broadcast's non-roots pass no input
             nbytes = _ring_bytes(collective, int(getattr(sized, "nbytes", 0)), session.size)

@@ -3,7 +3,7 @@
 Targets are lazy import paths, so listing the built-ins imports none of their modules.
 
     >>> [spec.name for spec in stratagem_add_transports()]
-    ['local', 'zmq', 'grpc', 'mpi', 'nccl']
+    ['local', 'zmq', 'grpc', 'mpi', 'nccl', 'shm']
     >>> [spec.name for spec in stratagem_add_strategies()]
     ['mirrored', 'between_graph', 'parameter_server', 'in_graph']
 """
@@ -39,6 +39,11 @@ def stratagem_add_transports() -> list[PluginSpec]:
             "nccl", "stratagem.transports.nccl:NcclTransport", "transport",
             requires=("cupy",), install_hint="pip install 'stratagem[gpu]'",
             description="NCCL collectives on the GPU (cupy), one GPU per process; messages over ZeroMQ",
+        ),
+        PluginSpec(
+            "shm", "stratagem.transports.shm:ShmTransport", "transport",
+            requires=("zmq",), install_hint="pip install 'pyzmq>=25'",
+            description="tasks on one host: messages through shared-memory rings (Linux memfd); control over ZeroMQ",
         ),
     ]
 
