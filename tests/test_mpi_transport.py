@@ -76,10 +76,20 @@ def _processes_with(marker: str) -> list[str]:
 
 # -- native collectives ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("ranks", [2, 3, 4])
-def test_native_collectives_match_numpy_with_identical_bits_on_every_rank(ranks):
-    job = _job(ranks, "mpi_collectives.py")
+def _ulfm() -> bool:
+    return mpi_launch.ulfm_available(mpi_launch.find_mpiexec())
+
+
+@pytest.mark.parametrize("ranks, ulfm", [(2, False), (3, False), (4, False), (2, True), (3, True), (4, True)])
+def test_native_collectives_match_numpy_with_identical_bits_on_every_rank(ranks, ulfm):
+    """Without ULFM the collectives poll MPI's nonblocking calls; with it they make MPI's blocking
+    calls under the watchdog: the same results, mismatch reports and timeouts either way."""
+    if ulfm and not _ulfm():
+        pytest.skip("this MPI has no ULFM (Open MPI 5 built with FT support)")
+    job = _job(ranks, "mpi_collectives.py", ulfm=ulfm)
     assert not job.timed_out, job.output[-3000:]
+    modes = re.findall(r"^MODE rank \d+: blocking_collectives=(\w+)$", job.output, re.M)
+    assert modes == [str(ulfm)] * ranks, job.output[-3000:]
     summaries = re.findall(r"CHECKS rank (\d+): (\d+) checks, (\d+) failed", job.output)
     assert job.returncode == 0 and "FAIL" not in job.output, job.output[-6000:]
     assert sorted(int(r) for r, _, _ in summaries) == list(range(ranks))
@@ -104,6 +114,22 @@ def test_a_sigkilled_rank_is_named_by_every_survivor_under_ulfm(mode):
         assert task == "/job:worker/task:2" and "/job:worker/task:2" in message
         assert float(seconds) < 10  # MPI's report, well before the 10 s heartbeat timeout
     assert time.monotonic() - started < 60
+
+
+def test_a_rank_that_closes_its_transport_mid_collective_is_named_by_every_survivor():
+    """Under ULFM the survivors sit in MPI's blocking all-reduce; the goodbye of a rank that closed
+    its transport and lives on (so MPI sees no failure) reaches the watchdog, which revokes the
+    collective's communicator once the goodbye's grace has passed: PeerLostError naming it."""
+    if not _ulfm():
+        pytest.skip("this MPI has no ULFM (Open MPI 5 built with FT support)")
+    job = _job(3, "mpi_rank_death.py", "close", timeout=120, ulfm=True)
+    assert not job.timed_out, job.output[-3000:]
+    assert "blocking_collectives=True" in job.output, job.output[-3000:]
+    lost = re.findall(r"^LOST (\S+) after ([\d.]+) s: (.*)$", job.output, re.M)
+    assert len(lost) == 2, job.output[-3000:]
+    for task, seconds, message in lost:
+        assert task == "/job:worker/task:2" and "closed its transport" in message
+        assert float(seconds) < 9  # the 2 s grace and the watchdog's round, not the 10 s heartbeat timeout
 
 
 def test_without_ulfm_a_sigkilled_rank_ends_the_whole_job_without_hanging():

@@ -3,7 +3,8 @@
     mpiexec [--with-ft ulfm] -n N python tests/scripts/mpi_rank_death.py p2p|collective
 
 ``p2p``: every survivor waits in ``recv`` for a message from the dying rank. ``collective``: every
-survivor is in an all-reduce the dying rank never joins. A survivor that gets ``PeerLostError``
+survivor is in an all-reduce the dying rank never joins. ``close``: as ``collective``, but the last
+rank closes its transport (a goodbye) and lives on instead of dying. A survivor that gets ``PeerLostError``
 prints ``LOST <task> after <seconds> s: <message>`` and exits 3; one that gets anything else prints
 ``OTHER ...`` and exits 4. (Run by tests/test_mpi_transport.py.)
 """
@@ -22,12 +23,17 @@ from stratagem.core.errors import PeerLostError
 
 mode = sys.argv[1]
 comm = stratagem.communicator("mpi", timeout=60, transport_options={"peer_timeout": 10.0})
+print(f"MODE {comm.task} blocking_collectives={comm.transport.blocking_collectives}", flush=True)
 transport = comm.transport
 dying = comm.members[-1]
 comm.allreduce(np.ones(8))  # everyone is up, and the collective communicator exists
 print(f"READY {comm.task}", flush=True)
 if comm.task == dying:
     time.sleep(0.5)  # let the others start waiting
+    if mode == "close":
+        comm.close()
+        time.sleep(8)  # alive, silent: only the goodbye tells the others
+        os._exit(0)
     os.kill(os.getpid(), signal.SIGKILL)
 started = time.monotonic()
 try:
