@@ -259,6 +259,7 @@ def test_mpiexec_command_runs_in_a_private_namespace_with_shared_memory_only():
     if mpi_launch.open_mpi_version(mpi_launch.find_mpiexec()):
         assert {"--oversubscribe", "--bind-to"} <= set(cmd)
         assert "btl" in cmd and cmd[cmd.index("btl") + 1].startswith("self,")
+        assert cmd[cmd.index("--with-ft"):cmd.index("--with-ft") + 5] == ["--with-ft", "ulfm", "--mca", "coll", "^han"]
     # No mpiexec on PATH nor beside Python: tests/test_mpi_setup.py (it is found beside Python now).
 
 
