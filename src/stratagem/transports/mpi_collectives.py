@@ -43,7 +43,6 @@ signature of the core algorithm it replaces (``core/collectives.py``) and keeps 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import weakref
 import zlib
@@ -96,7 +95,7 @@ class _SessionComm:
     """A session's MPI communicator, the guard of its blocking calls, the agreement's buffers, and
     what repeated calls need (their plans and hashes), so that a repeated call costs little Python."""
 
-    __slots__ = ("comm", "peers", "guard", "mine", "agreed", "agree_args", "prepared")
+    __slots__ = ("comm", "peers", "guard", "mine", "agreed", "agree_args", "prepared", "guarded")
 
     def __init__(self, comm, peers, guards: set, MPI):
         self.comm = comm
@@ -106,6 +105,7 @@ class _SessionComm:
         self.agreed = np.zeros(3, np.int64)
         self.agree_args = ([self.mine, MPI.INT64_T], [self.agreed, MPI.INT64_T], MPI.MAX)
         self.prepared: dict = {}
+        self.guarded: "_Guarded | None" = None  # made by MpiCollectives._progress, reused
 
 
 class _Call:
@@ -170,7 +170,7 @@ class MpiCollectives:
         self._bit_types = {1: MPI.UINT8_T, 2: MPI.UINT16_T, 4: MPI.UINT32_T, 8: MPI.UINT64_T,
                            16: MPI.C_DOUBLE_COMPLEX}
         self._key_types = {2: MPI.INT16_T, 4: MPI.INT32_T, 8: MPI.INT64_T}
-        self._no_polling = contextlib.nullcontext()
+        self._last: tuple | None = None   # (session, _SessionComm) of the latest call
 
     def table(self) -> dict:
         return {"allreduce": self.allreduce, "broadcast": self.broadcast, "allgather": self.allgather,
@@ -197,8 +197,8 @@ class MpiCollectives:
                     self._run(session, sc, call, on_poll, "Allreduce",
                               self.MPI.IN_PLACE, [keys, plan.mpi_type], plan.mpi_op)
                     _from_keys(keys, dtype, flat)
-                elif out is not None and np.may_share_memory(src, flat) and np.shares_memory(src, flat):
-                    self._run(session, sc, call, on_poll, "Allreduce",  # out=x: in place
+                elif out is x:  # in place (the Communicator refuses any other out that overlaps x)
+                    self._run(session, sc, call, on_poll, "Allreduce",
                               self.MPI.IN_PLACE, [flat, plan.mpi_type], plan.mpi_op)
                 else:
                     self._run(session, sc, call, on_poll, "Allreduce",
@@ -350,14 +350,22 @@ class MpiCollectives:
     def _progress(self, session: CollectiveSession, sc: _SessionComm, call: _Call):
         """``with``, around one collective: polling MPI holds the reader role (and hears heartbeats
         while it polls); blocking calls arm the guard that the background reader watches."""
-        if self.blocking:
-            return _Guarded(self, session, sc, call)
-        return self.t.reading(session.timeout)
+        if not self.blocking:
+            return self.t.reading(session.timeout)
+        guarded = sc.guarded
+        if guarded is None:
+            guarded = sc.guarded = _Guarded(self, session, sc, call)
+        guarded.call = call  # one collective at a time per session: the Communicator serialises them
+        return guarded
 
     def _comm(self, session: CollectiveSession) -> _SessionComm:
         """The MPI communicator of ``session``'s members, made on the session's first collective."""
+        last = self._last
+        if last is not None and last[0] is session:  # the common case: the same communicator again
+            return last[1]
         sc = self._comms.get(session)
         if sc is not None:
+            self._last = (session, sc)
             return sc
         # Creating it blocks until every member arrives, without a timeout: meet first (core's
         # barrier, over point-to-point, with the timeout, loss detection and mismatch checks).
@@ -390,9 +398,10 @@ class MpiCollectives:
         mine, agreed = sc.mine, sc.agreed
         mine[0], mine[1], mine[2] = h, -h, int(flag)
         self._run(session, sc, call, on_poll, "Allreduce", *sc.agree_args)
-        if agreed[0] != -agreed[1]:
+        top, negated_top, flag = agreed.tolist()
+        if top != -negated_top:
             raise self._mismatch(session, sc, call, on_poll)
-        return int(agreed[2])
+        return flag
 
     def _gather_texts(self, session, sc, call, on_poll, text: str) -> list[str]:
         mine = np.zeros(_HEADER_BYTES, np.uint8)
@@ -475,6 +484,7 @@ class MpiCollectives:
     def _broken(self, session, comm, revoke: bool = True) -> None:
         """The session is unusable: revoke its MPI communicator (ULFM) so the other members fail too."""
         self._comms.pop(session, None)
+        self._last = None
         if not revoke:
             return
         try:
