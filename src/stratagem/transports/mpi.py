@@ -231,6 +231,7 @@ class MpiTransport(MpiProgress, Transport):
         self._heartbeats_read_at = 0.0
         self._departed: dict[TaskId, float] = {}   # peers whose goodbye a collective heard, and when
         self.guards: set = set()          # guarded blocking calls in progress (mpi_progress.Guard)
+        self._watch_drained_at = 0.0
         self._retired_at = 0.0
         self._collectives = None
         self.MPI = None

@@ -68,6 +68,10 @@ DEPARTED_GRACE = 2.0
 #: The watchdog's sleep between checks of the guarded calls (a lost peer or a timeout is acted on
 #: this late at most; sparse, so that it takes little CPU from the ranks' blocking calls).
 _WATCH_SLEEP = 5e-3
+#: ...and hears heartbeats and goodbyes this often meanwhile. An MPI call from a second thread stalls
+#: the blocked one (Open MPI's progress lock; worse when a core is oversubscribed), so rarely: a
+#: goodbye has DEPARTED_GRACE anyway, and heartbeats go every peer_timeout / 4.
+_WATCH_DRAIN = 0.1
 #: Seconds a call whose communicator a peer revoked waits for MPI to name a failed process.
 _REVOKED_WAIT = 2.0
 
@@ -183,8 +187,11 @@ class MpiProgress:
         return error
 
     def _watch_guards(self) -> None:
-        """The watchdog's round: hear heartbeats and goodbyes, then fail the calls that must end."""
-        if self._reader.acquire(blocking=False):  # a recv() reading hears them itself
+        """The watchdog's round: fail the calls that must end; now and then hear heartbeats and goodbyes
+        first (MPI calls from this thread slow the blocked call down, so only every _WATCH_DRAIN s)."""
+        now = time.monotonic()
+        if now - self._watch_drained_at >= _WATCH_DRAIN and self._reader.acquire(blocking=False):
+            self._watch_drained_at = now  # (a recv() holding the reader role hears them itself)
             try:
                 self._drain_heartbeats()
             finally:
@@ -321,7 +328,9 @@ class MpiProgress:
         background reader also stops as soon as another thread wants the role."""
         started = time.monotonic()
         deadline = started + seconds
-        backoff = _Backoff(max_sleep)
+        # The background reader does not spin: its polls compete with the application's MPI calls
+        # (every MPI call of the process shares Open MPI's progress engine).
+        backoff = _Backoff(max_sleep, spin=0.0 if background else _SPIN_SECONDS)
         while not self._stopping:
             if self._read_one():
                 return True
