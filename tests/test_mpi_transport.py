@@ -132,6 +132,21 @@ def test_a_rank_that_closes_its_transport_mid_collective_is_named_by_every_survi
         assert float(seconds) < 9  # the 2 s grace and the watchdog's round, not the 10 s heartbeat timeout
 
 
+def test_closing_the_transport_ends_a_blocked_collective():
+    """Another thread closes the transport while a guarded blocking all-reduce waits for a rank that
+    never joins: the watchdog revokes the communicator and the call raises TransportClosed."""
+    if not _ulfm():
+        pytest.skip("this MPI has no ULFM (Open MPI 5 built with FT support)")
+    job = _job(2, "mpi_rank_death.py", "selfclose", timeout=120, ulfm=True)
+    assert not job.timed_out, job.output[-3000:]
+    assert "blocking_collectives=True" in job.output, job.output[-3000:]
+    other = re.findall(r"^OTHER (\w+) after ([\d.]+) s: (.*)$", job.output, re.M)
+    assert len(other) == 1, job.output[-3000:]
+    kind, seconds, message = other[0]
+    assert kind == "TransportClosed" and "closed" in message, job.output[-3000:]
+    assert 0.9 < float(seconds) < 6
+
+
 def test_without_ulfm_a_sigkilled_rank_ends_the_whole_job_without_hanging():
     """Open MPI's default: the launcher kills every rank when one dies, and says which one."""
     job = _job(3, "mpi_rank_death.py", "collective", timeout=120)

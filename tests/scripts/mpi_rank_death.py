@@ -4,7 +4,9 @@
 
 ``p2p``: every survivor waits in ``recv`` for a message from the dying rank. ``collective``: every
 survivor is in an all-reduce the dying rank never joins. ``close``: as ``collective``, but the last
-rank closes its transport (a goodbye) and lives on instead of dying. A survivor that gets ``PeerLostError``
+rank closes its transport (a goodbye) and lives on instead of dying. ``selfclose``: the last rank
+lives on without joining, and each survivor's own transport is closed (from another thread) while
+it sits in the all-reduce. A survivor that gets ``PeerLostError``
 prints ``LOST <task> after <seconds> s: <message>`` and exits 3; one that gets anything else prints
 ``OTHER ...`` and exits 4. (Run by tests/test_mpi_transport.py.)
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -34,8 +37,13 @@ if comm.task == dying:
         comm.close()
         time.sleep(8)  # alive, silent: only the goodbye tells the others
         os._exit(0)
+    if mode == "selfclose":
+        time.sleep(5)  # alive (heartbeats go on), never joining
+        os._exit(0)
     os.kill(os.getpid(), signal.SIGKILL)
 started = time.monotonic()
+if mode == "selfclose":
+    threading.Timer(1.0, transport.close).start()
 try:
     if mode == "p2p":
         transport.recv(dying, "never-sent", timeout=60)
