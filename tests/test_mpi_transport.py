@@ -147,6 +147,22 @@ def test_closing_the_transport_ends_a_blocked_collective():
     assert 0.9 < float(seconds) < 6
 
 
+def test_a_stopped_rank_mid_collective_is_a_timeout_not_a_hang():
+    """A rank stopped with SIGSTOP (alive, no MPI progress at all) never joins a guarded blocking
+    all-reduce: the survivors' watchdogs revoke it at the 2 s timeout and both raise TransportTimeout
+    (the second may first wait up to 2 s for MPI to name a failure behind the first one's revoke)."""
+    if not _ulfm():
+        pytest.skip("this MPI has no ULFM (Open MPI 5 built with FT support)")
+    job = _job(3, "mpi_rank_death.py", "freeze", timeout=120, ulfm=True)
+    assert not job.timed_out, job.output[-3000:]
+    assert "blocking_collectives=True" in job.output, job.output[-3000:]
+    other = re.findall(r"^OTHER (\w+) after ([\d.]+) s: (.*)$", job.output, re.M)
+    assert len(other) == 2, job.output[-3000:]
+    for kind, seconds, message in other:
+        assert kind == "TransportTimeout" and "within 2 s" in message and "'frozen'" in message, job.output[-3000:]
+        assert 1.9 < float(seconds) < 10
+
+
 def test_without_ulfm_a_sigkilled_rank_ends_the_whole_job_without_hanging():
     """Open MPI's default: the launcher kills every rank when one dies, and says which one."""
     job = _job(3, "mpi_rank_death.py", "collective", timeout=120)

@@ -24,7 +24,11 @@ peer is lost, the call overruns its timeout or the transport closes, it records 
 revokes the guard's communicator (``MPI_Comm_revoke``). That makes the blocked call return, on every
 member, with ``MPI_ERR_REVOKED``; the caller raises the recorded error (``PeerLostError``,
 ``TransportTimeout``, ``TransportClosed``), the other members the error MPI gives them. A member whose
-process dies fails the call by itself (ULFM: ``MPI_ERR_PROC_FAILED``).
+process dies fails the call by itself (ULFM: ``MPI_ERR_PROC_FAILED``). One case a revoke cannot end: a
+member that makes no MPI progress at all (a stopped process, or one stuck in native code holding the
+GIL, so that even its background reader stands still) -- Open MPI then finishes the revoked call only
+when that member moves again. A call still blocked ``REVOKE_GRACE`` seconds after its revoke therefore
+aborts the MPI job (``MPI_Abort``, with the reason on stderr) rather than hang for ever.
 
 :class:`MpiProgress` is the part of :class:`~stratagem.transports.mpi.MpiTransport` that does this
 (a mixin: it uses the transport's communicator, mailbox and locks).
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from typing import Callable
@@ -72,8 +77,8 @@ _WATCH_SLEEP = 5e-3
 #: the blocked one (Open MPI's progress lock; worse when a core is oversubscribed), so rarely: a
 #: goodbye has DEPARTED_GRACE anyway, and heartbeats go every peer_timeout / 4.
 _WATCH_DRAIN = 0.1
-#: Seconds a call whose communicator a peer revoked waits for MPI to name a failed process.
-_REVOKED_WAIT = 2.0
+#: Seconds a revoked call may stay blocked before the MPI job is aborted (see _abort_wedged).
+REVOKE_GRACE = 10.0
 
 
 class Guard:
@@ -84,7 +89,7 @@ class Guard:
     whose loss fails the calls. ``what()``: the call, for error messages (made only for an error).
     """
 
-    __slots__ = ("guards", "comm", "peers", "deadline", "timeout", "what", "error", "lock")
+    __slots__ = ("guards", "comm", "peers", "deadline", "timeout", "what", "error", "fired_at", "lock")
 
     def __init__(self, guards: set, comm, peers):
         self.guards = guards
@@ -94,6 +99,7 @@ class Guard:
         self.timeout: float | None = None
         self.what: Callable[[], str] = lambda: "a collective"
         self.error: Exception | None = None    # set by the watchdog before it revokes
+        self.fired_at = 0.0
         self.lock = threading.Lock()
 
     def arm(self, timeout: float | None, what: Callable[[], str]) -> None:
@@ -180,7 +186,7 @@ class MpiProgress:
                 and exc.Get_error_class() == getattr(self.MPI, "ERR_REVOKED", None)):
             # The members of a call started together and time out together: the first to time out
             # revoked the communicator; if ours expired meanwhile, that is what happened here too.
-            # (translate already waited up to _REVOKED_WAIT seconds for MPI to name a failure.)
+            # (translate already waited up to 2 s for MPI to name a failure.)
             if time.monotonic() >= guard.deadline:
                 return TransportTimeout(f"{self.task}: {guard.what()} did not complete within "
                                         f"{guard.timeout:g} s")
@@ -202,6 +208,10 @@ class MpiProgress:
         """Fail the guarded calls that must end (a lost peer, a timeout, closing); also run by every
         reader's housekeeping, so a thread that keeps the reader role (a long message) still watches."""
         for guard in list(self.guards):
+            if guard.error is not None:  # revoked, and still blocked
+                if now - guard.fired_at > REVOKE_GRACE:
+                    self._abort_wedged(guard)
+                continue
             error = self._guard_failure(guard, now)
             if error is not None:
                 self._fire(guard, error)
@@ -223,6 +233,7 @@ class MpiProgress:
             if guard not in self.guards or guard.error is not None:
                 return  # it completed meanwhile, or was already failed
             guard.error = error
+            guard.fired_at = time.monotonic()
         log.info("%s: revoking a collective's communicator: %s", self.task, error)
         try:
             guard.comm.Revoke()
@@ -284,6 +295,19 @@ class MpiProgress:
             self._mailbox.notify()  # another waiter may want to take over reading
         return True
 
+    def _abort_wedged(self, guard: Guard) -> None:
+        """A revoked call that still does not return: a member makes no MPI progress at all (stopped,
+        or stuck in native code holding the GIL), and ULFM's revoke cannot end a call that waits on it.
+        Rather than hang for ever, end the whole MPI job, saying why."""
+        message = (f"{self.task}: {guard.what()} stayed blocked {REVOKE_GRACE:g} s after its communicator "
+                   f"was revoked ({guard.error}); a peer makes no MPI progress (stopped or stuck), so the "
+                   f"MPI job is aborted instead of hanging (blocking_collectives=False polls instead, and "
+                   f"raises without aborting)")
+        log.critical("%s", message)
+        with contextlib.suppress(Exception):
+            print(f"stratagem: {message}", file=sys.stderr, flush=True)
+        self.MPI.COMM_WORLD.Abort(1)
+
     def _read_in_background(self) -> None:
         while not self._stopping:
             if self.guards:  # a guarded blocking call is in progress: be its watchdog
@@ -307,6 +331,9 @@ class MpiProgress:
                 self._reader.release()
         for guard in list(self.guards):  # closing: no call stays blocked
             self._fire(guard, TransportClosed(f"{self.task}: transport closed during {guard.what()}"))
+        while self.guards:  # ...nor blocked for ever (see _abort_wedged)
+            self._check_guards(time.monotonic())
+            time.sleep(_WATCH_SLEEP)
 
     @contextlib.contextmanager
     def reading(self, timeout: float | None):
