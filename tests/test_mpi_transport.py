@@ -76,10 +76,20 @@ def _processes_with(marker: str) -> list[str]:
 
 # -- native collectives ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("ranks", [2, 3, 4])
-def test_native_collectives_match_numpy_with_identical_bits_on_every_rank(ranks):
-    job = _job(ranks, "mpi_collectives.py")
+def _ulfm() -> bool:
+    return mpi_launch.ulfm_available(mpi_launch.find_mpiexec())
+
+
+@pytest.mark.parametrize("ranks, ulfm", [(2, False), (3, False), (4, False), (2, True), (3, True), (4, True)])
+def test_native_collectives_match_numpy_with_identical_bits_on_every_rank(ranks, ulfm):
+    """Without ULFM the collectives poll MPI's nonblocking calls; with it they make MPI's blocking
+    calls under the watchdog: the same results, mismatch reports and timeouts either way."""
+    if ulfm and not _ulfm():
+        pytest.skip("this MPI has no ULFM (Open MPI 5 built with FT support)")
+    job = _job(ranks, "mpi_collectives.py", ulfm=ulfm)
     assert not job.timed_out, job.output[-3000:]
+    modes = re.findall(r"^MODE rank \d+: blocking_collectives=(\w+)$", job.output, re.M)
+    assert modes == [str(ulfm)] * ranks, job.output[-3000:]
     summaries = re.findall(r"CHECKS rank (\d+): (\d+) checks, (\d+) failed", job.output)
     assert job.returncode == 0 and "FAIL" not in job.output, job.output[-6000:]
     assert sorted(int(r) for r, _, _ in summaries) == list(range(ranks))
@@ -104,6 +114,53 @@ def test_a_sigkilled_rank_is_named_by_every_survivor_under_ulfm(mode):
         assert task == "/job:worker/task:2" and "/job:worker/task:2" in message
         assert float(seconds) < 10  # MPI's report, well before the 10 s heartbeat timeout
     assert time.monotonic() - started < 60
+
+
+def test_a_rank_that_closes_its_transport_mid_collective_is_named_by_every_survivor():
+    """Under ULFM the survivors sit in MPI's blocking all-reduce; the goodbye of a rank that closed
+    its transport and lives on (so MPI sees no failure) reaches the watchdog, which revokes the
+    collective's communicator once the goodbye's grace has passed: PeerLostError naming it."""
+    if not _ulfm():
+        pytest.skip("this MPI has no ULFM (Open MPI 5 built with FT support)")
+    job = _job(3, "mpi_rank_death.py", "close", timeout=120, ulfm=True)
+    assert not job.timed_out, job.output[-3000:]
+    assert "blocking_collectives=True" in job.output, job.output[-3000:]
+    lost = re.findall(r"^LOST (\S+) after ([\d.]+) s: (.*)$", job.output, re.M)
+    assert len(lost) == 2, job.output[-3000:]
+    for task, seconds, message in lost:
+        assert task == "/job:worker/task:2" and "closed its transport" in message
+        assert float(seconds) < 9  # the 2 s grace and the watchdog's round, not the 10 s heartbeat timeout
+
+
+def test_closing_the_transport_ends_a_blocked_collective():
+    """Another thread closes the transport while a guarded blocking all-reduce waits for a rank that
+    never joins: the watchdog revokes the communicator and the call raises TransportClosed."""
+    if not _ulfm():
+        pytest.skip("this MPI has no ULFM (Open MPI 5 built with FT support)")
+    job = _job(2, "mpi_rank_death.py", "selfclose", timeout=120, ulfm=True)
+    assert not job.timed_out, job.output[-3000:]
+    assert "blocking_collectives=True" in job.output, job.output[-3000:]
+    other = re.findall(r"^OTHER (\w+) after ([\d.]+) s: (.*)$", job.output, re.M)
+    assert len(other) == 1, job.output[-3000:]
+    kind, seconds, message = other[0]
+    assert kind == "TransportClosed" and "closed" in message, job.output[-3000:]
+    assert 0.9 < float(seconds) < 6
+
+
+def test_a_stopped_rank_mid_collective_is_a_timeout_not_a_hang():
+    """A rank stopped with SIGSTOP (alive, no MPI progress at all) never joins a guarded blocking
+    all-reduce: the survivors' watchdogs revoke it at the 2 s timeout and both raise TransportTimeout
+    (the second may first wait up to 2 s for MPI to name a failure behind the first one's revoke)."""
+    if not _ulfm():
+        pytest.skip("this MPI has no ULFM (Open MPI 5 built with FT support)")
+    job = _job(3, "mpi_rank_death.py", "freeze", timeout=120, ulfm=True)
+    assert not job.timed_out, job.output[-3000:]
+    assert "blocking_collectives=True" in job.output, job.output[-3000:]
+    other = re.findall(r"^OTHER (\w+) after ([\d.]+) s: (.*)$", job.output, re.M)
+    assert len(other) == 2, job.output[-3000:]
+    for kind, seconds, message in other:
+        assert kind == "TransportTimeout" and "within 2 s" in message and "'frozen'" in message, job.output[-3000:]
+        assert 1.9 < float(seconds) < 10
 
 
 def test_without_ulfm_a_sigkilled_rank_ends_the_whole_job_without_hanging():
@@ -233,6 +290,7 @@ def test_mpiexec_command_runs_in_a_private_namespace_with_shared_memory_only():
     if mpi_launch.open_mpi_version(mpi_launch.find_mpiexec()):
         assert {"--oversubscribe", "--bind-to"} <= set(cmd)
         assert "btl" in cmd and cmd[cmd.index("btl") + 1].startswith("self,")
+        assert cmd[cmd.index("--with-ft"):cmd.index("--with-ft") + 5] == ["--with-ft", "ulfm", "--mca", "coll", "^han"]
     # No mpiexec on PATH nor beside Python: tests/test_mpi_setup.py (it is found beside Python now).
 
 

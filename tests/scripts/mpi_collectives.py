@@ -210,6 +210,7 @@ def test_message_pieces() -> None:
 def main() -> int:
     global comm
     comm = stratagem.communicator("mpi", timeout=60)
+    print(f"MODE rank {comm.rank}: blocking_collectives={comm.transport.blocking_collectives}", flush=True)
     for test in (test_allreduce, test_reduce_scatter, test_allgather_broadcast_barrier, test_message_pieces,
                  test_failures):
         try:

@@ -240,8 +240,11 @@ def run_job(contender: Contender, np_: int, plan: list[dict], *, collective: str
         if contender.kind == "stratagem":
             kwargs["transport"] = contender.name
         try:
-            if contender.mpi_job:  # the same mpiexec, flags and private namespace for mpi and mpi4py
-                launched = launch_mpi(command, ulfm=False, **kwargs)
+            if contender.mpi_job:
+                # The same mpiexec, flags and private namespace for mpi and mpi4py, as `stratagem
+                # launch --mpi` runs a job: ULFM where available (with it the mpi transport's
+                # collectives make MPI's blocking calls; without it they poll nonblocking ones).
+                launched = launch_mpi(command, ulfm=None, **kwargs)
             else:
                 launched = launch(command, **kwargs)
         except ConfigurationError as exc:

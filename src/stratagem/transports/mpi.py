@@ -46,7 +46,11 @@ reported lost (``PeerLostError`` naming its task):
 
 Collectives. :meth:`MpiTransport.native_collectives` offers MPI's own all-reduce, broadcast,
 all-gather, reduce-scatter and barrier (see ``mpi_collectives.py``), each checked first against
-the other ranks' call and bounded by the communicator's timeout like core's.
+the other ranks' call and bounded by the communicator's timeout like core's. Under ULFM with
+``MPI_THREAD_MULTIPLE`` (what ``stratagem launch --mpi`` gives) they make MPI's blocking calls --
+the raw speed of ``comm.Allreduce`` -- watched by the background reader, which revokes the
+communicator to end a call when a peer is lost, the timeout passes or the transport closes
+(``blocking_collectives``); elsewhere they poll MPI's nonblocking calls.
 
 Security: the MPI job is the trust boundary. Only its own ranks can send on its communicators, so
 there is no connection to authenticate; a cluster secret is accepted and not used.
@@ -130,6 +134,15 @@ def mpi_library_problem() -> str | None:
     return "; ".join(dict.fromkeys(tried or lines[-1:])) or f"exit {proc.returncode}"
 
 
+def ulfm_enabled(MPI) -> bool:
+    """True if this process's MPI runs with ULFM, so ``MPI_Comm_revoke`` ends blocked calls: Open MPI
+    with fault tolerance switched on (``mpiexec --with-ft ulfm`` sets ``OMPI_MCA_mpi_ft_enable``).
+    Without it Open MPI accepts the revoke but a blocked call never returns."""
+    if not hasattr(MPI.Comm, "Revoke") or "Open MPI" not in MPI.Get_library_version():
+        return False
+    return os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true", "yes", "on", "enabled")
+
+
 class MpiSendHandle(SendHandle):
     """The completion of a large send: ``wait()`` polls its MPI requests (with a timeout)."""
 
@@ -166,6 +179,9 @@ class MpiTransport(MpiProgress, Transport):
             ``MPI.COMM_WORLD``); it is duplicated at ``start()``, never used directly.
         inline_bytes: messages with at most this many buffer bytes go as one MPI message.
         linger: seconds ``close()`` waits for sends still in flight.
+        blocking_collectives: native collectives make MPI's blocking calls, guarded by a watchdog
+            that revokes the communicator (True; needs ``MPI_THREAD_MULTIPLE`` and ULFM), or poll
+            MPI's nonblocking ones (False). Default (None): blocking where ULFM is on.
     """
 
     name = "mpi"
@@ -175,8 +191,14 @@ class MpiTransport(MpiProgress, Transport):
     authenticates_peers: ClassVar[bool] = False
 
     def __init__(self, cluster, task, *, comm=None, inline_bytes: int = DEFAULT_INLINE_BYTES,
-                 linger: float = 1.0, **common):
+                 linger: float = 1.0, blocking_collectives: bool | None = None, **common):
         super().__init__(cluster, task, **common)
+        if blocking_collectives not in (None, True, False):
+            raise ConfigurationError(f"blocking_collectives must be True, False or None (decide at start()), "
+                                     f"got {blocking_collectives!r}")
+        #: Whether native collectives make MPI's blocking calls, guarded (see mpi_collectives.py);
+        #: None until start() decides (needs MPI_THREAD_MULTIPLE and ULFM).
+        self.blocking_collectives = blocking_collectives
         self._tasks = self.cluster.tasks()
         self._rank_of = {t: r for r, t in enumerate(self._tasks)}
         #: This task's rank in the transport's communicator.
@@ -208,6 +230,8 @@ class MpiTransport(MpiProgress, Transport):
         self._refused: set[TaskId] = set()  # peers that broke the protocol
         self._heartbeats_read_at = 0.0
         self._departed: dict[TaskId, float] = {}   # peers whose goodbye a collective heard, and when
+        self.guards: set = set()          # guarded blocking calls in progress (mpi_progress.Guard)
+        self._watch_drained_at = 0.0
         self._retired_at = 0.0
         self._collectives = None
         self.MPI = None
@@ -246,6 +270,7 @@ class MpiTransport(MpiProgress, Transport):
             )
         if level < MPI.THREAD_MULTIPLE:
             self.mpi_lock = threading.RLock()
+        self.blocking_collectives = self._choose_blocking(level >= MPI.THREAD_MULTIPLE)
         base = MPI.COMM_WORLD if self._base is None else self._base
         size, rank = base.Get_size(), base.Get_rank()
         if size != len(self._tasks):
@@ -281,6 +306,23 @@ class MpiTransport(MpiProgress, Transport):
         self._background = threading.Thread(target=self._read_in_background, daemon=True,
                                             name=f"stratagem-mpi-{self.task.short}")
         self._background.start()
+
+    def _choose_blocking(self, multiple: bool) -> bool:
+        """Whether native collectives may block in MPI: only where the watchdog can end such a call
+        (another thread may call MPI meanwhile, and ULFM's revoke makes a blocked call return)."""
+        wanted = self.blocking_collectives
+        if wanted is False:
+            return False
+        missing = []
+        if not multiple:
+            missing.append("MPI_THREAD_MULTIPLE")
+        if not ulfm_enabled(self.MPI):
+            missing.append("ULFM (mpiexec --with-ft ulfm, which stratagem launch --mpi passes where available)")
+        if wanted and missing:
+            raise ConfigurationError(
+                f"blocking_collectives=True needs {' and '.join(missing)}: without them a blocked "
+                f"collective could not be ended when a peer hangs or times out; leave the option unset")
+        return not missing
 
     def _duplicate(self, base, deadline: float | None):
         """``MPI_Comm_idup(base)``, polled until ``deadline``; errors on the duplicate are returned."""

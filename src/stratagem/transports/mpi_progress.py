@@ -15,6 +15,21 @@ goodbye travels on another communicator than the collective's data, so it may ov
 of a member that completed its part and then left; the collective therefore raises only if it is
 still incomplete ``DEPARTED_GRACE`` seconds after the goodbye.
 
+Guarded blocking calls. Where MPI can revoke a communicator (ULFM) and threads may call MPI at once
+(``MPI_THREAD_MULTIPLE``), a native collective makes MPI's own *blocking* call (``MPI_Allreduce``:
+the tuned algorithms, no polling) instead of polling a nonblocking one. It registers a
+:class:`Guard` first; while guards are active, the background reader is their watchdog: every few
+milliseconds it hears heartbeats and goodbyes and checks each guard's peers and deadline, and when a
+peer is lost, the call overruns its timeout or the transport closes, it records the error and
+revokes the guard's communicator (``MPI_Comm_revoke``). That makes the blocked call return, on every
+member, with ``MPI_ERR_REVOKED``; the caller raises the recorded error (``PeerLostError``,
+``TransportTimeout``, ``TransportClosed``), the other members the error MPI gives them. A member whose
+process dies fails the call by itself (ULFM: ``MPI_ERR_PROC_FAILED``). One case a revoke cannot end: a
+member that makes no MPI progress at all (a stopped process, or one stuck in native code holding the
+GIL, so that even its background reader stands still) -- Open MPI then finishes the revoked call only
+when that member moves again. A call still blocked ``REVOKE_GRACE`` seconds after its revoke therefore
+aborts the MPI job (``MPI_Abort``, with the reason on stderr) rather than hang for ever.
+
 :class:`MpiProgress` is the part of :class:`~stratagem.transports.mpi.MpiTransport` that does this
 (a mixin: it uses the transport's communicator, mailbox and locks).
 """
@@ -23,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from typing import Callable
@@ -54,6 +70,48 @@ _BACKGROUND_SLEEP = 2e-3   # the background reader's sleep when nothing arrives
 _BACKGROUND_GRACE = 0.02   # the background reader stays away this long after a recv() read
 #: Seconds a collective still waits for a member that said goodbye (see the module doc).
 DEPARTED_GRACE = 2.0
+#: The watchdog's sleep between checks of the guarded calls (a lost peer or a timeout is acted on
+#: this late at most; sparse, so that it takes little CPU from the ranks' blocking calls).
+_WATCH_SLEEP = 5e-3
+#: ...and hears heartbeats and goodbyes this often meanwhile. An MPI call from a second thread stalls
+#: the blocked one (Open MPI's progress lock; worse when a core is oversubscribed), so rarely: a
+#: goodbye has DEPARTED_GRACE anyway, and heartbeats go every peer_timeout / 4.
+_WATCH_DRAIN = 0.1
+#: Seconds a revoked call may stay blocked before the MPI job is aborted (see _abort_wedged).
+REVOKE_GRACE = 10.0
+
+
+class Guard:
+    """The guard of one communicator's blocking calls (see the module doc), reused from call to call:
+    ``arm()`` before the calls, ``disarm()`` after, and the watchdog may fail them meanwhile.
+
+    ``guards``: the transport's set of armed guards (the watchdog's list). ``peers``: the members
+    whose loss fails the calls. ``what()``: the call, for error messages (made only for an error).
+    """
+
+    __slots__ = ("guards", "comm", "peers", "deadline", "timeout", "what", "error", "fired_at", "lock")
+
+    def __init__(self, guards: set, comm, peers):
+        self.guards = guards
+        self.comm = comm
+        self.peers = tuple(peers)
+        self.deadline: float | None = None
+        self.timeout: float | None = None
+        self.what: Callable[[], str] = lambda: "a collective"
+        self.error: Exception | None = None    # set by the watchdog before it revokes
+        self.fired_at = 0.0
+        self.lock = threading.Lock()
+
+    def arm(self, timeout: float | None, what: Callable[[], str]) -> None:
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.timeout, self.what, self.error = timeout, what, None
+        self.guards.add(self)
+
+    def disarm(self) -> Exception | None:
+        """Stop watching; the watchdog's error if it failed the calls (and revoked the communicator)."""
+        with self.lock:  # from here on the watchdog leaves these calls alone
+            self.guards.discard(self)
+        return self.error
 
 
 class _Backoff:
@@ -119,6 +177,69 @@ class MpiProgress:
         """Requests we stop waiting for: keep them and the memory MPI may still read, for good."""
         self._abandoned.append((requests, keep))
 
+    # -- guarded blocking calls --------------------------------------------------------------------
+    def blocking_failure(self, exc, guard: Guard) -> Exception:
+        """The error for a guarded call MPI failed: a failed process (ULFM), else a revoke by a peer
+        -- for its own timeout (ours is then near: say so) or a failure MPI has not named yet."""
+        error = self.translate(exc, guard.comm, guard.peers, guard.what())
+        if (isinstance(error, CommunicationError) and guard.deadline is not None
+                and exc.Get_error_class() == getattr(self.MPI, "ERR_REVOKED", None)):
+            # The members of a call started together and time out together: the first to time out
+            # revoked the communicator; if ours expired meanwhile, that is what happened here too.
+            # (translate already waited up to 2 s for MPI to name a failure.)
+            if time.monotonic() >= guard.deadline:
+                return TransportTimeout(f"{self.task}: {guard.what()} did not complete within "
+                                        f"{guard.timeout:g} s")
+        return error
+
+    def _watch_guards(self) -> None:
+        """The watchdog's round: fail the calls that must end; now and then hear heartbeats and goodbyes
+        first (MPI calls from this thread slow the blocked call down, so only every _WATCH_DRAIN s)."""
+        now = time.monotonic()
+        if now - self._watch_drained_at >= _WATCH_DRAIN and self._reader.acquire(blocking=False):
+            self._watch_drained_at = now  # (a recv() holding the reader role hears them itself)
+            try:
+                self._drain_heartbeats()
+            finally:
+                self._reader.release()
+        self._check_guards(time.monotonic())
+
+    def _check_guards(self, now: float) -> None:
+        """Fail the guarded calls that must end (a lost peer, a timeout, closing); also run by every
+        reader's housekeeping, so a thread that keeps the reader role (a long message) still watches."""
+        for guard in list(self.guards):
+            if guard.error is not None:  # revoked, and still blocked
+                if now - guard.fired_at > REVOKE_GRACE:
+                    self._abort_wedged(guard)
+                continue
+            error = self._guard_failure(guard, now)
+            if error is not None:
+                self._fire(guard, error)
+
+    def _guard_failure(self, guard: Guard, now: float) -> Exception | None:
+        for peer in guard.peers:
+            reason = self._mailbox.is_lost(peer) or self._departed_reason(peer)
+            if reason is not None:
+                return PeerLostError(peer, f"{reason} (during {guard.what()})")
+        if self._stopping:
+            return TransportClosed(f"{self.task}: transport closed during {guard.what()}")
+        if guard.deadline is not None and now >= guard.deadline:
+            return TransportTimeout(f"{self.task}: {guard.what()} did not complete within {guard.timeout:g} s")
+        return None
+
+    def _fire(self, guard: Guard, error: Exception) -> None:
+        """Fail a guarded call: record why, then revoke its communicator (every member's call returns)."""
+        with guard.lock:
+            if guard not in self.guards or guard.error is not None:
+                return  # it completed meanwhile, or was already failed
+            guard.error = error
+            guard.fired_at = time.monotonic()
+        log.info("%s: revoking a collective's communicator: %s", self.task, error)
+        try:
+            guard.comm.Revoke()
+        except (NotImplementedError, AttributeError, self.MPI.Exception) as exc:  # pragma: no cover - ULFM checked at start
+            log.error("%s: MPI_Comm_revoke failed (%s); the blocked collective may not return", self.task, exc)
+
     # -- errors ------------------------------------------------------------------------------------
     def translate(self, exc, comm, peers, what: str) -> Exception:
         """The Stratagem error for an MPI error: ``PeerLostError`` naming the task when MPI (ULFM)
@@ -174,8 +295,25 @@ class MpiProgress:
             self._mailbox.notify()  # another waiter may want to take over reading
         return True
 
+    def _abort_wedged(self, guard: Guard) -> None:
+        """A revoked call that still does not return: a member makes no MPI progress at all (stopped,
+        or stuck in native code holding the GIL), and ULFM's revoke cannot end a call that waits on it.
+        Rather than hang for ever, end the whole MPI job, saying why."""
+        message = (f"{self.task}: {guard.what()} stayed blocked {REVOKE_GRACE:g} s after its communicator "
+                   f"was revoked ({guard.error}); a peer makes no MPI progress (stopped or stuck), so the "
+                   f"MPI job is aborted instead of hanging (blocking_collectives=False polls instead, and "
+                   f"raises without aborting)")
+        log.critical("%s", message)
+        with contextlib.suppress(Exception):
+            print(f"stratagem: {message}", file=sys.stderr, flush=True)
+        self.MPI.COMM_WORLD.Abort(1)
+
     def _read_in_background(self) -> None:
         while not self._stopping:
+            if self.guards:  # a guarded blocking call is in progress: be its watchdog
+                self._watch_guards()
+                time.sleep(_WATCH_SLEEP)
+                continue
             quiet = time.monotonic() - self._user_read_at
             if quiet < _BACKGROUND_GRACE:
                 time.sleep(_BACKGROUND_GRACE - quiet)
@@ -191,6 +329,11 @@ class MpiProgress:
                 time.sleep(0.05)
             finally:
                 self._reader.release()
+        for guard in list(self.guards):  # closing: no call stays blocked
+            self._fire(guard, TransportClosed(f"{self.task}: transport closed during {guard.what()}"))
+        while self.guards:  # ...nor blocked for ever (see _abort_wedged)
+            self._check_guards(time.monotonic())
+            time.sleep(_WATCH_SLEEP)
 
     @contextlib.contextmanager
     def reading(self, timeout: float | None):
@@ -212,13 +355,15 @@ class MpiProgress:
         background reader also stops as soon as another thread wants the role."""
         started = time.monotonic()
         deadline = started + seconds
-        backoff = _Backoff(max_sleep)
+        # The background reader does not spin: its polls compete with the application's MPI calls
+        # (every MPI call of the process shares Open MPI's progress engine).
+        backoff = _Backoff(max_sleep, spin=0.0 if background else _SPIN_SECONDS)
         while not self._stopping:
             if self._read_one():
                 return True
             self.housekeeping()
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or self._wanted or (background and self._wake.is_set()):
+            if remaining <= 0 or self._wanted or (background and (self._wake.is_set() or self.guards)):
                 return False
             backoff.pause(remaining, self._wake if background else None)
         return False
@@ -349,6 +494,8 @@ class MpiProgress:
         """Retire finished small sends, send heartbeats when due, and declare silent peers lost."""
         MPI = self.MPI
         now = time.monotonic()
+        if self.guards:
+            self._check_guards(now)
         if self._small_sends and now - self._retired_at > 0.001:
             self._retired_at = now
             with self._small_lock:
