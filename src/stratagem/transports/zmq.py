@@ -23,9 +23,13 @@ allow, if that is more) and an unauthenticated peer can make us hold at most tha
 connection. A frame with a larger buffer travels as a *stream*: messages ``[b"", piece]`` of at most
 that size, which the acceptor reassembles into arrays it allocates only for an authenticated peer
 (one copy on receipt; small frames still arrive without a copy as ``[head, buffer...]``). A DEALER
-only ever receives control frames, so it refuses anything over a control frame's size. (ZeroMQ
-keeps the parts of an unfinished multipart message without a bound of its own; that is not closed
-here.)
+only ever receives control frames, so it refuses anything over a control frame's size. ZeroMQ keeps
+the parts of an unfinished multipart message without a bound of its own, so with a cluster secret
+every connection into the ROUTER must first pass a gate: ZMTP PLAIN credentials carrying a token
+derived from the secret (:func:`stratagem.core.handshake.connection_token`), which our ZAP handler
+checks before libzmq reads a single message from the connection. A peer without the secret cannot
+make a task buffer anything; the token travels in clear (it only opens the door to the handshake,
+which still authenticates with the secret). Without a secret anyone may connect, by design.
 
 Failure detection: a DEALER's monitor reports the connection dropping the moment a peer process dies
 (the kernel closes its sockets); ZeroMQ heartbeats catch a peer that went silent without closing
