@@ -36,7 +36,7 @@ from stratagem.core.cluster import TaskId
 from stratagem.core.transport import Message
 from stratagem.core.wire import Kind
 from stratagem.testing.world import local_cluster
-from stratagem.transports.zmq import ZmqTransport
+from stratagem.transports.zmq import ZAP_USER, ZmqTransport
 
 SCRIPTS = Path(__file__).parent / "scripts"
 SRC = Path(__file__).parent.parent / "src"
@@ -72,6 +72,26 @@ def zmtp_flood(address: str, claimed: int, chunk: int = 1 << 20) -> tuple[socket
             s.sendall(zeros[:n])
             sent += n
     except OSError:  # the other side closed the connection: what a bounded server does
+        pass
+    return s, sent
+
+
+def zmtp_multipart_flood(address: str, parts: int, part: int = 1 << 20) -> tuple[socket.socket, int]:
+    """Like :func:`zmtp_flood`, but ``parts`` parts of ``part`` bytes, each flagged "more follows",
+    and never the last: every part is under any per-part limit, and libzmq holds an unfinished
+    message whole. Returns the open connection and the bytes taken before the other side cut it."""
+    host, port = address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+    sent = 0
+    try:
+        s.sendall(b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\x00") + bytes(32))
+        ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+        s.sendall(bytes([0x04, len(ready)]) + ready)
+        zeros = bytes(part)
+        for _ in range(parts):
+            s.sendall(bytes([0x03]) + struct.pack(">Q", part) + zeros)  # long, more follows
+            sent += part
+    except OSError:  # cut off: what a gated server does
         pass
     return s, sent
 
@@ -121,6 +141,31 @@ def test_an_unauthenticated_peer_claiming_gigabytes_costs_no_memory(caplog):
         assert got.meta == {"n": 1} and np.array_equal(got.buffers[0], big) and got.buffers[1].tolist() == [1, 1, 1]
 
 
+def test_a_peer_without_the_secret_cannot_make_a_secret_cluster_hold_an_unfinished_message():
+    """Parts under the size cap, flagged "more follows", never finished: libzmq would hold them all
+    (no option caps a multipart message). With a secret, the connection gate refuses the peer at the
+    ZMTP handshake, before it can send one part."""
+    cluster = local_cluster(2)
+    with ZmqTransport(cluster, "worker:0", secret=b"k", timeout=TIMEOUT) as a, \
+            ZmqTransport(cluster, "worker:1", secret=b"k", timeout=TIMEOUT) as b:
+        assert still_serves(a, b)
+        before = rss_bytes()
+        floods = []
+        try:
+            floods = [zmtp_multipart_flood(b.address, 256) for _ in range(2)]  # 2 x 256 MiB offered
+            time.sleep(0.5)
+            grown = rss_bytes() - before
+        finally:
+            for connection, _ in floods:
+                connection.close()
+        taken = [sent for _, sent in floods]
+        print(f"\nRSS growth with 2 x 256 unfinished 1 MiB parts offered: {grown / 2**20:.1f} MiB "
+              f"(bytes taken before the cut: {taken})")
+        assert grown < 64 << 20, f"RSS grew by {grown / 2**20:.0f} MiB"
+        assert b.stats["rejected_frames"] == 0                 # nothing reached the transport
+        assert still_serves(a, b)
+
+
 # -- a forged HELLO ----------------------------------------------------------------------------------
 
 def test_a_forged_hello_is_answered_on_its_own_connection_and_the_named_task_hears_nothing(caplog):
@@ -131,6 +176,9 @@ def test_a_forged_hello_is_answered_on_its_own_connection_and_the_named_task_hea
         ctx = zmq.Context()
         forger = ctx.socket(zmq.DEALER)
         forger.setsockopt(zmq.LINGER, 0)
+        # The forger has the connection token (it travels in clear: say it was sniffed), not the secret.
+        forger.plain_username = ZAP_USER
+        forger.plain_password = handshake.connection_token(b"k", cluster.cluster_id)
         forger.connect(f"tcp://{target.address}")
         try:
             with caplog.at_level(logging.DEBUG, logger=LOGGER):

@@ -123,3 +123,11 @@ def check_auth(secret: bytes, cluster_id: str, connector: TaskId, acceptor: Task
     expected = _mac(secret, b"connector", cluster_id, connector, acceptor, nonce_s, nonce_c)
     if not hmac.compare_digest(mac, expected):
         raise AuthenticationError(f"{connector} failed the cluster-secret challenge: the secrets differ")
+
+
+def connection_token(secret: bytes, cluster_id: str) -> bytes:
+    """A token derived from the secret (never the secret itself) that a transport may demand before
+    it accepts a connection's first byte of data, so that a peer without the secret cannot make it
+    buffer anything (the zmq transport uses it as ZMTP PLAIN credentials). It travels in clear: it
+    proves nothing by itself, and the challenge-response above still authenticates every peer."""
+    return hmac.new(secret, b"stratagem-connection-token\x00" + cluster_id.encode(), hashlib.sha256).hexdigest().encode()

@@ -23,9 +23,13 @@ allow, if that is more) and an unauthenticated peer can make us hold at most tha
 connection. A frame with a larger buffer travels as a *stream*: messages ``[b"", piece]`` of at most
 that size, which the acceptor reassembles into arrays it allocates only for an authenticated peer
 (one copy on receipt; small frames still arrive without a copy as ``[head, buffer...]``). A DEALER
-only ever receives control frames, so it refuses anything over a control frame's size. (ZeroMQ
-keeps the parts of an unfinished multipart message without a bound of its own; that is not closed
-here.)
+only ever receives control frames, so it refuses anything over a control frame's size. ZeroMQ keeps
+the parts of an unfinished multipart message without a bound of its own, so with a cluster secret
+every connection into the ROUTER must first pass a gate: ZMTP PLAIN credentials carrying a token
+derived from the secret (:func:`stratagem.core.handshake.connection_token`), which our ZAP handler
+checks before libzmq reads a single message from the connection. A peer without the secret cannot
+make a task buffer anything; the token travels in clear (it only opens the door to the handshake,
+which still authenticates with the secret). Without a secret anyone may connect, by design.
 
 Failure detection: a DEALER's monitor reports the connection dropping the moment a peer process dies
 (the kernel closes its sockets); ZeroMQ heartbeats catch a peer that went silent without closing
@@ -56,6 +60,7 @@ everyone else.
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import logging
 import queue
@@ -84,7 +89,8 @@ from .zmq_acceptor import Acceptor, Incoming
 log = logging.getLogger(__name__)
 
 _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-                   | zmq.EVENT_MONITOR_STOPPED)
+                   | zmq.EVENT_MONITOR_STOPPED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 _USER_POLL = 0.1          # a waiting recv() re-checks for losses and timeouts this often
 _BACKGROUND_POLL = 0.05   # the background reader's poll slice
 _BACKGROUND_GRACE = 0.02  # the background reader stays away this long after a recv() read
@@ -97,6 +103,8 @@ _CONTROL_PART_BYTES = wire.HEADER_SIZE + CONTROL_LIMITS.max_envelope_bytes
 # a socket is closed; a new connection to a restarted peer then failed to bind ("Address already in
 # use") while the old monitor still held the name. Ours are numbered, never reused.
 _MONITOR_NUMBERS = itertools.count()
+#: The ZMTP PLAIN user name of a connection that shows the cluster's token (see _gate_connections).
+ZAP_USER = b"stratagem"
 
 
 class _Peer:
@@ -156,6 +164,7 @@ class ZmqTransport(Acceptor, Transport):
         self._linger_ms = int(linger * 1000)
         self._cluster_id = self.cluster.cluster_id
         self._ctx: zmq.Context | None = None
+        self._zap: zmq.Socket | None = None      # the ZAP handler's socket, with a secret
         self._mailbox = Mailbox(self.task, traffic=self.traffic)
         self._peers: dict[TaskId, _Peer] = {}
         self._peers_lock = threading.Lock()
@@ -194,6 +203,7 @@ class ZmqTransport(Acceptor, Transport):
             # ZeroMQ refuses (and disconnects) a part larger than this before allocating it; bigger
             # buffers come as a stream of parts (see the module docstring).
             router.setsockopt(zmq.MAXMSGSIZE, self._part_cap)
+            zap = self._gate_connections(ctx, router)
             router_monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED, self._monitor_address())
             endpoint = f"tcp://{self._bind_host}"
             if self._port == 0:
@@ -216,7 +226,10 @@ class ZmqTransport(Acceptor, Transport):
             raise
         self._ctx, self._router, self._control_in, self._control_out = ctx, router, control_in, control_out
         self._router_monitor = router_monitor
+        self._zap = zap
         self._poller = zmq.Poller()
+        if zap is not None:
+            self._poller.register(zap, zmq.POLLIN)
         self._poller.register(router_monitor, zmq.POLLIN)
         self._poller.register(router, zmq.POLLIN)
         self._poller.register(control_in, zmq.POLLIN)
@@ -270,6 +283,8 @@ class ZmqTransport(Acceptor, Transport):
             self._handshakes.clear()
             _close_socket(self._router, 0)
             self._router_monitor.close(linger=0)
+            if self._zap is not None:
+                self._zap.close(linger=0)
             self._control_in.close(linger=0)
             self._control_out.close(linger=0)
         finally:
@@ -392,6 +407,9 @@ class ZmqTransport(Acceptor, Transport):
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, self._linger_ms)
             sock.setsockopt(zmq.MAXMSGSIZE, _CONTROL_PART_BYTES)  # it only ever receives control frames
+            if self.secret:
+                sock.plain_username = ZAP_USER
+                sock.plain_password = handshake.connection_token(self.secret, self._cluster_id)
             interval_ms, timeout_ms = heartbeat_ms(self.peer_timeout)
             sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
@@ -485,6 +503,8 @@ class ZmqTransport(Acceptor, Transport):
         if self._router_monitor in ready:  # first: a connection's end comes before a reuse of its fd
             while self._router_monitor.poll(0):
                 self._connection_closed(recv_monitor_message(self._router_monitor)["value"])
+        if self._zap is not None and self._zap in ready:
+            self._answer_zap()
         if self._router in ready:
             self._drain_router()
         for sock in [s for s in ready if s in self._handshakes]:
@@ -496,6 +516,42 @@ class ZmqTransport(Acceptor, Transport):
                 sock.close(linger=0)
         if self._pending_loss:
             self._settle_losses()
+
+    # -- the connection gate (ZAP) -----------------------------------------------------------------
+    def _gate_connections(self, ctx, router):
+        """With a secret, accept a connection only once its ZMTP handshake shows the token derived
+        from the secret (PLAIN credentials, checked by our ZAP handler): libzmq reads no message of a
+        connection before that, so a peer without the secret cannot make this task buffer anything,
+        however it splits its data. (MAXMSGSIZE bounds one part, not a multipart message that never
+        ends: that is what this closes.) Returns the ZAP socket, or None without a secret."""
+        if not self.secret:
+            return None
+        zap = ctx.socket(zmq.REP)
+        zap.setsockopt(zmq.LINGER, 0)
+        zap.bind("inproc://zeromq.zap.01")   # the endpoint libzmq asks, per context
+        router.setsockopt(zmq.ZAP_DOMAIN, b"stratagem")
+        router.plain_server = True
+        self._zap_token = handshake.connection_token(self.secret, self._cluster_id)
+        return zap
+
+    def _answer_zap(self) -> None:
+        """Answer libzmq's ZAP requests: 200 for the token, 400 otherwise (the connection is closed)."""
+        while True:
+            try:
+                request = self._zap.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            # version, request id, domain, address, identity, mechanism, credentials...
+            ok = (len(request) >= 8 and request[5] == b"PLAIN" and request[6] == ZAP_USER
+                  and hmac.compare_digest(request[7], self._zap_token))
+            if not ok:
+                self.stats["refused_connections"] = self.stats.get("refused_connections", 0) + 1
+                log.warning("%s: refused a connection from %s without the cluster's connection token "
+                            "(a peer without the secret, or a task of another cluster)",
+                            self.task, request[3].decode(errors="replace") if len(request) > 3 else "?")
+            request_id = request[1] if len(request) > 1 else b""
+            self._zap.send_multipart([b"1.0", request_id, b"200" if ok else b"400",
+                                      b"OK" if ok else b"no token", b"", b""])
 
     def _drain_router(self) -> None:
         for _ in range(1000):  # bounded, so monitors and control are not starved
@@ -568,6 +624,14 @@ class ZmqTransport(Acceptor, Transport):
         event = recv_monitor_message(peer.monitor)["event"]
         if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
             peer.connected = True
+        elif event in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+            # The peer's connection gate refused us (see _gate_connections): no use retrying.
+            if self._peers.get(peer.task) is peer:
+                why = ("it refused this task's connection token" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                       else "one of the two tasks has a cluster secret and the other has none")
+                self._forget_peer(peer.task, AuthenticationError(
+                    f"{self.task} cannot connect to {peer.task}: {why}, so their cluster secrets differ; "
+                    f"set the same STRATAGEM_SECRET on every task (`stratagem launch` does it for you)"))
         elif event == zmq.EVENT_DISCONNECTED and peer.connected:
             if self._peers.get(peer.task) is peer:
                 # Settle the loss a moment later: what the peer sent before it went may still be on
