@@ -27,7 +27,7 @@ from stratagem.core import handshake, wire  # noqa: E402
 from stratagem.core.transport import Message  # noqa: E402
 from stratagem.core.wire import Kind  # noqa: E402
 from stratagem.testing.peer import spawn_peer  # noqa: E402
-from stratagem.testing.world import local_cluster  # noqa: E402
+from stratagem.testing.world import local_cluster, wait_for  # noqa: E402
 from stratagem.transports.grpc import FULL_METHOD, GrpcTransport  # noqa: E402
 from stratagem.transports.grpc_framing import WHOLE_BYTES, Reassembler, chunks  # noqa: E402
 
@@ -37,15 +37,6 @@ SECRET = b"cluster secret"
 
 def make(cluster, task, **options):
     return GrpcTransport(cluster, task, **{"timeout": TIMEOUT, "peer_timeout": 3.0, "secret": SECRET, **options})
-
-
-def wait_for(predicate, timeout=TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 class RawStream:

@@ -34,7 +34,7 @@ from stratagem.core.errors import (  # noqa: E402
 from stratagem.core.transport import COMPLETED, Message  # noqa: E402
 from stratagem.core.wire import Kind, Limits  # noqa: E402
 from stratagem.testing.peer import spawn_peer  # noqa: E402
-from stratagem.testing.world import local_cluster  # noqa: E402
+from stratagem.testing.world import local_cluster, still_serves, wait_for  # noqa: E402
 from stratagem.transports.grpc import FULL_METHOD, MAX_MESSAGE_BYTES, GrpcTransport  # noqa: E402
 from stratagem.transports.grpc_config import MAX_RECEIVE_BYTES  # noqa: E402
 from stratagem.transports.grpc_framing import CONTROL_LIMITS, HEAD_ROOM, Reassembler, chunks  # noqa: E402
@@ -58,20 +58,6 @@ def pair():
     yield a, b
     a.close()
     b.close()
-
-
-def wait_for(predicate, timeout=TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
-
-
-def still_serves(a, b):
-    a.send(b.task, "ok", Message({"still": "serving"}, [np.arange(4)]))
-    return b.recv(a.task, "ok", timeout=TIMEOUT).meta == {"still": "serving"}
 
 
 def raw_call(address, messages, timeout=10.0, credentials=None):

@@ -35,7 +35,7 @@ from stratagem.core import handshake, wire
 from stratagem.core.cluster import TaskId
 from stratagem.core.transport import Message
 from stratagem.core.wire import Kind
-from stratagem.testing.world import local_cluster
+from stratagem.testing.world import local_cluster, still_serves, wait_for
 from stratagem.transports.zmq import ZAP_USER, ZmqTransport
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -94,20 +94,6 @@ def zmtp_multipart_flood(address: str, parts: int, part: int = 1 << 20) -> tuple
     except OSError:  # cut off: what a gated server does
         pass
     return s, sent
-
-
-def wait_for(predicate, timeout=TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
-
-
-def still_serves(a, b):
-    a.send(b.task, "ok", Message({"still": "serving"}, [np.arange(4)]))
-    return b.recv(a.task, "ok", timeout=TIMEOUT).meta == {"still": "serving"}
 
 
 # -- memory before the handshake ---------------------------------------------------------------------

@@ -6,7 +6,6 @@ Raw ZeroMQ sockets play the attacker: they speak to a real transport's ROUTER ov
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from stratagem.core.cluster import TaskId
 from stratagem.core.errors import PeerLostError, TransportTimeout
 from stratagem.core.transport import Message
 from stratagem.core.wire import Kind, Limits
-from stratagem.testing.world import local_cluster
+from stratagem.testing.world import local_cluster, still_serves, wait_for
 from stratagem.transports.zmq import ZAP_USER, ZmqTransport
 
 TIMEOUT = 20.0
@@ -55,20 +54,6 @@ def raw_socket():
     for s in sockets:
         s.close(linger=0)
     ctx.term()
-
-
-def wait_for(predicate, timeout=TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
-
-
-def still_serves(a, b):
-    a.send(b.task, "ok", Message({"still": "serving"}, [np.arange(4)]))
-    return b.recv(a.task, "ok", timeout=TIMEOUT).meta == {"still": "serving"}
 
 
 @pytest.mark.parametrize("garbage", [

@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Callable, Iterator
+
+import numpy as np
 
 from ..core.cluster import ClusterSpec, TaskId
 from ..core.ports import reserve_ports
+from ..core.transport import Message
+
+#: Seconds the helpers below wait by default.
+WAIT = 20.0
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -89,3 +96,20 @@ def run_ranks(world: list, fn: Callable, timeout: float = 60.0, args_for=None) -
 
 def task_of(rank: int, world: list) -> TaskId:
     return world[rank].task
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = WAIT) -> bool:
+    """Poll ``predicate`` until it is true (``True``) or ``timeout`` seconds pass (``False``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def still_serves(a, b, timeout: float = WAIT) -> bool:
+    """True if transport ``a`` can still deliver a message to ``b`` (after a hostile peer, say);
+    raises what ``recv`` raises otherwise."""
+    a.send(b.task, "ok", Message({"still": "serving"}, [np.arange(4)]))
+    return b.recv(a.task, "ok", timeout=timeout).meta == {"still": "serving"}
