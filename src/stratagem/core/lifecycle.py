@@ -99,11 +99,6 @@ def note_failure(error: str) -> None:
         _REGISTRY.error = error
 
 
-def uncaught_error() -> str | None:
-    """The uncaught exception that is ending the script, as ``"Type: message"``; ``None`` otherwise."""
-    return _REGISTRY.error
-
-
 def _install(registry: _Registry) -> None:
     previous_hook = sys.excepthook
 

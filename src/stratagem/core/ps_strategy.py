@@ -559,6 +559,11 @@ class PSStrategyBase(Strategy):
     # -- lifecycle -----------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Tell the shards this task is leaving (they stop once every replica has), then close."""
+        self._say_goodbye()
+        super().shutdown()
+
+    def _say_goodbye(self) -> None:
+        """Tell the shards this task leaves, with ``_exit_error`` if it failed (best effort)."""
         client = getattr(self, "_client", None)
         # An evaluator is no member the shards wait for: its goodbye (or failure) is none of theirs.
         if client is not None and not self._closed and not self.is_evaluator:
@@ -566,7 +571,6 @@ class PSStrategyBase(Strategy):
                 client.bye(self._exit_error)
             except Exception:  # noqa: BLE001 - leaving anyway
                 pass
-        super().shutdown()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
@@ -579,6 +583,7 @@ class PSStrategyBase(Strategy):
         self.fail(error)
 
     def fail(self, error: BaseException | str) -> None:
-        """Leave with an error: the shards report it (and exit non-zero) once every replica is done."""
+        """Leave with an error: the shards fail the job with it at once, naming this task (every later
+        request of the other replicas is refused with it), and exit non-zero."""
         self._exit_error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         self.shutdown()

@@ -264,12 +264,8 @@ class ParameterServerStrategy(PSStrategyBase):
         # The coordinator failed: the shards learn why, and the workers must not take the end for
         # a normal one (which tells them to exit 0): they see the coordinator gone, naming it.
         self._exit_error = error
-        client = getattr(self, "_client", None)
-        if client is not None:
-            try:
-                client.bye(error)
-            except Exception:  # noqa: BLE001 - leaving anyway
-                pass
+        self._say_goodbye()
+        # Past PSStrategyBase's override, whose shutdown() would tell the workers to exit normally.
         super(PSStrategyBase, self)._leave_with_error(error)
 
     def shutdown(self) -> None:
