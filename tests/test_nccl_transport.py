@@ -14,7 +14,7 @@ import pytest
 
 import stratagem
 from stratagem.core.cluster import ClusterSpec, TaskId
-from stratagem.core.communicator import Communicator
+from stratagem.collectives.communicator import Communicator
 from stratagem.core.errors import PluginError
 from stratagem.core.ports import reserve_ports
 from stratagem.core.transport import Message

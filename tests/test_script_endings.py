@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from stratagem.core import mpi_launch
+from stratagem.launch import mpi as mpi_launch
 from stratagem.testing.world import free_ports
 
 SCRIPT = Path(__file__).parent / "scripts" / "plain_training.py"

@@ -13,8 +13,8 @@ are imported only when they are used.
 
 from __future__ import annotations
 
-from .core.cluster import ClusterResolver, ClusterSpec, TaskId
-from .core.errors import (
+from stratagem.core.cluster import ClusterResolver, ClusterSpec, TaskId
+from stratagem.core.errors import (
     AuthenticationError,
     CollectiveMismatchError,
     CommunicationError,
@@ -34,15 +34,15 @@ __version__ = "0.1.0"
 #: The errors among them are the ones callers catch: a lost ps shard, a failed in_graph replica, a
 #: failed scheduled function, an unreadable checkpoint.
 _LAZY = {
-    "Variable": ("core.variables", "Variable"),
-    "IndexedSlices": ("core.sparse", "IndexedSlices"),
-    "device": ("core.placement", "device"),
-    "replica_device_setter": ("core.placement", "replica_device_setter"),
-    "ShardLostError": ("core.ps_protocol", "ShardLostError"),
-    "ReplicaError": ("strategies.in_graph_client", "ReplicaError"),
-    "ClosureError": ("core.ps_coordinator", "ClosureError"),
-    "CheckpointError": ("core.checkpoint", "CheckpointError"),
-    "CheckpointNotFoundError": ("core.checkpoint", "CheckpointNotFoundError"),
+    "Variable": ("training.variables", "Variable"),
+    "IndexedSlices": ("training.sparse", "IndexedSlices"),
+    "device": ("ps.placement", "device"),
+    "replica_device_setter": ("ps.placement", "replica_device_setter"),
+    "ShardLostError": ("ps.protocol", "ShardLostError"),
+    "ReplicaError": ("strategies.in_graph.client", "ReplicaError"),
+    "ClosureError": ("strategies.ps.coordinator", "ClosureError"),
+    "CheckpointError": ("training.checkpoint", "CheckpointError"),
+    "CheckpointNotFoundError": ("training.checkpoint", "CheckpointNotFoundError"),
 }
 
 __all__ = [
@@ -69,7 +69,7 @@ def __getattr__(name: str):
         return importlib.import_module(f"{__name__}.{name}")  # importing sets the attribute
     if name == "ray":
         # stratagem.ray.run(...): jobs on a Ray cluster. Imports stratagem's engine, not Ray itself.
-        module = importlib.import_module(f"{__name__}.engines.ray")
+        module = importlib.import_module(f"{__name__}.launch.ray")
         globals()[name] = module
         return module
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -89,7 +89,7 @@ def transport(name: str, cluster=None, task=None, **options):
     ...                         **stratagem.plugin_manager().transport_class("local").world_options())
     >>> t.start(); t.close()
     """
-    from .plugins.manager import plugin_manager as _pm
+    from stratagem.plugins.manager import plugin_manager as _pm
 
     return _pm().create_transport(name, cluster=cluster, task=task, **options)
 
@@ -101,9 +101,9 @@ def communicator(transport: str | None = None, **options):
     --transport T`` sets it), else ``"zmq"``; a name given here always wins.
 
     The world is the ``chief`` and ``worker`` tasks of the cluster found in the environment; each
-    has a ``rank`` (chief first). See :class:`stratagem.core.communicator.Communicator`.
+    has a ``rank`` (chief first). See :class:`stratagem.collectives.communicator.Communicator`.
     """
-    from .core.communicator import open_communicator
+    from stratagem.collectives.communicator import open_communicator
 
     return open_communicator(transport, **options)
 
@@ -114,13 +114,13 @@ def strategy(name: str, transport: str | None = None, **options):
     ``transport`` defaults to ``STRATAGEM_TRANSPORT`` from the environment (``stratagem launch
     --transport T`` sets it), else ``"zmq"``; a name (or ``Transport``) given here always wins.
     """
-    from .plugins.manager import plugin_manager as _pm
+    from stratagem.plugins.manager import plugin_manager as _pm
 
     return _pm().create_strategy(name, transport=transport, **options)
 
 
 def plugin_manager():
     """The process's plugin host (built-ins plus entry-point plugins)."""
-    from .plugins.manager import plugin_manager as _pm
+    from stratagem.plugins.manager import plugin_manager as _pm
 
     return _pm()

@@ -24,8 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping
 
-from . import slurm
-from .errors import ConfigurationError
+from stratagem.core import slurm
+from stratagem.core.errors import ConfigurationError
 
 #: Jobs whose tasks compute on replicas of the model, in rank order.
 REPLICA_JOBS = ("chief", "worker")
@@ -215,7 +215,7 @@ class ClusterSpec:
             raise ConfigurationError(
                 f"{task} is not in the cluster (it lists no 'evaluator' job), so it cannot reach the training "
                 f"tasks: an evaluator outside the cluster reads the checkpoints the chief writes "
-                f"(stratagem.core.checkpoint.latest_checkpoint(dir) and load(path).variables); to read the "
+                f"(stratagem.training.checkpoint.latest_checkpoint(dir) and load(path).variables); to read the "
                 f"variables from the ps tasks instead, list it in every task's cluster "
                 f"(\"evaluator\": [\"host:port\"])"
             )

@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from .cluster import TaskId
+from stratagem.core.cluster import TaskId
 
 #: Per peer: [bytes sent, messages sent, bytes received, messages received].
 _SENT_BYTES, _SENT_MESSAGES, _RECEIVED_BYTES, _RECEIVED_MESSAGES = range(4)

@@ -29,9 +29,9 @@ from typing import Any, Mapping, NamedTuple
 
 import pluggy
 
-from ..core.errors import ConfigurationError, PluginError
-from . import hookspecs
-from .hookspecs import ENTRY_POINT_GROUP, KINDS, PROJECT_NAME, PluginSpec
+from stratagem.core.errors import ConfigurationError, PluginError
+from stratagem.plugins import hookspecs
+from stratagem.plugins.hookspecs import ENTRY_POINT_GROUP, KINDS, PROJECT_NAME, PluginSpec
 
 #: Set to a non-empty value (other than 0/false/no) to load no third-party plugin.
 DISABLE_AUTOLOAD_ENV = "STRATAGEM_DISABLE_PLUGIN_AUTOLOAD"
@@ -129,10 +129,10 @@ def constructor_options(cls: type, skip: tuple = ("self", "cluster", "task")) ->
 
 def _base_class(kind: str) -> type:
     if kind == "transport":
-        from ..core.transport import Transport
+        from stratagem.core.transport import Transport
 
         return Transport
-    from ..core.strategy import Strategy
+    from stratagem.strategies.base import Strategy
 
     return Strategy
 
@@ -176,7 +176,7 @@ class PluginManager:
         #: Entry-point plugins that could not be loaded: (entry-point name, source) -> what went wrong.
         self.load_errors: dict[tuple[str, str], _LoadError] = {}
         if builtins:
-            from . import builtin
+            from stratagem.plugins import builtin
 
             self.register(builtin, name=BUILTIN_PLUGIN_NAME, source=BUILTIN_SOURCE)
         if self.autoload:
@@ -479,7 +479,7 @@ class PluginManager:
             reject_unknown_options(f"transport {name!r}", options, accepted)
         secret = None
         if cluster is None or task is None:
-            from ..core.cluster import ClusterResolver
+            from stratagem.core.cluster import ClusterResolver
 
             resolved = ClusterResolver.from_env()
             cluster = resolved.cluster if cluster is None else cluster
@@ -497,11 +497,11 @@ class PluginManager:
         default: :func:`transport_or_default`, i.e. ``STRATAGEM_TRANSPORT``, else ``zmq``).
 
         The strategy resolves the cluster and creates and starts its transport; see
-        :class:`stratagem.core.strategy.Strategy` for the options every strategy takes. A strategy that
+        :class:`stratagem.strategies.base.Strategy` for the options every strategy takes. A strategy that
         cannot run over the transport raises one ``IncompatibleError`` naming both, before anything
         is created.
         """
-        from ..core.strategy import check_compatible
+        from stratagem.strategies.base import check_compatible
 
         cls = self.strategy_class(name)
         transport = transport_or_default(transport, self)

@@ -39,12 +39,12 @@ import traceback
 
 import pytest
 
-from ..core import errors as stratagem_errors
-from ..core import wire
-from ..core.cluster import ClusterSpec, TaskId
-from ..core.transport import COMPLETED, Message
-from ..core.wire import Kind
-from .contract import CALL_TIMEOUT, PEER_TIMEOUT, TransportContract
+from stratagem.core import errors as stratagem_errors
+from stratagem.core import wire
+from stratagem.core.cluster import ClusterSpec, TaskId
+from stratagem.core.transport import COMPLETED, Message
+from stratagem.core.wire import Kind
+from stratagem.testing.contract import CALL_TIMEOUT, PEER_TIMEOUT, TransportContract
 
 #: The MPI tag of requests (driver -> rank); a response comes back under ``_RESPONSE + call id``.
 _REQUEST = 1
@@ -187,7 +187,7 @@ class _Job:
 
     def make_world(self, size: int, options: dict):
         """Collective over the job: ranks below ``size`` start an endpoint of a fresh world."""
-        from ..plugins.manager import plugin_manager
+        from stratagem.plugins.manager import plugin_manager
 
         inside = self.rank < size
         self.sub = self.base.Split(0 if inside else self.MPI.UNDEFINED, self.rank)
@@ -401,7 +401,7 @@ class MpiTransportContract(TransportContract):
     its own and reports what happened to it there. One job per test, not per class, so that what a
     test leaves behind (a receive blocked until its timeout, a transport being torn down) cannot reach
     the next one: a fresh job inherits nothing. A failed test fails; it is not run again. Skipped,
-    with the reason, where ``mpiexec`` or a private network namespace (``stratagem.core.mpi_launch``)
+    with the reason, where ``mpiexec`` or a private network namespace (``stratagem.launch.mpi``)
     is not available.
     """
 
@@ -437,8 +437,8 @@ for _name in contract_tests():
 
 
 def _run_job(transport: str, names: list[str], ranks: int, timeout: float) -> dict:
-    from ..core.errors import ConfigurationError
-    from ..core.mpi_launch import run_mpi_job
+    from stratagem.core.errors import ConfigurationError
+    from stratagem.launch.mpi import run_mpi_job
 
     env = {k: v for k, v in os.environ.items() if k not in ("STRATAGEM_CONFIG", "TF_CONFIG", "STRATAGEM_SECRET")}
     env["PYTHONUNBUFFERED"] = "1"

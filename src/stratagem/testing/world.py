@@ -15,9 +15,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..core.cluster import ClusterSpec, TaskId
-from ..core.ports import reserve_ports
-from ..core.transport import Message
+from stratagem.core.cluster import ClusterSpec, TaskId
+from stratagem.core.ports import reserve_ports
+from stratagem.core.transport import Message
 
 #: Seconds the helpers below wait by default.
 WAIT = 20.0
@@ -49,7 +49,7 @@ def transport_world(name: str, size: int | dict[str, int], **options) -> Iterato
 
     Yields the started transports (ordered as ``cluster.tasks()``) and closes them all on exit.
     """
-    from ..plugins.manager import plugin_manager
+    from stratagem.plugins.manager import plugin_manager
 
     manager = plugin_manager()
     cls = manager.transport_class(name)
