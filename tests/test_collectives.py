@@ -24,7 +24,8 @@ from stratagem.collectives import algorithms as coll
 from stratagem.collectives import session as cs
 from stratagem.collectives import communicator as communicator_module
 from stratagem.core.cluster import ClusterSpec, TaskId
-from stratagem.collectives.communicator import Communicator, local_world, open_communicator
+from stratagem.collectives.communicator import Communicator, open_communicator
+from stratagem.testing.world import local_world
 from stratagem.core.errors import (
     CollectiveMismatchError,
     CommunicationError,

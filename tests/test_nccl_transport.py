@@ -19,7 +19,7 @@ from stratagem.core.errors import PluginError
 from stratagem.core.ports import reserve_ports
 from stratagem.core.transport import Message
 from stratagem.plugins.manager import plugin_manager
-from stratagem.testing.contract import run_contract
+from stratagem.testing import run_contract
 
 
 def _why_unusable() -> str | None:

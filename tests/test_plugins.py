@@ -29,9 +29,9 @@ from stratagem.strategies.base import Strategy, check_compatible
 from stratagem.plugins import PluginSpec, hookimpl
 from stratagem.plugins import builtin
 from stratagem.plugins import report as info_report
+from stratagem.core.options import TRANSPORT_ENV, constructor_options
 from stratagem.plugins.manager import (
-    DISABLE_AUTOLOAD_ENV, TRANSPORT_ENV, PluginManager, autoload_disabled, constructor_options, plugin_manager,
-    reset_plugin_manager, transport_or_default,
+    DISABLE_AUTOLOAD_ENV, PluginManager, autoload_disabled, plugin_manager, reset_plugin_manager, transport_or_default,
 )
 from stratagem.transports.local import LocalFabric, LocalTransport
 

@@ -195,6 +195,21 @@ def child_env(extra: dict | None = None) -> dict:
     return env
 
 
+class _NoDisplay:
+    """What :func:`run_job` reports progress to when its caller shows none."""
+
+    echo = None
+
+    def job_started(self, job, sizes: int) -> None:
+        pass
+
+    def size_done(self, job, progress: dict) -> None:
+        pass
+
+    def job_done(self, job) -> None:
+        pass
+
+
 def run_job(contender: Contender, np_: int, plan: list[dict], *, collective: str = "allreduce",
             timeout: float = DEFAULT_TIMEOUT, options: dict | None = None, display=None) -> JobResult:
     """Run one job and return its figures; a job that fails or times out is a result, not an error.
@@ -208,9 +223,7 @@ def run_job(contender: Contender, np_: int, plan: list[dict], *, collective: str
     from stratagem.launch.mpi import launch_mpi
 
     if display is None:
-        from stratagem.bench.collectives import _Display  # here, not at the top: collectives imports this module
-
-        display = _Display(quiet=True)
+        display = _NoDisplay()
     result = JobResult(contender, np_, loadavg=list(os.getloadavg()))
     if contender.skip_for(np_):
         result.status, result.reason = "skipped", contender.skip_for(np_)

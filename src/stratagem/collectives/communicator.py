@@ -13,6 +13,7 @@ Example (three ranks as threads of one process, over the in-process transport)::
 
     >>> import numpy as np
     >>> from concurrent.futures import ThreadPoolExecutor
+    >>> from stratagem.testing.world import local_world
     >>> comms = local_world(3)
     >>> def step(comm):
     ...     return comm.allreduce(np.full(2, comm.rank + 1.0, np.float32), op="sum")
@@ -32,9 +33,10 @@ import threading
 from typing import Any, Callable, Sequence
 
 from stratagem.collectives import algorithms as coll
-from stratagem.core.cluster import ClusterResolver, ClusterSpec, TaskId
+from stratagem.core.cluster import ClusterResolver, TaskId
 from stratagem.core.errors import CollectiveMismatchError, CommunicationError, ConfigurationError, PeerLostError, TransportClosed
 from stratagem.core.transport import Transport
+from stratagem.core.transport_factory import default_factory
 
 #: Options ``open_communicator`` passes to the Communicator (anything else must go in transport_options).
 COMMUNICATOR_OPTIONS = ("members", "name", "timeout", "chunk_bytes", "small_bytes")
@@ -156,6 +158,7 @@ class Communicator:
 
         >>> import numpy as np
         >>> from concurrent.futures import ThreadPoolExecutor
+        >>> from stratagem.testing.world import local_world
         >>> comms = local_world(2)
         >>> with ThreadPoolExecutor(2) as pool:
         ...     out = list(pool.map(lambda c: c.allreduce(np.array([c.rank, 5]), op="max"), comms))
@@ -182,6 +185,7 @@ class Communicator:
 
         >>> import numpy as np
         >>> from concurrent.futures import ThreadPoolExecutor
+        >>> from stratagem.testing.world import local_world
         >>> comms = local_world(3)
         >>> def share(c):
         ...     return c.broadcast(np.arange(3) * 10 if c.rank == 1 else None, root=1)
@@ -207,6 +211,7 @@ class Communicator:
 
         >>> import numpy as np
         >>> from concurrent.futures import ThreadPoolExecutor
+        >>> from stratagem.testing.world import local_world
         >>> comms = local_world(2)
         >>> with ThreadPoolExecutor(2) as pool:
         ...     out = list(pool.map(lambda c: c.allgather(np.array([c.rank, c.rank])), comms))
@@ -228,6 +233,7 @@ class Communicator:
 
         >>> import numpy as np
         >>> from concurrent.futures import ThreadPoolExecutor
+        >>> from stratagem.testing.world import local_world
         >>> comms = local_world(2)
         >>> with ThreadPoolExecutor(2) as pool:
         ...     out = list(pool.map(lambda c: c.reduce_scatter(np.arange(5)), comms))
@@ -244,6 +250,7 @@ class Communicator:
         """Return only once every rank has called ``barrier``.
 
         >>> from concurrent.futures import ThreadPoolExecutor
+        >>> from stratagem.testing.world import local_world
         >>> comms = local_world(2)
         >>> with ThreadPoolExecutor(2) as pool:
         ...     list(pool.map(lambda c: c.barrier(), comms))
@@ -256,6 +263,7 @@ class Communicator:
     def close(self) -> None:
         """Stop using the communicator; closes the transport if the communicator opened it. Idempotent.
 
+        >>> from stratagem.testing.world import local_world
         >>> (comm,) = local_world(1)
         >>> comm.close(); comm.close()
         """
@@ -394,10 +402,9 @@ def open_communicator(transport_name: str | None = None, *, transport_options: d
     transport_options = dict(transport_options or {})
     if options.get("timeout") is not None:
         transport_options.setdefault("timeout", options["timeout"])
-    from stratagem.plugins.manager import plugin_manager, transport_or_default
-
-    transport_name = transport_or_default(transport_name)
-    transport = plugin_manager().create_transport(
+    factory = default_factory()
+    transport_name = factory.transport_or_default(transport_name)
+    transport = factory.create_transport(
         transport_name, cluster=resolved.cluster, task=resolved.task, secret=resolved.secret,
         **transport_options,
     )
@@ -407,32 +414,6 @@ def open_communicator(transport_name: str | None = None, *, transport_options: d
     except BaseException:
         transport.close()
         raise
-
-
-def local_world(size: int, **options) -> list[Communicator]:
-    """``size`` communicators over the in-process transport, one per rank of a ``worker`` world.
-
-    For single-process multi-replica runs, examples and tests: drive each rank from its own thread.
-    ``options`` go to every Communicator; each owns (and closes) its transport.
-
-    >>> comms = local_world(2)
-    >>> [(c.rank, str(c.task)) for c in comms]
-    [(0, '/job:worker/task:0'), (1, '/job:worker/task:1')]
-    >>> for c in comms: c.close()
-    """
-    from stratagem.transports.local import LocalTransport
-
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ConfigurationError(f"a local world needs size >= 1, got {size!r}")
-    cluster = ClusterSpec({"worker": [f"local:{i + 1}" for i in range(size)]})
-    fabric = LocalTransport.world_options()
-    transport_options = {"timeout": options["timeout"]} if options.get("timeout") is not None else {}
-    comms = []
-    for index in range(size):
-        transport = LocalTransport(cluster, TaskId("worker", index), **fabric, **transport_options)
-        transport.start()
-        comms.append(Communicator(transport, owns_transport=True, **options))
-    return comms
 
 
 def _ring_bytes(collective: str, nbytes: int, size: int) -> int:

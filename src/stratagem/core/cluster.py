@@ -26,6 +26,7 @@ from typing import Iterable, Iterator, Mapping
 
 from stratagem.core import slurm
 from stratagem.core.errors import ConfigurationError
+from stratagem.core.options import secret_from_env
 
 #: Jobs whose tasks compute on replicas of the model, in rank order.
 REPLICA_JOBS = ("chief", "worker")
@@ -357,8 +358,7 @@ class ClusterResolver:
     @staticmethod
     def from_env(environ: Mapping[str, str] | None = None) -> ResolvedCluster:
         env = os.environ if environ is None else environ
-        secret = env.get("STRATAGEM_SECRET") or None
-        secret_bytes = secret.encode() if secret else None
+        secret_bytes = secret_from_env(env)
         for var in ("STRATAGEM_CONFIG", "TF_CONFIG"):
             if env.get(var):
                 return ClusterResolver.from_config(env[var], source=var, secret=secret_bytes)

@@ -67,11 +67,6 @@ class TrafficSnapshot:
         """Payload bytes received from peers of ``jobs`` (all if None), plus native collectives' if ``native``."""
         return self._total(_RECEIVED_BYTES, jobs, native)
 
-    def messages(self) -> tuple[int, int]:
-        """(messages sent, messages received), every peer."""
-        return (sum(c[_SENT_MESSAGES] for c in self.peers.values()),
-                sum(c[_RECEIVED_MESSAGES] for c in self.peers.values()))
-
     def as_dict(self) -> dict:
         """Plain JSON-able form: ``{"worker:1": {"sent_bytes": ..., ...}, "native": {...}}``."""
         names = ("sent_bytes", "sent_messages", "received_bytes", "received_messages")

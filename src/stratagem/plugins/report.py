@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def report(manager=None, *, check: bool = False) -> dict:
     """What ``stratagem info --json`` prints, as a dict."""
-    from stratagem import __version__
+    from stratagem._version import __version__
     from stratagem.plugins.manager import plugin_manager
 
     manager = plugin_manager() if manager is None else manager

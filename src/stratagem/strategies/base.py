@@ -43,6 +43,8 @@ from stratagem.core.cluster import ClusterSpec, TaskId, is_evaluator
 from stratagem.core.errors import ConfigurationError, IncompatibleError, StratagemError
 from stratagem.core.lifecycle import end_at_exit
 from stratagem.core.transport import Transport
+from stratagem.core.options import reject_unknown_options
+from stratagem.core.transport_factory import default_factory
 from stratagem.training.replica_sync import broadcast_arrays, broadcast_json
 from stratagem.training.sharding import shard_batch
 from stratagem.strategies.checkpoints import Checkpointing
@@ -89,7 +91,8 @@ class Strategy(Checkpointing):
         cluster, task: this task's cluster and task; default: ``ClusterResolver.from_env()``.
         transport_options: options for the transport's constructor (``{"fabric": ...}`` for ``local``,
             ``{"timeout": 60}``...).
-        plugins: the plugin registry to create the transport with (default: the process's).
+        plugins: where the transport named by ``transport`` comes from: a ``TransportFactory``
+            (:mod:`stratagem.core.transport_factory`; default: the process's plugin registry).
         **options: the strategy's own options: the keys of its class attribute ``options``, whose
             values are the defaults. Others are refused with the list of known ones. The resolved
             values are in ``self.config``.
@@ -108,8 +111,6 @@ class Strategy(Checkpointing):
 
     def __init__(self, transport: "str | Transport | None" = None, *, cluster=None, task=None,
                  transport_options: Mapping[str, Any] | None = None, plugins=None, **options):
-        from stratagem.plugins.manager import plugin_manager, reject_unknown_options, transport_or_default
-
         defaults = self.option_defaults()
         reject_unknown_options(f"strategy {self.name!r}", options, [*defaults, *BASE_KEYWORDS])
         #: The strategy's options: defaults updated with what the caller passed.
@@ -125,13 +126,13 @@ class Strategy(Checkpointing):
         self._pending_optimizer_state: dict | None = None  # restored before its optimizer was known
         self._batch_share: float | None = None    # this replica's share of the last global batch
         self._step = 0                            # updates applied through _apply_gradients
-        transport = transport_or_default(transport, plugins)   # None: STRATAGEM_TRANSPORT, else zmq
+        factory = plugins if plugins is not None else default_factory()
+        transport = factory.transport_or_default(transport)   # None: STRATAGEM_TRANSPORT, else zmq
         if isinstance(transport, Transport):
             self._adopt(transport, cluster, task, transport_options)
         elif isinstance(transport, str):
-            manager = plugins if plugins is not None else plugin_manager()
-            check_compatible(type(self), manager.transport_class(transport), transport_name=transport)
-            created = manager.create_transport(transport, cluster, task, **dict(transport_options or {}))
+            check_compatible(type(self), factory.transport_class(transport), transport_name=transport)
+            created = factory.create_transport(transport, cluster, task, **dict(transport_options or {}))
             try:
                 created.start()
             except BaseException:

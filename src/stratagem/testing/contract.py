@@ -322,25 +322,4 @@ class TransportContract:
             assert a.recv(b.task, "y", timeout=CALL_TIMEOUT).meta == {"back": 1}
 
 
-def run_contract(transport: str) -> type:
-    """Make a ``TransportContract`` test class for ``transport`` (for dynamic parametrisation).
-
-    A transport whose endpoints are ranks of an MPI job (its class says ``launcher = "mpiexec"``) gets
-    :class:`~stratagem.testing.mpi_contract.MpiTransportContract`: the same tests, run inside one.
-    """
-    from stratagem.core.errors import PluginError
-    from stratagem.plugins.manager import plugin_manager
-
-    base: type = TransportContract
-    try:
-        launcher = getattr(plugin_manager().transport_class(transport), "launcher", None)
-    except PluginError:
-        launcher = None
-    if launcher == "mpiexec":
-        from stratagem.testing.mpi_contract import MpiTransportContract
-
-        base = MpiTransportContract
-    return type(f"TestContract_{transport}", (base,), {"transport": transport})
-
-
-__all__ = ["TransportContract", "run_contract", "CALL_TIMEOUT", "PEER_TIMEOUT", "TaskId"]
+__all__ = ["TransportContract", "CALL_TIMEOUT", "PEER_TIMEOUT", "TaskId"]

@@ -13,7 +13,7 @@ inside one:
   private MPI communicator as ``core/wire`` frames (nothing is pickled). Results go to PATH (JSON)
   after every test, so a job that dies still reports what it finished.
 * :class:`MpiTransportContract` is the pytest side: one test per contract test, each answered by an
-  ``mpiexec`` job of its own. ``contract.run_contract(name)`` returns it for a transport class that
+  ``mpiexec`` job of its own. ``stratagem.testing.run_contract(name)`` returns it for a transport class that
   declares ``launcher = "mpiexec"``, so ``tests/test_transport_contract.py`` covers such a transport
   with no change. Such a transport must accept a ``comm`` option: the mpi4py communicator of its
   world (one per test).
@@ -397,7 +397,7 @@ def _make_test(name: str):
 class MpiTransportContract(TransportContract):
     """The contract for a transport whose endpoints are MPI ranks: each test runs in an mpiexec job.
 
-    Subclass and set ``transport`` (``contract.run_contract(name)`` does it). Each test gets a job of
+    Subclass and set ``transport`` (``stratagem.testing.run_contract(name)`` does it). Each test gets a job of
     its own and reports what happened to it there. One job per test, not per class, so that what a
     test leaves behind (a receive blocked until its timeout, a transport being torn down) cannot reach
     the next one: a fresh job inherits nothing. A failed test fails; it is not run again. Skipped,

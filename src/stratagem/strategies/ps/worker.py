@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import traceback
 from dataclasses import dataclass
 
@@ -161,16 +160,3 @@ class Worker:
         if "__strategy__" in ref:
             return self.strategy
         raise StratagemError(f"unknown reference {ref!r}")
-
-
-def wait_for_workers(transport, workers, timeout: float) -> list:
-    """The workers whose hello reached the coordinator within ``timeout`` (used by tests and benchmarks)."""
-    seen, deadline = [], time.monotonic() + timeout
-    for worker in workers:
-        remaining = max(0.0, deadline - time.monotonic())
-        try:
-            transport.recv(worker, HELLO_TAG, timeout=remaining)
-            seen.append(worker)
-        except (TransportTimeout, PeerLostError):
-            pass
-    return seen

@@ -35,6 +35,7 @@ import numpy as np
 
 from stratagem.core.errors import ConfigurationError, StratagemError
 from stratagem.training.optimizers.chunks import chunkable, update_chunked
+from stratagem.training.optimizers.precision import compute_dtype, is_float_dtype
 from stratagem.training.sparse import IndexedSlices, densify, is_sparse
 from stratagem.training.variables import Variable, _detach, array_module, current_strategy, is_device_array, to_module
 
@@ -42,21 +43,6 @@ __all__ = ["Optimizer", "from_config", "compute_dtype"]
 
 
 # -- helpers ------------------------------------------------------------------------------------------
-
-def _is_float_dtype(dtype: np.dtype) -> bool:
-    return dtype.kind == "f" or (dtype.kind == "V" and dtype.type.__module__.startswith("ml_dtypes")
-                                 and "float" in dtype.name)
-
-
-def compute_dtype(dtype) -> np.dtype:
-    """The dtype an update of a ``dtype`` variable is computed in (and its slots are kept in).
-
-    >>> compute_dtype(np.float16), compute_dtype(np.float64)
-    (dtype('float32'), dtype('float64'))
-    """
-    dtype = np.dtype(dtype)
-    return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
-
 
 def _hyper(name: str, value, *, low: float | None = None, high: float | None = None,
            low_open: bool = False, high_open: bool = False) -> float:
@@ -85,7 +71,7 @@ def _as_gradient(grad, var_name: str):
         raise ConfigurationError(
             f"the gradient of variable {var_name!r} ({type(grad).__name__}) is not an array: {exc}"
         ) from None
-    if grad.dtype.kind not in "biuf" and not _is_float_dtype(grad.dtype):
+    if grad.dtype.kind not in "biuf" and not is_float_dtype(grad.dtype):
         raise ConfigurationError(
             f"the gradient of variable {var_name!r} has dtype {grad.dtype}; gradients must be real numbers"
         )
@@ -237,7 +223,7 @@ class Optimizer:
                 f"the gradient of variable {var.name!r} has shape {tuple(grad.shape)}, the variable "
                 f"{var.shape}; gradients must have their variable's shape"
             )
-        if not _is_float_dtype(var.dtype):
+        if not is_float_dtype(var.dtype):
             raise ConfigurationError(
                 f"variable {var.name!r} has dtype {var.dtype}; optimizers update floating-point "
                 f"variables only: create it with a float dtype (e.g. dtype=np.float32)"
@@ -334,7 +320,7 @@ class Optimizer:
                 f"increment opt.iterations before the step, or call apply_dense"
             )
         dtype = np.dtype(value.dtype)
-        if not _is_float_dtype(dtype):
+        if not is_float_dtype(dtype):
             raise ConfigurationError(
                 f"variable {name!r} has dtype {dtype}; optimizers update floating-point variables only"
             )
@@ -511,7 +497,7 @@ class Optimizer:
             copies = {}
             for slot, array in slots.items():
                 copy = array.copy() if is_device_array(array) else np.array(array, copy=True)
-                if not _is_float_dtype(np.dtype(copy.dtype)):
+                if not is_float_dtype(np.dtype(copy.dtype)):
                     raise ConfigurationError(
                         f"{self.name} state for variable {name!r}: slot {slot!r} has dtype {copy.dtype}, "
                         f"not a floating-point type"

@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 
 from stratagem.core.errors import ConfigurationError, StratagemError
-from stratagem.training.variables import array_module, is_device_array, to_module
+from stratagem.training.optimizers.precision import compute_dtype, is_float_dtype
+from stratagem.training.variables import _detach, array_module, is_device_array, to_module
 
 
 def update_rows(optimizer, name: str, value, rows, grad_rows) -> None:
     """See :meth:`stratagem.training.optimizers.base.Optimizer.update_rows`."""
-    from stratagem.training.optimizers.base import _detach, _is_float_dtype, compute_dtype
 
     if not optimizer.sparse_exact:
         raise ConfigurationError(
@@ -27,7 +27,7 @@ def update_rows(optimizer, name: str, value, rows, grad_rows) -> None:
         raise StratagemError(f"{optimizer.name}.update_rows needs iterations >= 1 (it is {optimizer.iterations}): "
                              f"increment opt.iterations before the step")
     dtype = np.dtype(value.dtype)
-    if not _is_float_dtype(dtype) or not value.ndim:
+    if not is_float_dtype(dtype) or not value.ndim:
         raise ConfigurationError(f"update_rows of {name!r}: the variable must be a floating-point array "
                                  f"with rows, got {dtype} of shape {tuple(value.shape)}")
     xp = array_module(value)
