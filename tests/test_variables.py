@@ -347,7 +347,7 @@ def test_numpy_path_never_imports_cupy():
         "import sys, numpy as np, tempfile\n"
         "from stratagem.training.variables import Variable\n"
         "from stratagem.training.optimizers.rules import Adam\n"
-        "from stratagem.core import checkpoint\n"
+        "from stratagem.training import checkpoint\n"
         "w = Variable(np.ones(3, np.float32), name='w')\n"
         "opt = Adam(0.1); opt.apply_gradients([(np.ones(3, np.float32), w)])\n"
         "d = tempfile.mkdtemp(); checkpoint.save(d, {'w': w.value}, opt.state_dict(), 1); checkpoint.load(d)\n"

@@ -1,5 +1,7 @@
-"""The plain training script a user writes (tests/test_script_endings.py): no close(), no shutdown(),
-no `with strategy:`, no `if __name__ == "__main__":` guard. It runs unchanged under every strategy.
+"""The plain training script a user writes: no close(), no shutdown(), no `with strategy:`, no
+`if __name__ == "__main__":` guard. It runs unchanged under every strategy; the strategy conformance
+suite (:mod:`stratagem.testing.strategy_contract`) runs it as every task of a cluster. Importing this
+module runs it: start it as a script (``python -m stratagem.testing.plain_training ...``).
 
 Arguments: STRATEGY TRANSPORT [TASK ENDING]: with them, task TASK (e.g. worker:1) ends its script in
 the middle of training by ENDING: ``raise`` (an uncaught exception) or ``exit`` (``sys.exit(3)``).
