@@ -135,7 +135,7 @@ def test_an_async_recommendation_says_what_it_costs():
     setups = cm.setups_for(2, ["zmq"], [1], strategies=["mirrored", "between_graph:sync", "between_graph:async"])
     best, why = cm.recommend(cm.predict_all(setups, WORK, {"zmq": slow_ring}, IDLE), WORK)
     assert best.setup.label == "between_graph:async"
-    assert "applied about 1 updates after" in why
+    assert "applied about 1 update after" in why
     assert "the fastest synchronous choice is" in why
 
 

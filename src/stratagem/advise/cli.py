@@ -21,6 +21,17 @@ reason in a sentence.
 tasks, unloaded (or as ``--bandwidth``/``--latency`` describe them), every ps on its own link, the
 variables placed as the strategies place them.
 
+**A cluster that spans hosts.** The links are measured between local tasks unless you measure them
+on your cluster: run ``stratagem advise --probe-links links.json --transports zmq`` as every task of
+a job on it (any launcher stratagem reads: ``mpiexec``, ``srun``, ``TF_CONFIG``, ``stratagem launch``;
+give the job one ``ps`` task to measure a parameter server's exchange too). Each pair of tasks is
+timed (every pair up to 8 tasks, else the first task with each other), and an all-reduce over all of
+them; the first task writes the file. ``stratagem advise --links links.json`` then uses those links:
+the slowest pair for point to point, the whole job's all-reduce for the ring::
+
+    mpiexec -n 4 -x STRATAGEM_NUM_PS=1 stratagem advise --probe-links links-mpi.json --transports mpi
+    stratagem advise --links links-mpi.json --predict-workers 64,256
+
 Exit status: 0, 1 when a measurement failed, 2 for bad options (a message says which and why).
 
 From Python::
@@ -113,21 +124,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="mlp", metavar="NAME",
                         help=f"{', '.join(BUILTIN)}, or package.module:build returning a model with the bench's "
                              f"interface (see stratagem.bench.models; default mlp)")
-    parser.add_argument("--worker", type=int, default=2, metavar="N", help="workers to predict on this machine (default 2)")
-    parser.add_argument("--ps", default="1,2", metavar="LIST", help="ps counts for the parameter-server strategies (default 1,2)")
+    parser.add_argument("--worker", type=int, default=2, metavar="N",
+                        help="workers to predict on this machine (default 2)")
+    parser.add_argument("--ps", default="1,2", metavar="LIST",
+                        help="ps counts for the parameter-server strategies (default 1,2)")
     parser.add_argument("--strategies", default=DEFAULT_STRATEGIES, metavar="LIST",
                         help=f"strategies to predict, with the mode after a colon (default {DEFAULT_STRATEGIES})")
     parser.add_argument("--transports", metavar="LIST",
-                        help="transports to measure (default: every registered one; those not usable here are listed)")
+                        help="transports to measure (default: every registered one; those not usable here are "
+                             "listed)")
     parser.add_argument("--predict-workers", metavar="LIST",
                         help="also extrapolate to these worker counts, one task per host (e.g. 64,256,1024)")
     parser.add_argument("--bandwidth", metavar="RATE",
-                        help="for --predict-workers: the network's bandwidth per link (e.g. 25Gbit) instead of the measured one")
+                        help="for --predict-workers: the network's bandwidth per link (e.g. 25Gbit) instead of "
+                             "the measured one")
     parser.add_argument("--latency", metavar="TIME",
-                        help="for --predict-workers: the network's one-way latency (e.g. 20us) instead of the measured one")
-    parser.add_argument("--quick", action="store_true", help="measure less (fewer sizes and rounds): faster, noisier")
-    parser.add_argument("--measured", metavar="PATH", help="reuse the measurements of an earlier --json output instead of measuring")
-    parser.add_argument("--json", action="store_true", help="print one JSON document (measurements, predictions, advice) instead of tables")
+                        help="for --predict-workers: the network's one-way latency (e.g. 20us) instead of the "
+                             "measured one")
+    parser.add_argument("--probe-links", metavar="PATH",
+                        help="run as every task of a job on your cluster: time its links (every pair, an "
+                             "all-reduce, a ps exchange) over the one transport of --transports; the first task "
+                             "writes PATH")
+    parser.add_argument("--links", metavar="PATHS",
+                        help="comma-separated files of --probe-links: use those links instead of local ones")
+    parser.add_argument("--quick", action="store_true",
+                        help="measure less (fewer sizes and rounds): faster, noisier")
+    parser.add_argument("--measured", metavar="PATH",
+                        help="reuse the measurements of an earlier --json output instead of measuring")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document (measurements, predictions, advice) instead of tables")
     parser.add_argument("--seed", type=int, default=0, help="the model's initial values and data (default 0)")
     parser.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
                         help="stop a measurement job after this long (default 120)")
@@ -163,6 +188,16 @@ def check(args: argparse.Namespace) -> dict:
                                  "give --predict-workers too (this machine's links are measured)")
     if args.measured and not os.path.isfile(args.measured):
         raise ConfigurationError(f"--measured: no such file {args.measured!r} (write one with --json > FILE)")
+    checked["links"] = [p.strip() for p in args.links.split(",") if p.strip()] if args.links else []
+    for path in checked["links"]:
+        if not os.path.isfile(path):
+            raise ConfigurationError(f"--links: no such file {path!r} (write one with --probe-links)")
+    if args.probe_links:
+        names = [t.strip() for t in (args.transports or "zmq").split(",") if t.strip()]
+        if len(names) != 1:
+            raise ConfigurationError(f"--probe-links measures one transport at a time: give --transports NAME "
+                                     f"(got {args.transports!r})")
+        checked["probe_transport"] = names[0]
     return checked
 
 
@@ -184,6 +219,52 @@ def load_measured(path: str):
         return Measurements.from_dict(doc.get("measurements", doc))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigurationError(f"--measured {path}: not the JSON of `stratagem advise --json` ({exc})") from None
+
+
+def probe_links(path: str, transport: str, model: str, seed: int, quick: bool, timeout: float) -> int:
+    """``--probe-links``: this process is one task of the user's job; time the links with the others."""
+    import contextlib
+    import io
+    import tempfile
+
+    from stratagem.advise import probe, probe_task
+
+    from stratagem.core.cluster import ClusterResolver
+
+    cluster = ClusterResolver.from_env().cluster
+    if len(cluster.replicas()) < 2:
+        raise ConfigurationError("--probe-links runs as every task of a job of at least two worker tasks "
+                                 "(mpiexec -n 3, srun, TF_CONFIG or stratagem launch --worker 2 ...); this process "
+                                 "found no such job in its environment")
+    described = probe.describe_model(model, seed)
+    spec = {"mode": "link", "transport": transport, "timeout": timeout, "learning_rate": described["learning_rate"],
+            "sizes": probe.schedule(probe.sizes_around(described["param_bytes"], quick), quick),
+            "idle_probe": 0.15 if quick else 0.25}
+    with tempfile.TemporaryDirectory(prefix="stratagem-advise-") as scratch, \
+            contextlib.redirect_stdout(io.StringIO()):    # (the all-reduce loop's progress lines)
+        result = probe_task.run_link(spec, scratch)
+    if result is not None:     # the first task
+        result["one_group"] = False
+        with open(path, "w") as f:
+            json.dump(result, f)
+    return EXIT_OK
+
+
+def use_links(measured, paths: Sequence[str]):
+    """``measured`` with the links of ``--probe-links`` files in place of the local ones."""
+    from stratagem.advise import probe
+
+    for path in paths:
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+            figures = probe.fit_transport(raw, one_group=raw.get("one_group", False))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigurationError(f"--links {path}: not a file of `stratagem advise --probe-links` ({exc})") from None
+        measured.transports[figures.name] = figures
+        measured.skipped.pop(figures.name, None)
+        measured.raw.setdefault("links_from_files", {})[figures.name] = raw
+    return measured
 
 
 def advise(measured, workers: int, ps_counts: Sequence[int], strategies: Sequence[str]) -> tuple[list, tuple]:
@@ -250,6 +331,9 @@ def print_report(measured, predictions, best_reason, extrapolated: dict, setting
     console.print(f"recommended: {reason}", markup=False, highlight=False, soft_wrap=True)
     for name, why in measured.skipped.items():
         console.print(f"  not measured: {name}: {why}", markup=False, highlight=False, soft_wrap=True)
+    for name, raw in measured.raw.get("links_from_files", {}).items():
+        console.print(f"  {name}'s links from --links: {raw.get('np')} tasks, {len(raw.get('pairs', []))} pairs timed "
+                      f"(the slowest pair's figures used)", markup=False, highlight=False, soft_wrap=True)
     if not extrapolated:
         return
     counts = sorted(extrapolated)
@@ -312,6 +396,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         settings = check(args)
+        if args.probe_links:
+            return probe_links(args.probe_links, settings["probe_transport"], args.model, args.seed, args.quick,
+                               args.timeout)
         if args.measured:
             measured = load_measured(args.measured)
         else:
@@ -322,6 +409,8 @@ def run(args: argparse.Namespace) -> int:
                                                  quick=args.quick, timeout=args.timeout,
                                                  machine_tasks=min(MAX_PROBE_TASKS, max(most, cores + 1, 2)))
             measured = probe.measure(probe_settings, on_progress=say)
+        if settings["links"]:
+            measured = use_links(measured, settings["links"])
         if not measured.transports:
             raise ConfigurationError("no transport could be measured here: "
                                      + "; ".join(f"{k}: {v}" for k, v in measured.skipped.items()))

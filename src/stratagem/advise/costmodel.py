@@ -290,7 +290,8 @@ def staleness_note(setup: Setup) -> str | None:
         return None
     if setup.workers < 2:
         return "async with one worker: no staleness"
-    return (f"async: each gradient is applied about {setup.workers - 1} updates after the values it was "
+    stale = setup.workers - 1
+    return (f"async: each gradient is applied about {stale} update{'s' * (stale != 1)} after the values it was "
             f"computed from were read (stale gradients: the loss may need more steps)")
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -33,6 +34,8 @@ from stratagem.advise import costmodel as cm
 from stratagem.core.errors import ConfigurationError, StratagemError
 
 _TASK_MODULE = "stratagem.advise.probe_task"
+#: The last line of a task's traceback: ``[worker:1] RuntimeError: ...``.
+_EXCEPTION = re.compile(r"^\[[\w:]+\] (\w+\.)*\w*(Error|Exception|Exit|Interrupt|Timeout)\b.*:")
 #: Math libraries get one thread per task, as in the bench: the tasks share the cores.
 ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
 #: Bytes moved per size, for the iteration count: ``clamp(VOLUME / size, MIN_ITERS, MAX_ITERS)``.
@@ -169,16 +172,19 @@ def describe_model(spec: str, seed: int = 0) -> dict:
 
 
 class _Tail:
-    """The job's output: the last lines, for a failure's report."""
+    """The job's output: the last lines of each task (``[worker:1] ...``), for a failure's report."""
 
     def __init__(self):
-        self.lines: collections.deque[str] = collections.deque(maxlen=20)
+        self.lines: dict[str, collections.deque[str]] = collections.defaultdict(lambda: collections.deque(maxlen=8))
         self._partial = ""
 
     def write(self, text: str) -> int:
         lines = (self._partial + text).split("\n")
         self._partial = lines.pop()
-        self.lines.extend(line for line in lines if line.strip())
+        for line in lines:
+            if line.strip():
+                task = line[1:line.index("]")] if line.startswith("[") and "]" in line else ""
+                self.lines[task].append(line)
         return len(text)
 
     def flush(self) -> None:
@@ -186,6 +192,18 @@ class _Tail:
 
     def isatty(self) -> bool:
         return False
+
+    def of(self, task: str | None) -> list[str]:
+        """The last lines of the task that failed first, by cause: a task whose error is its own (not
+        a lost peer: the others lose it when it fails, and one of them may exit first), else the
+        task the launcher names, else every task's last line."""
+        own = [name for name, lines in self.lines.items()
+               if name and lines and _EXCEPTION.search(lines[-1]) and "PeerLostError" not in lines[-1]]
+        if own:
+            return list(self.lines[own[0]])
+        if task and self.lines.get(task):
+            return list(self.lines[task])
+        return [lines[-1] for name, lines in self.lines.items() if name and lines]
 
 
 def run_job(spec: dict, tasks: int, transport: str, timeout: float, mpi_job: bool = False, ps: int = 0) -> dict:
@@ -211,7 +229,8 @@ def run_job(spec: dict, tasks: int, transport: str, timeout: float, mpi_job: boo
         if result.ok and os.path.exists(spec["out"]):
             with open(spec["out"]) as f:
                 return json.load(f)
-        lines = [line for line in tail.lines if not line.startswith("stratagem launch:")][-8:]
+        failed = result.failed_task.short if getattr(result, "failed_task", None) is not None else None
+        lines = tail.of(failed)
         why = result.reason if not result.ok else "the job ended without writing its figures"
         raise ProbeError(f"the {spec['mode']} probe over {transport} failed: {why}"
                          + ("\n  " + "\n  ".join(lines) if lines else ""))
