@@ -37,6 +37,7 @@ from .errors import ConfigurationError, StratagemError
 from .optimizer_chunks import chunkable, update_chunked
 from .sparse import IndexedSlices, densify, is_sparse
 from .variables import Variable, _detach, array_module, current_strategy, is_device_array, to_module
+from ..timeline import recorder as _timeline
 
 __all__ = ["Optimizer", "from_config", "compute_dtype"]
 
@@ -178,7 +179,12 @@ class Optimizer:
         """
         pairs = self._normalise(grads_and_vars)
         if self.strategy is not None:
-            self.strategy._apply_gradients(self, pairs)
+            recorder = _timeline.RECORDER
+            if recorder is None:
+                self.strategy._apply_gradients(self, pairs)
+            else:
+                with recorder.span("sync", "apply_gradients", {"gradients": len(pairs)}):
+                    self.strategy._apply_gradients(self, pairs)
         else:
             self.apply_dense(pairs)
         return self.iterations

@@ -31,6 +31,7 @@ from .ps_functions import (
 )
 from .ps_protocol import ShardLostError
 from .transport import Message
+from ..timeline import recorder as _timeline
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,11 @@ class Worker:
             fn = self._function(meta["fn"], arrays)
             values = decode_value(meta["values"], arrays, self._resolve)
             self.strategy._mark_stale()          # a step reads the variables as they are now
+            recorder = _timeline.RECORDER
+            started = recorder.now() if recorder is not None else 0
             result = fn(*values["args"], **values["kwargs"])
+            if recorder is not None:
+                recorder.add("step", "step", started, recorder.now(), {"closure": meta.get("id")})
             skeleton, out, _ = encode_value(result, self.strategy._reference_for_result, "the step's result")
             return Message({**reply, "ok": True, "value": skeleton}, out), None
         except ShardLostError as exc:
