@@ -144,6 +144,7 @@ class Recorder:
         self.problem = path_problem(path)
         self.written: str | None = None
         self._threads: dict[int, str] = {}
+        self._peer_names: dict = {}       # peer -> (its name, the name of a wait on it)
         self._lock = threading.RLock()
         self._synced = False
 
@@ -163,12 +164,15 @@ class Recorder:
 
     def wait(self, peer, tag: str, start: int, end: int, **args) -> None:
         """Record time blocked in a receive from ``peer`` (a task) under ``tag``."""
-        peer = str(peer)
+        names = self._peer_names.get(peer)
+        if names is None:   # worked out once per peer: this runs on every receive that waited
+            text = str(peer)
+            names = self._peer_names[peer] = (text, f"wait {text.replace('/job:', '').replace('/task:', ':')}")
         if tag.startswith(CLOCK_TAG_PREFIX):  # the clock exchange's own replies
-            self.add("clock", "clock exchange", start, end, {"peer": peer})
+            self.add("clock", "clock exchange", start, end, {"peer": names[0]})
             return
-        self.add("wait", f"wait {peer.replace('/job:', '').replace('/task:', ':')}", start, end,
-                 {"peer": peer, "tag": tag, **args})
+        self.add("wait", names[1], start, end, {"peer": names[0], "tag": tag, **args} if args else
+                 {"peer": names[0], "tag": tag})
 
     def wait_until_now(self, peer, tag: str, start: int) -> int:
         """Record a wait on ``peer`` from ``start`` until now; return now (where the next one starts)."""
