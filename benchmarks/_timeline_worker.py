@@ -37,7 +37,7 @@ def step(batch):
 
 
 if mode == "steps":
-    from stratagem.timeline import recorder as timeline
+    from stratagem.core import timeline
 
     recording = timeline.Recorder(os.devnull)   # kept in memory, never written
 

@@ -7,7 +7,7 @@
 For each strategy (``mirrored``: 2 workers; ``between_graph``, sync: 2 workers and a ps task) and
 each model of ``stratagem.bench.models`` (``mlp``, small: 1.6 MB of parameters, compute-bound;
 ``wide``, medium: 8 MB, communication-bound), a job of ``benchmarks/_timeline_worker.py`` under
-``stratagem.core.launcher.launch`` trains ``--steps`` timed steps after ``--warmup``, once without
+``stratagem.launch.launcher.launch`` trains ``--steps`` timed steps after ``--warmup``, once without
 a timeline and once with one (each task writing its file at exit, as under ``launch --timeline``).
 The pairs run in alternating order (off/on, then on/off) and the configurations interleave, round
 after round, so that load changes on a shared machine hit both sides alike (table A). Then, in each
@@ -41,7 +41,7 @@ TARGET = 0.03
 
 def run_job(strategy: str, model: str, steps: int, warmup: int, timeline: bool | None, timeout: float) -> dict:
     """One job; ``timeline`` True/False: with/without (STRATAGEM_TIMELINE), None: every other step."""
-    from stratagem.core.launcher import launch
+    from stratagem.launch.launcher import launch
 
     ps = 1 if strategy == "between_graph" else 0
     env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "STRATAGEM_TIMELINE": None}
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
 
 def recorder_costs(n: int = 200_000) -> dict:
     """Nanoseconds per recorded event, per wait, and per disabled check (best of 5 runs each)."""
-    from stratagem.timeline import recorder as timeline
+    from stratagem.core import timeline
 
     def best(body) -> float:
         times = []

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from stratagem.core.launcher import launch
+from stratagem.launch.launcher import launch
 from stratagem.timeline.merge import load
 
 SCRIPT = Path(__file__).parent / "scripts" / "timeline_train.py"

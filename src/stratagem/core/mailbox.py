@@ -13,9 +13,9 @@ import time
 from collections import defaultdict, deque
 from typing import Callable
 
-from .cluster import TaskId
-from .errors import PeerLostError, TransportClosed, TransportTimeout
-from ..timeline import recorder as _timeline
+from stratagem.core.cluster import TaskId
+from stratagem.core.errors import PeerLostError, TransportClosed, TransportTimeout
+from stratagem.core import timeline as _timeline
 
 
 #: Seconds a waiter that could not read sleeps before trying to read again.

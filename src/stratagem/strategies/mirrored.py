@@ -47,12 +47,12 @@ from typing import Any
 
 import numpy as np
 
-from ..core.errors import ConfigurationError
-from ..core.replica_sync import allgather_json, broadcast_arrays, dtype_key
-from ..core.cluster import is_evaluator
-from ..core.strategy import Strategy, evaluator_refusal
-from ..core.variables import array_module, is_device_array
-from ..timeline import recorder as _timeline
+from stratagem.core.errors import ConfigurationError
+from stratagem.training.replica_sync import allgather_json, broadcast_arrays, dtype_key
+from stratagem.core.cluster import is_evaluator
+from stratagem.strategies.base import Strategy, evaluator_refusal
+from stratagem.training.variables import array_module, is_device_array
+from stratagem.core import timeline as _timeline
 
 #: Default largest bucket of fused gradients, in bytes (before any compression).
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -73,7 +73,7 @@ class MirroredStrategy(Strategy):
         compression: ``None``, or ``"fp16"`` to send float32 buckets as float16 (half the bytes; the
             sum is rounded to float16, and values beyond float16's range, about 65504, overflow).
             Replicas stay identical either way.
-        chunk_bytes, small_bytes, timeout: the replicas' :class:`~stratagem.core.communicator.Communicator`
+        chunk_bytes, small_bytes, timeout: the replicas' :class:`~stratagem.collectives.communicator.Communicator`
             settings (default: the communicator's, and the transport's timeout).
 
     Plus every strategy's keywords (``cluster``, ``task``, ``transport_options``, ``plugins``).

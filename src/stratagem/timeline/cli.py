@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from ..core.errors import TimelineError
+from stratagem.core.errors import TimelineError
 
 _EPILOG = """\
 examples:
@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
     if command is None:
         args._parser.print_help(sys.stderr)
         return 2
-    from . import merge as merging
-    from .summary import format_summary, summarize
+    from stratagem.timeline import merge as merging
+    from stratagem.timeline.summary import format_summary, summarize
 
     try:
         if command == "merge":

@@ -1,8 +1,8 @@
 """Merging the tasks' timeline files into one Chrome-trace / Perfetto JSON on one time axis.
 
-Each task's file (:mod:`stratagem.timeline.recorder`) stamps its events in microseconds since its
+Each task's file (:mod:`stratagem.core.timeline`) stamps its events in microseconds since its
 own anchor, and records the anchor's wall-clock time and the offset to the reference task's clock
-that it measured (:mod:`stratagem.timeline.clock`). Merging puts every event on the reference's
+that it measured (:mod:`stratagem.core.timeline_clock`). Merging puts every event on the reference's
 clock (``anchor wall time + stamp + offset``), gives each task a process track named after it
 (``/job:worker/task:1``, chief first, then workers, then ps tasks) with its threads as sub-tracks,
 and lists in ``otherData`` each task's file, offset and its precision. A task whose offset could not
@@ -14,7 +14,7 @@ From Python, :func:`merge_files` does the same, and :func:`load` reads and check
 
     >>> import json, os, tempfile
     >>> from stratagem.core.cluster import TaskId
-    >>> from stratagem.timeline.recorder import Recorder, now
+    >>> from stratagem.core.timeline import Recorder, now
     >>> folder = tempfile.mkdtemp()
     >>> for index in range(2):
     ...     rec = Recorder(os.path.join(folder, "{task}.json"))
@@ -34,9 +34,9 @@ import json
 import os
 from typing import Iterable
 
-from ..core.cluster import REPLICA_JOBS, TaskId
-from ..core.errors import ConfigurationError, TimelineError
-from .recorder import FORMAT, VERSION
+from stratagem.core.cluster import REPLICA_JOBS, TaskId
+from stratagem.core.errors import ConfigurationError, TimelineError
+from stratagem.core.timeline import FORMAT, VERSION
 
 _HINT = "timeline files are written by tasks run with STRATAGEM_TIMELINE=PATH (or stratagem launch --timeline)"
 

@@ -5,7 +5,7 @@ one beside ``OUT``; when the job has ended (however it ended: a failed job's tim
 worth reading), the files found there are merged into ``OUT`` and the folder is removed. A task
 that left no file (killed by SIGKILL, or it never started a strategy or communicator) is named.
 
-The same from Python, around :func:`stratagem.core.launcher.launch`::
+The same from Python, around :func:`stratagem.launch.launcher.launch`::
 
     session = TimelineSession("trace.json")
     result = launch(["python", "train.py"], workers=2, env=session.env)
@@ -21,8 +21,8 @@ import sys
 import tempfile
 from typing import Iterable, TextIO
 
-from ..core.errors import ConfigurationError, TimelineError
-from .recorder import ENV, task_slug
+from stratagem.core.errors import ConfigurationError, TimelineError
+from stratagem.core.timeline import ENV, task_slug
 
 
 class TimelineSession:
@@ -57,7 +57,7 @@ class TimelineSession:
         """Merge what the tasks wrote into ``out`` and report it on ``stream`` (default stderr);
         returns the merged document, or ``None`` if there was nothing to merge or it failed (the
         tasks' files are then kept, and the message says where)."""
-        from .merge import merge_files
+        from stratagem.timeline.merge import merge_files
 
         stream = stream if stream is not None else sys.stderr
         files = sorted(glob.glob(os.path.join(self.folder, "*.json")))

@@ -22,7 +22,7 @@ From Python::
 
     >>> import os, tempfile
     >>> from stratagem.core.cluster import TaskId
-    >>> from stratagem.timeline.recorder import Recorder
+    >>> from stratagem.core.timeline import Recorder
     >>> from stratagem.timeline.merge import merge_files
     >>> folder = tempfile.mkdtemp()
     >>> def task_file(index, events):
@@ -46,9 +46,9 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from ..core.cluster import REPLICA_JOBS, TaskId
-from ..core.errors import ConfigurationError
-from .recorder import FORMAT
+from stratagem.core.cluster import REPLICA_JOBS, TaskId
+from stratagem.core.errors import ConfigurationError
+from stratagem.core.timeline import FORMAT
 
 #: Categories of the breakdown, in the order printed; ``compute`` is the time no event covers.
 PARTS = ("compute", "pack", "collective", "ps", "wait", "optimizer", "other")
