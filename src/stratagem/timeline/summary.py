@@ -245,7 +245,8 @@ def summarize(doc: dict) -> dict:
 def _straggler(report: dict, charged_to: dict, charged_by: dict, step_time: dict) -> dict:
     replicas = [name for name in report["tasks"] if not _serves(name)]
     if not charged_to:
-        return {"task": None, "share": 0.0, "explanation": "no task waited on another"
+        return {"task": None, "share": 0.0, "explanation": "no wait on a peer was recorded during the steps (a "
+                "native collective, under mpi or nccl, waits inside its library, out of sight)"
                 + _slowest(report, replicas)}
     task = max(charged_to, key=charged_to.get)
     others = sum(step_time[name] for name in charged_by[task] if name in step_time)
@@ -273,12 +274,15 @@ def _straggler(report: dict, charged_to: dict, charged_by: dict, step_time: dict
 
 
 def _slowest(report: dict, replicas: list[str]) -> str:
-    timed = [(report["tasks"][name]["step_median_s"], name) for name in replicas
-             if report["tasks"][name]["step_median_s"] is not None]
-    if not timed:
+    """The replica that computes longest per step: the likely straggler when the waits do not tell."""
+    per_step = sorted((report["tasks"][name]["breakdown_s"]["compute"] / report["tasks"][name]["steps"], name)
+                      for name in replicas if report["tasks"][name]["steps"])
+    if not per_step:
         return ""
-    seconds, name = max(timed)
-    return f"; the slowest median step is {name}'s ({1000 * seconds:.1f} ms)"
+    seconds, name = per_step[-1]
+    others = [value for value, other in per_step if other != name]
+    typical = f" against {1000 * others[len(others) // 2]:.1f} ms on the others" if others else ""
+    return f"; the longest compute per step is {name}'s ({1000 * seconds:.1f} ms{typical})"
 
 
 def _ms(seconds: float | None) -> str:
