@@ -59,3 +59,8 @@ class PeerLostError(CommunicationError):
 
 class CollectiveMismatchError(CommunicationError):
     """Ranks called different collectives (or with different dtypes/shapes) at the same step."""
+
+
+class TimelineError(StratagemError, ValueError):
+    """A timeline file (``STRATAGEM_TIMELINE``, ``stratagem timeline ...``) cannot be written, read or
+    understood; the message names the file and what to do."""

@@ -94,6 +94,9 @@ with --transport, STRATAGEM_TRANSPORT (the transport a script gets when it names
 lines are prefixed with the task ([worker:1] ...).
 With --ray ADDRESS the same job runs as Ray actors, one per task, on the nodes Ray chooses:
   stratagem launch --ray auto --worker 4 --ps 2 --spread -- python3 train.py
+With --timeline trace.json every task records where its steps go; the launcher merges them:
+  stratagem launch --timeline trace.json --worker 3 -- python3 train.py
+  stratagem timeline summary trace.json        # step breakdown, waits per peer, the straggler
 Exit status: 0 all tasks succeeded (ps tasks stopped after --ps-grace count as success), 1 a task
 failed, 2 usage error, 124 --timeout expired, 130/143 interrupted by SIGINT/SIGTERM.
 """
@@ -543,6 +546,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ps-grace", type=float, default=DEFAULT_PS_GRACE, metavar="SECONDS",
                         help="time ps tasks may keep serving after every worker succeeded, before they are "
                              f"stopped without failing the job (default: {DEFAULT_PS_GRACE:g})")
+    parser.add_argument("--timeline", metavar="TRACE.json",
+                        help="record every task's step phases (compute, pack, collectives, ps push/pull, waits "
+                             "on each peer, optimizer) and merge them into one Chrome-trace/Perfetto file, "
+                             "clocks aligned; then: stratagem timeline summary TRACE.json")
     parser.add_argument("--mpi", action="store_true",
                         help="run the command once, as an MPI job: mpiexec -n WORKERS+PS in a private network "
                              "namespace (rank 0 is worker:0, the last PS ranks are ps tasks; "
@@ -575,6 +582,15 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "ray", None) is None and any(v is not None for v in ray_only.values()):
             given = ", ".join(flag for flag, value in ray_only.items() if value is not None)
             raise ConfigurationError(f"{given}: only with --ray ADDRESS")
+        session = None
+        if getattr(args, "timeline", None):
+            if getattr(args, "ray", None):
+                raise ConfigurationError("--timeline does not work with --ray yet (the tasks' files stay on "
+                                         "their nodes): set STRATAGEM_TIMELINE=/shared/dir/{task}.json and run "
+                                         "stratagem timeline merge")
+            from stratagem.timeline.session import TimelineSession
+
+            session = TimelineSession(args.timeline)
         if getattr(args, "ray", None):
             from stratagem.launch.ray import DEFAULT_PLACEMENT_TIMEOUT, launch_ray
 
@@ -591,13 +607,15 @@ def run(args: argparse.Namespace) -> int:
 
             result = launch_mpi(command, workers=args.worker, ps=args.ps, chief=args.chief,
                                 transport=args.transport, secret=args.secret, timeout=args.timeout,
-                                grace=args.grace)
+                                grace=args.grace, env=session.env if session else None)
         else:
             result = launch(
                 command, workers=args.worker, ps=args.ps, chief=args.chief, transport=args.transport,
                 secret=args.secret, timeout=args.timeout, host=args.host, grace=args.grace,
-                ps_grace=args.ps_grace,
+                ps_grace=args.ps_grace, env=session.env if session else None,
             )
+        if session is not None:
+            session.finish(result.cluster.tasks())
     except ConfigurationError as exc:
         parser = getattr(args, "_launch_parser", None)
         if parser is not None:

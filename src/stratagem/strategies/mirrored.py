@@ -52,6 +52,7 @@ from stratagem.training.replica_sync import allgather_json, broadcast_arrays, dt
 from stratagem.core.cluster import is_evaluator
 from stratagem.strategies.base import Strategy, evaluator_refusal
 from stratagem.training.variables import array_module, is_device_array
+from stratagem.core import timeline as _timeline
 
 #: Default largest bucket of fused gradients, in bytes (before any compression).
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -155,7 +156,11 @@ class MirroredStrategy(Strategy):
         pairs = list(pairs)
         if self.num_replicas_in_sync > 1 and pairs:
             pairs = self._average(pairs)
+        recorder = _timeline.RECORDER
+        started = recorder.now() if recorder is not None else 0
         result = optimizer.apply_dense(pairs)
+        if recorder is not None:
+            recorder.add("optimizer", "optimizer", started, recorder.now(), {"optimizer": optimizer.name})
         self._step += 1
         return result
 
@@ -174,7 +179,12 @@ class MirroredStrategy(Strategy):
                     f"in this strategy's scope(), without None gradients"
                 )
         if self.num_replicas_in_sync > 1 and pairs:
-            pairs = self._average(pairs)
+            recorder = _timeline.RECORDER
+            if recorder is None:
+                pairs = self._average(pairs)
+            else:
+                with recorder.span("sync", "reduce_gradients", {"gradients": len(pairs)}):
+                    pairs = self._average(pairs)
         self._step += 1
         return [grad for grad, _ in pairs]
 
@@ -184,8 +194,13 @@ class MirroredStrategy(Strategy):
         plan = self._plan_for(grads, [var for _, var in pairs])
         weight = self._gradient_weight()
         comm = self._comm()
+        recorder = _timeline.RECORDER
         for bucket in plan.buckets:
+            started = recorder.now() if recorder is not None else 0
             bucket.pack(grads, weight)
+            if recorder is not None:
+                recorder.add("pack", "pack", started, recorder.now(),
+                             {"bytes": int(bucket.buffer.nbytes), "gradients": len(bucket.entries)})
             bucket.allreduce(comm)
         return [(plan.averaged(index), var) for index, (_, var) in enumerate(pairs)]
 
