@@ -61,10 +61,17 @@ class CollectiveSession:
 
     Not thread-safe: the communicator serialises calls. After a failed collective the session is
     *broken* (``broken`` holds the error): peers may be mid-call, so later traffic cannot be trusted.
+
+    ``generation`` (elastic communicators, :mod:`stratagem.core.elastic`): the number of this
+    membership. It is part of every fingerprint, and a message of an older generation (the rest of a
+    ring that a lost peer broke, an abort notice about it) is discarded, never reduced. ``incarnations``
+    names each member's process; a member's *restarted* notice (its new process announcing itself)
+    is then the loss of the process this session knows.
     """
 
     def __init__(self, transport: Transport, members: Sequence[TaskId], rank: int, *, name: str,
-                 timeout: float | None, chunk_bytes: int, small_bytes: int):
+                 timeout: float | None, chunk_bytes: int, small_bytes: int, generation: int | None = None,
+                 incarnations: dict | None = None):
         self.transport = transport
         self.members = list(members)
         self.rank = rank
@@ -75,6 +82,8 @@ class CollectiveSession:
         self.small_bytes = small_bytes
         self.seq = 0
         self.broken: BaseException | None = None
+        self.generation = generation
+        self.incarnations = dict(incarnations or {})
 
     @property
     def size(self) -> int:
@@ -94,7 +103,10 @@ class CollectiveSession:
     @contextlib.contextmanager
     def collective(self, fingerprint: dict, learn: Sequence[str] = ()) -> Iterator["CollectiveCall"]:
         """Run one collective call: number it, and on failure break the session and warn the peers."""
-        call = CollectiveCall(self, {"seq": self.next_seq(), **fingerprint}, learn)
+        fp = {"seq": self.next_seq(), **fingerprint}
+        if self.generation is not None:
+            fp["gen"] = self.generation
+        call = CollectiveCall(self, fp, learn)
         try:
             yield call
         except Exception as exc:
@@ -218,11 +230,28 @@ class CollectiveCall:
 
     def _receive(self, src: int) -> Message:
         s = self.session
-        message = s.transport.recv(s.members[src], s.tag, timeout=s.timeout)
+        while True:
+            message = s.transport.recv(s.members[src], s.tag, timeout=s.timeout)
+            if s.generation is None or not self._outdated(src, message.meta):
+                break
         if "abort" in message.meta:
             raise _error_from_abort(s, message.meta)
         self._check_fingerprint(src, message.meta.get("fp"))
         return message
+
+    def _outdated(self, src: int, meta: dict) -> bool:
+        """True for a message of an older generation (dropped); raises on a member's restart notice."""
+        s = self.session
+        restarted = meta.get("restarted")
+        if restarted is not None:
+            task = s.members[src]
+            if s.incarnations.get(task) == restarted:
+                return True   # the process this generation admitted, announcing itself earlier
+            raise PeerLostError(task, f"{task} was started again as a new process (while {s.who(s.rank)} "
+                                      f"waited for it in {describe(self.fp)})")
+        fp = meta.get("fp")
+        gen = fp.get("gen") if isinstance(fp, dict) else None
+        return isinstance(gen, int) and gen < s.generation
 
     def _check_fingerprint(self, src: int, theirs) -> None:
         s = self.session
