@@ -106,6 +106,9 @@ class Transport(abc.ABC):
     device_buffers: ClassVar[bool] = False
     #: True if all endpoints of a world must live in one process (the ``local`` transport).
     in_process: ClassVar[bool] = False
+    #: True if a world over it may change (elastic training, ``on_failure="shrink"``): a dead peer
+    #: is reported as ``PeerLostError``, and a new process for a lost task is accepted as that peer.
+    elastic: ClassVar[bool] = False
 
     def __init__(self, cluster: ClusterSpec, task: TaskId | str, *, secret: bytes | str | None = None,
                  timeout: float = DEFAULT_TIMEOUT, peer_timeout: float = DEFAULT_PEER_TIMEOUT,

@@ -171,6 +171,7 @@ class GrpcTransport(Acceptor, Transport):
     """
 
     name = "grpc"
+    elastic = True   # a restarted peer is re-accepted (see the acceptor's _admit)
 
     def __init__(self, cluster, task, *, bind_host: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None,

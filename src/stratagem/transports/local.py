@@ -77,6 +77,7 @@ class LocalTransport(Transport):
     """In-process transport; every endpoint of a world shares one ``fabric``."""
 
     name = "local"
+    elastic = True   # a restarted peer is re-accepted (LocalFabric.join marks it alive)
     in_process = True
     device_buffers = True  # buffers are copied with their own array module, so cupy stays on device
 
