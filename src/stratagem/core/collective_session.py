@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from .cluster import TaskId
-from .errors import CollectiveMismatchError, CommunicationError, PeerLostError
+from .errors import CollectiveMismatchError, CommunicationError, PeerLostError, TransportTimeout
 from .transport import Message, SendHandle, Transport
 
 log = logging.getLogger(__name__)
 
 #: Abort notices are best-effort: never wait long on a peer that may itself be the problem.
 ABORT_SEND_TIMEOUT = 2.0
+#: An elastic session's receive looks at the peer's loss count at least this often (seconds).
+WATCH_SECONDS = 0.25
 
 
 def fingerprint(collective: str, **fields) -> dict:
@@ -64,14 +67,14 @@ class CollectiveSession:
 
     ``generation`` (elastic communicators, :mod:`stratagem.core.elastic`): the number of this
     membership. It is part of every fingerprint, and a message of an older generation (the rest of a
-    ring that a lost peer broke, an abort notice about it) is discarded, never reduced. ``incarnations``
-    names each member's process; a member's *restarted* notice (its new process announcing itself)
-    is then the loss of the process this session knows.
+    ring that a lost peer broke, an abort notice about it) is discarded, never reduced. A receive then
+    also watches the transport's count of the peer's losses (``peer_losses``, read when the generation
+    began): a transport accepts a restarted process as the same peer, so without it a member could wait
+    forever on a process that died and was replaced before anyone noticed.
     """
 
     def __init__(self, transport: Transport, members: Sequence[TaskId], rank: int, *, name: str,
-                 timeout: float | None, chunk_bytes: int, small_bytes: int, generation: int | None = None,
-                 incarnations: dict | None = None):
+                 timeout: float | None, chunk_bytes: int, small_bytes: int, generation: int | None = None):
         self.transport = transport
         self.members = list(members)
         self.rank = rank
@@ -83,7 +86,8 @@ class CollectiveSession:
         self.seq = 0
         self.broken: BaseException | None = None
         self.generation = generation
-        self.incarnations = dict(incarnations or {})
+        #: Each member's loss count when this generation began (elastic sessions only).
+        self.losses = {} if generation is None else {m: transport.peer_losses(m) for m in self.members}
 
     @property
     def size(self) -> int:
@@ -230,28 +234,38 @@ class CollectiveCall:
 
     def _receive(self, src: int) -> Message:
         s = self.session
-        while True:
+        if s.generation is None:
             message = s.transport.recv(s.members[src], s.tag, timeout=s.timeout)
-            if s.generation is None or not self._outdated(src, message.meta):
-                break
+        else:
+            message = self._receive_current(src)
         if "abort" in message.meta:
             raise _error_from_abort(s, message.meta)
         self._check_fingerprint(src, message.meta.get("fp"))
         return message
 
-    def _outdated(self, src: int, meta: dict) -> bool:
-        """True for a message of an older generation (dropped); raises on a member's restart notice."""
+    def _receive_current(self, src: int) -> Message:
+        """An elastic session's receive: messages of older generations are dropped, and the wait ends
+        with ``PeerLostError`` once the transport has declared ``src`` lost since the generation began."""
         s = self.session
-        restarted = meta.get("restarted")
-        if restarted is not None:
-            task = s.members[src]
-            if s.incarnations.get(task) == restarted:
-                return True   # the process this generation admitted, announcing itself earlier
-            raise PeerLostError(task, f"{task} was started again as a new process (while {s.who(s.rank)} "
-                                      f"waited for it in {describe(self.fp)})")
-        fp = meta.get("fp")
-        gen = fp.get("gen") if isinstance(fp, dict) else None
-        return isinstance(gen, int) and gen < s.generation
+        task = s.members[src]
+        deadline = None if s.timeout is None else time.monotonic() + s.timeout
+        while True:
+            if s.transport.peer_losses(task) != s.losses.get(task, 0):
+                raise PeerLostError(task, f"{task} was lost while {s.who(s.rank)} waited for it in "
+                                          f"{describe(self.fp)} (a new process may have taken its place)")
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TransportTimeout(f"{s.transport.task}: no message {s.tag!r} from {task} within "
+                                       f"{s.timeout:g} s (is that task running and calling the same operation?)")
+            try:
+                message = s.transport.recv(task, s.tag, timeout=WATCH_SECONDS if remaining is None
+                                           else min(WATCH_SECONDS, remaining))
+            except TransportTimeout:
+                continue
+            fp = message.meta.get("fp")
+            gen = fp.get("gen") if isinstance(fp, dict) else None
+            if not (isinstance(gen, int) and gen < s.generation):
+                return message   # older generations' leftovers are dropped: never reduced
 
     def _check_fingerprint(self, src: int, theirs) -> None:
         s = self.session

@@ -25,11 +25,12 @@ which every member entered after taking snapshot ``n``; so the members' latest c
 most one, every member keeps its last two, and ``reform`` rolls everyone back to the oldest latest
 commit reported: no member ever continues from a state another has not got.
 
-A restarted process that came up before the others saw its old one die (the transport then accepts
-the new process as that peer and a member could wait on it forever) announces itself on the
-collectives' tag as well (``join(restarted=True)``): a member waiting on the old process raises
-``PeerLostError`` for it at once. The coordinator cannot be replaced: losing it is a plain
-``PeerLostError``, the end of the job, as without shrink.
+A restarted process may come up before the others saw its old one die; the transport then accepts
+it as that peer, and a member waiting on the old process would wait forever. So a generation's
+receives also watch the transport's count of each member's losses (``Transport.peer_losses``): a
+member declared lost since the generation began is lost, whoever took its place; and the coordinator
+takes a hello from a member's task, from another process, as that member's loss. The coordinator
+cannot be replaced: losing it is a plain ``PeerLostError``, the end of the job, as without shrink.
 
 Three ranks as threads of one process; rank 2 dies, the survivors re-form and go on::
 
@@ -84,14 +85,14 @@ from .transport import Message, Transport
 
 log = logging.getLogger(__name__)
 
-#: Seconds a restarted process spends telling each member that its old process is gone (best effort).
+#: Seconds the coordinator spends telling a process waiting to join that the job is over (best effort).
 NOTICE_TIMEOUT = 2.0
 #: How often the coordinator looks again for reports and losses while it re-forms the world.
 _REFORM_POLL = 0.05
 
 #: The kinds of message on an elastic communicator's control tag (``elastic/<name>``).
-HELLO, FORMED, WELCOME, REPORT, DECISION, FINISHED, DROPPED = (
-    "hello", "formed", "welcome", "report", "decision", "finished", "dropped")
+HELLO, FORMED, WELCOME, REPORT, DECISION, FINISHED, DROPPED, PRESENT = (
+    "hello", "formed", "welcome", "report", "decision", "finished", "dropped", "present")
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ class ElasticCommunicator(Communicator):
         self._hellos: dict[TaskId, str] = {}       # coordinator: processes waiting to join
         self._reports: dict[TaskId, dict] = {}     # coordinator: reports filed, not yet used
         self._lost: set[TaskId] = set()            # peers this member saw lost in this generation
+        self._incarnations: dict[TaskId, str] = {}
 
     # -- identity ------------------------------------------------------------------------------------
     @property
@@ -171,20 +173,13 @@ class ElasticCommunicator(Communicator):
                 f"{self.size} on {self.transport!r}>")
 
     # -- forming the world ---------------------------------------------------------------------------
-    def join(self, restarted: bool = False) -> Admission:
+    def join(self) -> Admission:
         """Become a member: of the first world if it is still forming, else of the running one at its
-        next commit (then with the committed state). Blocks until then (up to the timeout).
-
-        ``restarted``: this process was started again for its task (``stratagem launch
-        --restart-workers`` sets ``STRATAGEM_RESTARTS``); it first tells every member that the old
-        process is gone, in case they have not noticed yet.
-        """
+        next commit (then with the committed state). Blocks until then (up to the timeout)."""
         if self._formed:
             raise ConfigurationError(f"communicator {self.name!r} has joined already")
         if self.is_coordinator:
             return self._form()
-        if restarted:
-            self._announce_restart()
         self._send(self.coordinator, {"elastic": HELLO, "inc": self.incarnation})
         while True:
             message = self._from_coordinator()
@@ -215,17 +210,6 @@ class ElasticCommunicator(Communicator):
         self._start_generation(0, self._world, incarnations)
         return Admission(WorldChange(0, tuple(self._world)))
 
-    def _announce_restart(self) -> None:
-        """Tell every other member, on the collectives' tag, that this task's old process is gone."""
-        notice = Message({"restarted": self.incarnation})
-        for task in self._world:
-            if task == self.task:
-                continue
-            try:
-                self.transport.send(task, self._session.tag, notice, timeout=NOTICE_TIMEOUT)
-            except Exception as exc:  # noqa: BLE001 - best effort: that member may be gone as well
-                log.debug("%s: could not tell %s about the restart: %s", self.task, task, exc)
-
     # -- commits -----------------------------------------------------------------------------------
     def sync_point(self) -> bool:
         """The all-reduce every member makes at a commit: True if the world must change now (a
@@ -244,7 +228,7 @@ class ElasticCommunicator(Communicator):
     def _look_for_newcomers(self) -> tuple[list[TaskId], bool]:
         """The coordinator: (members whose task said hello from a new process, whether anyone waits)."""
         self._drain(0)
-        current = self._session.incarnations
+        current = self._incarnations
         restarted = [t for t, inc in self._hellos.items() if t in current and current[t] != inc]
         return restarted, bool(self._hellos)
 
@@ -313,7 +297,7 @@ class ElasticCommunicator(Communicator):
         rollback = min(commits)
         joining = {t: inc for t, inc in self._hellos.items() if t not in survivors} if state_for else {}
         new_members = [t for t in self._world if t in survivors or t in joining]
-        incarnations = {t: s.incarnations[t] for t in survivors}
+        incarnations = {t: self._incarnations[t] for t in survivors}
         incarnations.update(joining)
         lost = [t for t in members if t not in survivors]
         meta = _decision_meta(DECISION, gen + 1, new_members, incarnations, rollback, lost, list(joining))
@@ -345,14 +329,43 @@ class ElasticCommunicator(Communicator):
             raise CommunicationError(f"{self.task}: the coordinator's new world {self.name!r} does not "
                                      f"list this process")
         self._start_generation(gen, list(change.members), incarnations)
+        self._meet_newcomers(change)
         return change
+
+    def _meet_newcomers(self, change: WorldChange) -> None:
+        """Before the first collective of a generation, every member hears from each newcomer.
+
+        A member's transport may still hold the newcomer's task as lost (its old process died) and
+        would refuse to send to it until the new process has connected; a newcomer therefore greets
+        every member first, and a member waits for the greeting of each (its transport has accepted
+        the new process by then). A newcomer lost meanwhile is left to the first collective to find.
+        """
+        joined = [t for t in change.joined if t in change.members]
+        if self.task in joined:
+            for task in change.members:
+                if task != self.task:
+                    self._send(task, {"elastic": PRESENT, "inc": self.incarnation}, quiet=True)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        for task in joined:
+            if task == self.task:
+                continue
+            try:
+                while task in self.transport.lost_peers():   # until its new process has connected
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise TransportTimeout(f"no connection from the new process of {task}")
+                    time.sleep(_REFORM_POLL / 5)
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self.transport.recv(task, self._tag, timeout=remaining)
+            except (PeerLostError, TransportTimeout) as exc:
+                log.warning("%s: %s did not greet the members of generation %d: %s", self.task, task,
+                            change.generation, exc)
 
     def _start_generation(self, gen: int, members: list[TaskId], incarnations: dict) -> None:
         old = self._session
         self._session = CollectiveSession(
             self.transport, members, members.index(self.task), name=old.name, timeout=old.timeout,
-            chunk_bytes=old.chunk_bytes, small_bytes=old.small_bytes, generation=gen,
-            incarnations=incarnations)
+            chunk_bytes=old.chunk_bytes, small_bytes=old.small_bytes, generation=gen)
+        self._incarnations = dict(incarnations)   # each member's process, as the coordinator admitted it
         self._lost = set()
         self._formed = True
 
@@ -371,7 +384,9 @@ class ElasticCommunicator(Communicator):
             return PeerLostError(exc.task, f"{exc}; it coordinates the elastic world {self.name!r}, which "
                                            f"cannot go on without it (restart the job, e.g. from a checkpoint)")
         self._lost.add(task)
-        return WorldChangedError(f"{task} was lost ({exc}); the world shrinks", lost=[task])
+        return WorldChangedError(f"{task} was lost ({exc}): the members must re-form the world (reform()); "
+                                 f"under the mirrored strategy with on_failure='shrink' that happens when the "
+                                 f"training loop runs inside strategy.elastic(fn)", lost=[task])
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -423,6 +438,8 @@ class ElasticCommunicator(Communicator):
                 self._hellos[src] = meta["inc"]
             elif kind == REPORT:
                 self._reports[src] = meta
+            elif kind == PRESENT:
+                pass   # a newcomer's greeting that _meet_newcomers did not wait for (it had joined already)
             else:
                 log.warning("%s: ignored an unexpected %r message from %s on %s", self.task, kind, src, self._tag)
 

@@ -216,6 +216,12 @@ class Transport(abc.ABC):
         """Peers known to be gone, with the reason."""
         return {}
 
+    def peer_losses(self, task: TaskId) -> int:
+        """How many times ``task`` was declared lost, even if a new process of it was accepted since
+        (a counter that never goes down): an elastic communicator waiting on a member sees that the
+        process it waits for was replaced (:mod:`stratagem.core.elastic`). The default counts none."""
+        return 0
+
     def flush(self, timeout: float | None = None, tasks=None) -> None:
         """Wait (up to ``timeout`` s, best effort) until what was sent to ``tasks`` (default: every
         peer) has left this process, so that it arrives even if the process ends right after. The

@@ -82,7 +82,7 @@ class MirroredStrategy(ElasticMirrored, Strategy):
             the training function runs in ``strategy.elastic(fn)``; when a replica is lost the
             survivors roll back to the last ``commit()``, go on without it and retry, and a restarted
             worker joins at the next commit. Needs a transport whose world can change (``zmq``,
-            ``grpc``, ``local``), not ``mpi`` or ``nccl``; the chief must survive.
+            ``grpc``, ``shm``, ``local``), not ``mpi`` or ``nccl``; the chief must survive.
         commit_every: under shrink, commit before every ``commit_every``-th batch that
             ``distribute_dataset`` yields (default 1; ``None``: only your ``commit()`` calls).
 

@@ -28,7 +28,6 @@ The chief coordinates: its loss ends the job, as without shrink.
 from __future__ import annotations
 
 import functools
-import os
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -41,9 +40,6 @@ from ..core.replica_sync import dtype_key, flatten_state, rebuild_state
 from ..core.sharding import shard_batch
 from ..core.transport import Transport
 from ..core.variables import is_device_array
-
-#: Set (to 1, 2, ...) by ``stratagem launch --restart-workers`` in a process it started again for a task.
-RESTARTS_ENV = "STRATAGEM_RESTARTS"
 
 
 @dataclass
@@ -78,6 +74,8 @@ class ElasticTraining:
         self.calls = 0                             # distribute_dataset loops started in this call
         self.consumed = 0                          # batches the latest one yielded
         self.since_commit = 0                      # batches yielded since the last commit
+        self._in_batch = False                     # the user's loop body runs on the batch yielded last
+        self._step_at_yield = 0                    # the strategy's update count when it was yielded
         self.target: tuple[int, int] | None = None # the position to fast-forward to
         self._iterators: weakref.WeakSet = weakref.WeakSet()
 
@@ -93,8 +91,7 @@ class ElasticTraining:
             comm = ElasticCommunicator(s.transport, s.cluster.replicas(), name=f"strategy.{s.name}",
                                        coordinator=s.cluster.chief, **s._communicator_options())
             s._communicator = comm            # shutdown() closes it
-            restarts = os.environ.get(RESTARTS_ENV, "").strip()
-            admission = comm.join(restarted=restarts not in ("", "0"))
+            admission = comm.join()
             self.comm = comm
             if admission.joined_late:
                 self._welcome, self.joined_late = admission, True
@@ -133,7 +130,10 @@ class ElasticTraining:
         if self._welcome is not None:
             self._load_welcome()
         grow = comm.sync_point()
-        self._snapshot((self.calls, self.consumed))
+        consumed = self.consumed
+        if self._in_batch and self.strategy._step == self._step_at_yield:
+            consumed -= 1   # inside a loop's body, before its update: a retry starts with this batch again
+        self._snapshot((self.calls, consumed))
         if grow:
             raise WorldChangedError("a restarted worker is waiting to join at this commit; the world grows")
 
@@ -278,7 +278,11 @@ class ElasticTraining:
             s._batch_share = rows / total if total else 1.0 / comm.size
             self.consumed = index + 1
             self.since_commit += 1
-            yield shard
+            self._in_batch, self._step_at_yield = True, s._step
+            try:
+                yield shard
+            finally:
+                self._in_batch = False
 
 
 class ElasticMirrored:
@@ -377,7 +381,7 @@ def check_elastic_transport(transport, plugins) -> None:
            "nccl": "an NCCL communicator is fixed when it is created"}.get(cls.name, "it cannot change its world")
     raise ConfigurationError(
         f"on_failure='shrink' is not supported over transport {cls.name!r}: {why}. Use transport='zmq' "
-        f"(or 'grpc') for elastic training, or on_failure='raise' over {cls.name!r}")
+        f"(or 'grpc', 'shm') for elastic training, or on_failure='raise' over {cls.name!r}")
 
 
 def elastic_wrapper(training: ElasticTraining | None, fn: Callable) -> Callable:

@@ -349,6 +349,9 @@ class GrpcTransport(Acceptor, Transport):
     def lost_peers(self):
         return self._mailbox.lost()
 
+    def peer_losses(self, task):
+        return self._mailbox.losses(TaskId.parse(task))
+
     def _require_started(self) -> None:
         if self._server is None or self._closed:
             raise TransportClosed(f"{self.task}: the grpc transport is "

@@ -136,3 +136,6 @@ class LocalTransport(Transport):
 
     def lost_peers(self):
         return self._mailbox.lost() if self._mailbox is not None else {}
+
+    def peer_losses(self, task):
+        return self._mailbox.losses(TaskId.parse(task)) if self._mailbox is not None else 0

@@ -386,6 +386,9 @@ class ZmqTransport(Acceptor, Transport):
     def lost_peers(self):
         return self._mailbox.lost()
 
+    def peer_losses(self, task):
+        return self._mailbox.losses(TaskId.parse(task))
+
     # -- outgoing connections ----------------------------------------------------------------------
     def _require_started(self) -> None:
         if self._ctx is None or self._closed:
