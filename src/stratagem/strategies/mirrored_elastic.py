@@ -23,6 +23,41 @@ the user's program that go with it:
   ``strategy.elastic(fn)``, fast-forwards to that commit like the others.
 
 The chief coordinates: its loss ends the job, as without shrink.
+
+Three replicas as threads of one process (over processes: the same script under ``stratagem launch
+--worker 3 --restart-workers 1`` with ``transport="zmq"``); replica 2 dies in the middle of step 3,
+the two others finish the 6 steps, rolling step 3 back and doing it again without it::
+
+    >>> import threading
+    >>> import numpy as np
+    >>> import stratagem
+    >>> from stratagem.core.cluster import ClusterSpec
+    >>> from stratagem.strategies.mirrored import MirroredStrategy
+    >>> from stratagem.transports.local import LocalFabric
+    >>> cluster, fabric = ClusterSpec({"worker": ["local:0", "local:1", "local:2"]}), LocalFabric()
+    >>> batches = [np.full((6, 1), float(step)) for step in range(6)]       # six global batches of 6 rows
+    >>> def replica(index, results):
+    ...     strategy = MirroredStrategy("local", cluster=cluster, task=f"worker:{index}", on_failure="shrink",
+    ...                                 transport_options={"fabric": fabric, "timeout": 30})
+    ...     with strategy.scope():
+    ...         w = stratagem.Variable(np.zeros(1), name="w")
+    ...         opt = stratagem.optimizers.SGD(learning_rate=1.0)
+    ...     @strategy.elastic
+    ...     def train():
+    ...         for x in strategy.distribute_dataset(batches):
+    ...             if index == 2 and opt.iterations == 3:
+    ...                 strategy.transport.abort()                           # as if killed
+    ...                 return
+    ...             opt.apply_gradients([(-x.mean(axis=0), w)])            # w += the batch's mean
+    ...     train()
+    ...     results[index] = (w.numpy(), opt.iterations, strategy.num_replicas_in_sync)
+    ...     strategy.shutdown()
+    >>> results = {}
+    >>> threads = [threading.Thread(target=replica, args=(i, results)) for i in range(3)]
+    >>> for t in threads: t.start()
+    >>> for t in threads: t.join()
+    >>> results[0], results[1]                         # 0 + 1 + ... + 5, as one process makes it
+    ((array([15.]), 6, 2), (array([15.]), 6, 2))
 """
 
 from __future__ import annotations
