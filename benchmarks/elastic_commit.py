@@ -35,7 +35,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     args = parser.parse_args()
-    from stratagem.core.launcher import launch
+    from stratagem.launch.launcher import launch
 
     env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     medians: dict[str, list[float]] = {mode: [] for mode in MODES}

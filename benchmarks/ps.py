@@ -63,7 +63,7 @@ batch 128 per worker, SGD) trained by 2 workers on 2 ps tasks under ``async``, `
 ``bounded`` (staleness 2), and under ``mirrored`` (2 workers, no ps) for reference: global updates/s
 (the updates the ps applied, over the wall time) and steps/s per worker.
 
-Each job runs in its own processes (``stratagem.core.launcher.launch`` for ours; the raw paths'
+Each job runs in its own processes (``stratagem.launch.launcher.launch`` for ours; the raw paths'
 processes are started and reaped here), one job after another; with ``--rounds R`` (default 3) the
 jobs run R times in alternating order and the best round is reported (the machine is shared: the
 best round is the least disturbed one; every round is in the JSON, with the load average before and
@@ -188,7 +188,7 @@ def child_mlp(spec: dict, out_dir: str) -> None:
 def frames_per_server(shapes: list, ps: int, partition_bytes: int) -> list[list[int]]:
     """The byte sizes of the pieces each ps task holds, as the PS path places them (greedy,
     partitioned): the raw path sends the very same frames."""
-    from stratagem.core.placement import Placer
+    from stratagem.ps.placement import Placer
 
     placer = Placer(ps, "greedy", partition_bytes)
     frames: list[list[int]] = [[] for _ in range(ps)]
@@ -294,7 +294,7 @@ def pid_files(out: str) -> dict[int, str]:
 def launch_job(mode: str, spec: dict, ps: int, workers: int, timeout: float, meter: bool = False):
     """Run a child job under stratagem's launcher; return the workers' records (and, with ``meter``,
     the CPU spent over their timed window)."""
-    from stratagem.core.launcher import launch
+    from stratagem.launch.launcher import launch
 
     with tempfile.TemporaryDirectory() as out:
         spec_path = os.path.join(out, "spec.json")

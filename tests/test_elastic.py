@@ -33,12 +33,12 @@ import pytest
 
 import stratagem
 from stratagem import ClusterSpec, ConfigurationError, PeerLostError, TaskId
-from stratagem.core import elastic as elastic_module
-from stratagem.core.elastic import ElasticCommunicator
+from stratagem.collectives import elastic as elastic_module
+from stratagem.collectives.elastic import ElasticCommunicator
 from stratagem.core.errors import WorldChangedError
-from stratagem.core.launch_restarts import RESTARTS_ENV
-from stratagem.core.launcher import launch
 from stratagem.core.transport import Message
+from stratagem.launch.launcher import launch
+from stratagem.launch.restarts import RESTARTS_ENV
 from stratagem.strategies import mirrored_elastic
 from stratagem.strategies.mirrored import MirroredStrategy
 from stratagem.transports.local import LocalFabric, LocalTransport

@@ -14,7 +14,7 @@ import pytest
 
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import ConfigurationError
-from stratagem.core.launcher import launch
+from stratagem.launch.launcher import launch
 
 SCRIPT = [sys.executable, str(Path(__file__).parent / "scripts" / "restartable.py")]
 

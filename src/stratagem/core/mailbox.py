@@ -13,8 +13,8 @@ import time
 from collections import defaultdict, deque
 from typing import Callable
 
-from .cluster import TaskId
-from .errors import PeerLostError, TransportClosed, TransportTimeout
+from stratagem.core.cluster import TaskId
+from stratagem.core.errors import PeerLostError, TransportClosed, TransportTimeout
 
 
 #: Seconds a waiter that could not read sleeps before trying to read again.

@@ -32,11 +32,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
-from .cluster import ClusterSpec, TaskId
-from .errors import ConfigurationError, PeerLostError
-from .lifecycle import end_at_exit
-from .traffic import Traffic
-from .wire import Limits
+from stratagem.core.cluster import ClusterSpec, TaskId
+from stratagem.core.errors import ConfigurationError, PeerLostError
+from stratagem.core.lifecycle import end_at_exit
+from stratagem.core.traffic import Traffic
+from stratagem.core.wire import Limits
 
 log = logging.getLogger(__name__)
 

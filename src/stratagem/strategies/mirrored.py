@@ -47,12 +47,12 @@ from typing import Any
 
 import numpy as np
 
-from ..core.errors import ConfigurationError
-from ..core.replica_sync import allgather_json, broadcast_arrays, dtype_key
-from ..core.cluster import is_evaluator
-from ..core.strategy import Strategy, evaluator_refusal
-from ..core.variables import array_module, is_device_array
-from .mirrored_elastic import ElasticMirrored, ElasticTraining, check_elastic_transport
+from stratagem.core.errors import ConfigurationError
+from stratagem.training.replica_sync import allgather_json, broadcast_arrays, dtype_key
+from stratagem.core.cluster import is_evaluator
+from stratagem.strategies.base import Strategy, evaluator_refusal
+from stratagem.training.variables import array_module, is_device_array
+from stratagem.strategies.mirrored_elastic import ElasticMirrored, ElasticTraining, check_elastic_transport
 
 #: Default largest bucket of fused gradients, in bytes (before any compression).
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -75,7 +75,7 @@ class MirroredStrategy(ElasticMirrored, Strategy):
         compression: ``None``, or ``"fp16"`` to send float32 buckets as float16 (half the bytes; the
             sum is rounded to float16, and values beyond float16's range, about 65504, overflow).
             Replicas stay identical either way.
-        chunk_bytes, small_bytes, timeout: the replicas' :class:`~stratagem.core.communicator.Communicator`
+        chunk_bytes, small_bytes, timeout: the replicas' :class:`~stratagem.collectives.communicator.Communicator`
             settings (default: the communicator's, and the transport's timeout).
         on_failure: ``"raise"`` (default): a lost replica makes the others raise ``PeerLostError``
             naming it. ``"shrink"``: elastic training (:mod:`stratagem.strategies.mirrored_elastic`):

@@ -3,7 +3,7 @@
 
 :class:`ElasticTraining` is what a :class:`~stratagem.strategies.mirrored.MirroredStrategy` delegates
 to when ``on_failure="shrink"``. The membership itself is the collectives layer's
-(:class:`~stratagem.core.elastic.ElasticCommunicator`); this module keeps the state and the place in
+(:class:`~stratagem.collectives.elastic.ElasticCommunicator`); this module keeps the state and the place in
 the user's program that go with it:
 
 * **Commits.** ``strategy.commit()`` (and the strategy itself, before every ``commit_every``-th
@@ -69,12 +69,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..core.elastic import Admission, ElasticCommunicator, WorldChange
-from ..core.errors import ConfigurationError, StratagemError, WorldChangedError
-from ..core.replica_sync import dtype_key, flatten_state, rebuild_state
-from ..core.sharding import shard_batch
-from ..core.transport import Transport
-from ..core.variables import is_device_array
+from stratagem.collectives.elastic import Admission, ElasticCommunicator, WorldChange
+from stratagem.core.errors import ConfigurationError, StratagemError, WorldChangedError
+from stratagem.core.transport import Transport
+from stratagem.core.transport_factory import default_factory
+from stratagem.training.replica_sync import dtype_key, flatten_state, rebuild_state
+from stratagem.training.sharding import shard_batch
+from stratagem.training.variables import is_device_array
 
 
 @dataclass
@@ -343,7 +344,7 @@ class ElasticMirrored:
 
     def on_reset(self, callback) -> None:
         """Call ``callback(change)`` after every reset under shrink, on every replica: ``change`` is a
-        :class:`~stratagem.core.elastic.WorldChange` (``members``, ``lost``, ``joined``, ``size``,
+        :class:`~stratagem.collectives.elastic.WorldChange` (``members``, ``lost``, ``joined``, ``size``,
         ``generation``, and ``commit``, the commit the replicas rolled back to)."""
         if not callable(callback):
             raise TypeError(f"on_reset() takes a callable, got {type(callback).__name__}")
@@ -352,7 +353,7 @@ class ElasticMirrored:
 
     @property
     def last_reset(self):
-        """The latest :class:`~stratagem.core.elastic.WorldChange` under shrink (None before any)."""
+        """The latest :class:`~stratagem.collectives.elastic.WorldChange` under shrink (None before any)."""
         return None if self._elastic is None else self._elastic.last_reset
 
     @property
@@ -400,13 +401,12 @@ class ElasticMirrored:
 
 def check_elastic_transport(transport, plugins) -> None:
     """Refuse ``on_failure="shrink"`` over a transport whose world cannot change, before it starts."""
-    from ..plugins.manager import plugin_manager, transport_or_default
-
-    transport = transport_or_default(transport, plugins)
+    factory = plugins if plugins is not None else default_factory()
+    transport = factory.transport_or_default(transport)
     if isinstance(transport, Transport):
         cls = type(transport)
     elif isinstance(transport, str):
-        cls = (plugins if plugins is not None else plugin_manager()).transport_class(transport)
+        cls = factory.transport_class(transport)
     else:
         return   # the base class says what is wrong with it
     if getattr(cls, "elastic", False):

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import threading
 
-from ..core.cluster import TaskId
-from ..core.errors import ConfigurationError, PeerLostError, TransportClosed
-from ..core.mailbox import Mailbox
-from ..core.transport import Message, Transport
+from stratagem.core.cluster import TaskId
+from stratagem.core.errors import ConfigurationError, PeerLostError, TransportClosed
+from stratagem.core.mailbox import Mailbox
+from stratagem.core.transport import Message, Transport
 
 
 class LocalFabric:
