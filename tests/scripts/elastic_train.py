@@ -7,8 +7,9 @@ shutdown), run by ``stratagem launch`` in tests/test_elastic.py.
 Trains the MLP of mirrored_model.py with ``on_failure="shrink"`` inside ``strategy.elastic``.
 ``--die-at K``: the first process of ``--die-task`` SIGKILLs itself in step K (gradients computed, not
 yet all-reduced); a process restarted by ``--restart-workers`` (STRATAGEM_RESTARTS set) does not.
-``--wait-for N``: while fewer than N replicas train, each step waits a little (bounded), so that a
-restarted worker has time to come up and rejoin on a loaded machine. Each replica writes
+``--wait-for N``: the first time fewer than N replicas train, they commit every 0.2 s (for at most
+30 s) before the step, so that a restarted worker has time to come up and rejoin on a loaded machine
+(it joins at one of those commits). Each replica writes
 ``DIR/<job>_<index>.npz`` (final parameters) and ``.json`` (iterations, resets seen, replicas at the
 end, whether it joined late) when training ends.
 """
@@ -48,7 +49,7 @@ resets = []
 strategy.on_reset(lambda change: resets.append({"lost": [t.short for t in change.lost],
                                                 "joined": [t.short for t in change.joined],
                                                 "size": change.size}))
-waited = [0.0]
+waited = []
 
 
 @strategy.elastic
@@ -57,9 +58,11 @@ def train():
         loss, grads = model.loss_and_grads({n: v.value for n, v in params.items()}, x, y)
         if first_process and me.short == args.die_task and opt.iterations == args.die_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        if strategy.num_replicas_in_sync < args.wait_for and waited[0] < 30:
-            time.sleep(0.25)
-            waited[0] += 0.25
+        if strategy.num_replicas_in_sync < args.wait_for and not waited:
+            waited.append(True)
+            for _ in range(150):      # every replica commits alike; the world grows at one of these
+                strategy.commit()
+                time.sleep(0.2)
         opt.apply_gradients([(grads[n], params[n]) for n in model.PARAM_NAMES])
 
 
