@@ -349,8 +349,11 @@ class ElasticCommunicator(Communicator):
         for task in joined:
             if task == self.task:
                 continue
+            losses = self.transport.peer_losses(task)
             try:
                 while task in self.transport.lost_peers():   # until its new process has connected
+                    if self.transport.peer_losses(task) != losses:
+                        raise PeerLostError(task, "its new process died too")
                     if deadline is not None and time.monotonic() > deadline:
                         raise TransportTimeout(f"no connection from the new process of {task}")
                     time.sleep(_REFORM_POLL / 5)

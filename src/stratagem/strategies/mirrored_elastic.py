@@ -331,7 +331,9 @@ class ElasticMirrored:
         """Under ``on_failure="shrink"``: the state to roll back to if the world changes. Every replica
         calls it at the same point; it checks that the world is intact (a collective) and copies the
         variables, the optimizers' state and the step in memory. The strategy also commits by itself
-        (``commit_every``). Without shrink it does nothing."""
+        (``commit_every``). In the body of a ``distribute_dataset`` loop, a commit made before the
+        batch's update has a retry start with that batch, one made after it with the next. Without
+        shrink it does nothing."""
         self._check_open()
         if self._elastic is not None:
             self._elastic.commit()
