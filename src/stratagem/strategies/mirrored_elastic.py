@@ -233,8 +233,8 @@ class ElasticTraining:
         if specs != mine:
             problems = [f"{n!r} {specs[n]} is missing here" for n in sorted(specs.keys() - mine.keys())]
             problems += [f"{n!r} {mine[n]} is not in the chief's state" for n in sorted(mine.keys() - specs.keys())]
-            problems += [f"{n!r} is {mine[n]} here but {specs[n]} on the chief" for n in sorted(specs.keys() & mine.keys())
-                         if specs[n] != mine[n]]
+            problems += [f"{n!r} is {mine[n]} here but {specs[n]} on the chief"
+                         for n in sorted(specs.keys() & mine.keys()) if specs[n] != mine[n]]
             raise ConfigurationError(f"{s.task} cannot join: its variables differ from the chief's: "
                                      f"{'; '.join(problems)}. Every replica must create the same variables")
         names = [name for name, _, _ in meta["variables"]]
