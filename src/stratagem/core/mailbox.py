@@ -34,6 +34,7 @@ class Mailbox:
         self._sources_by_tag: dict[str, set[TaskId]] = defaultdict(set)
         self._arrival = itertools.count()
         self._lost: dict[TaskId, str] = {}
+        self._losses: dict[TaskId, int] = {}   # times each task was declared lost; never goes down
         self._closed: str | None = None
 
     def put(self, src: TaskId, tag: str, message) -> None:
@@ -123,12 +124,19 @@ class Mailbox:
         """Declare ``task`` gone; its waiters raise once its pending messages are consumed."""
         with self._cond:
             self._lost[task] = reason
+            self._losses[task] = self._losses.get(task, 0) + 1
             self._cond.notify_all()
 
     def mark_alive(self, task: TaskId) -> None:
         """A new incarnation of ``task`` connected: stop reporting it lost."""
         with self._cond:
             self._lost.pop(task, None)
+
+    def losses(self, task: TaskId) -> int:
+        """How many times ``task`` was declared lost, including losses a new process of it since
+        made good (``mark_alive``): a waiter can tell that the process it waits for was replaced."""
+        with self._cond:
+            return self._losses.get(task, 0)
 
     def lost(self) -> dict[TaskId, str]:
         with self._cond:
