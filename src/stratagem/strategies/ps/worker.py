@@ -23,6 +23,7 @@ from stratagem.core.errors import FunctionNotFound, PeerLostError, ProtocolError
 from stratagem.strategies.ps.coordinator import CLOSURE_TAG, POLL, RESULT_TAG
 from stratagem.ps.protocol import ShardLostError
 from stratagem.core.transport import Message
+from stratagem.core import timeline as _timeline
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,11 @@ class Worker:
             fn = self._function(meta["fn"], blobs)
             args, kwargs = values.decode_call(meta["values"], arrays, resolve=self._resolve)
             self.strategy._mark_stale()          # a step reads the variables as they are now
+            recorder = _timeline.RECORDER
+            started = recorder.now() if recorder is not None else 0
             result = fn(*args, **kwargs)
+            if recorder is not None:
+                recorder.add("step", "step", started, recorder.now(), {"closure": meta.get("id")})
             skeleton, out = values.encode(result, reference=self.strategy._reference_for_result,
                                           what="the step's result")
             return Message({**reply, "ok": True, "value": skeleton}, out), None
