@@ -45,6 +45,8 @@ _SENDABLE = ("use arrays, numbers, strings, bytes, None, and tuples, lists or di
 
 def to_host(leaf) -> np.ndarray:
     """An array of any kind as a host numpy array (cupy copied off its device, torch detached)."""
+    if type(leaf) is np.ndarray:
+        return leaf
     module = type(leaf).__module__.partition(".")[0]
     if module == "cupy":
         return leaf.get()
@@ -63,49 +65,64 @@ def encode(value, *, reference: Callable[[Any], Any] | None = None, what: str = 
     """
     arrays: list[np.ndarray] = []
 
-    def refuse(path, problem):
-        raise ConfigurationError(f"{what}: {path or 'it'} {problem}")
+    def refuse(trail, problem):
+        raise ConfigurationError(f"{what}: {_path(trail, root) or 'it'} {problem}")
 
-    def array(node, path, kind):
+    def array(node, trail, kind):
         host = to_host(node)
         try:
             dtype_name(host.dtype)
         except Exception:  # noqa: BLE001 - reported with the path
-            refuse(path, f"is an array of dtype {host.dtype}, which cannot be sent between tasks; allowed: "
-                         f"{', '.join(DTYPES)} (convert with .astype())")
+            refuse(trail, f"is an array of dtype {host.dtype}, which cannot be sent between tasks; allowed: "
+                          f"{', '.join(DTYPES)} (convert with .astype())")
         arrays.append(host)
         return {kind: len(arrays) - 1}
 
-    def walk(node, path, depth):
+    # ``trail`` is (parent's trail, key), made into a path only for an error: most values have none.
+    def walk(node, trail, depth):
         if depth > MAX_DEPTH:
-            refuse(path, f"nests deeper than {MAX_DEPTH} levels (does the value contain itself?)")
+            refuse(trail, f"nests deeper than {MAX_DEPTH} levels (does the value contain itself?)")
         if reference is not None:
             ref = reference(node)
             if ref is not None:
                 return {"r": ref}
+        kind = type(node)
+        if kind is np.ndarray:
+            return array(node, trail, "a")
         if isinstance(node, np.generic) and not isinstance(node, (str, bytes)):   # np.float64 is a float too
-            return array(node, path, "s")
+            return array(node, trail, "s")
         if isinstance(node, _PLAIN):
             if isinstance(node, int) and not isinstance(node, bool) and not _INT_RANGE[0] <= node < _INT_RANGE[1]:
-                refuse(path, "is an integer that does not fit in 64 bits; send it as a string or a float")
+                refuse(trail, "is an integer that does not fit in 64 bits; send it as a string or a float")
             return node
-        if isinstance(node, Mapping):
+        if isinstance(node, (tuple, list)):
+            items = [walk(v, (trail, i), depth + 1) for i, v in enumerate(node)]
+            return {"t": items} if isinstance(node, tuple) else items
+        if kind is dict or isinstance(node, Mapping):
+            if all(type(k) is str for k in node):
+                return {"d": {k: walk(v, (trail, k), depth + 1) for k, v in node.items()}}
             bad = [k for k in node if not isinstance(k, _KEYS)]
             if bad:
-                refuse(path, f"is a dict with a key of type {type_name(bad[0])}; keys sent between tasks must "
-                             f"be strings, numbers, booleans or None")
-            items = [(k, walk(v, f"{path}[{k!r}]" if path else str(k), depth + 1)) for k, v in node.items()]
-            if all(type(k) is str for k in node):
-                return {"d": dict(items)}
-            return {"k": [[k, v] for k, v in items]}
-        if isinstance(node, (tuple, list)):
-            items = [walk(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node)]
-            return {"t": items} if isinstance(node, tuple) else items
+                refuse(trail, f"is a dict with a key of type {type_name(bad[0])}; keys sent between tasks must "
+                              f"be strings, numbers, booleans or None")
+            return {"k": [[k, walk(v, (trail, k), depth + 1)] for k, v in node.items()]}
         if isinstance(node, np.ndarray) or (hasattr(node, "shape") and hasattr(node, "dtype")):
-            return array(node, path, "a")
-        refuse(path, f"is a {type_name(node)}, which cannot be sent between tasks: {sendable}")
+            return array(node, trail, "a")
+        refuse(trail, f"is a {type_name(node)}, which cannot be sent between tasks: {sendable}")
 
-    return walk(value, root, 0), arrays
+    return walk(value, None, 0), arrays
+
+
+def _path(trail, root: str = "") -> str:
+    """``args[0]['lr']`` from a trail of (parent's trail, key) pairs (a string key first reads bare)."""
+    keys = []
+    while trail is not None:
+        trail, key = trail
+        keys.append(key)
+    path = root
+    for key in reversed(keys):
+        path = f"{path}[{key!r}]" if path or not isinstance(key, str) else key
+    return path
 
 
 def decode(skeleton, arrays: list, *, resolve: Callable[[Any], Any] | None = None):
@@ -121,60 +138,59 @@ def decode(skeleton, arrays: list, *, resolve: Callable[[Any], Any] | None = Non
     """
     used = [False] * len(arrays)
 
-    def bad(path, problem):
-        raise ProtocolError(f"malformed value: {path or 'it'} {problem}")
+    def bad(trail, problem):
+        raise ProtocolError(f"malformed value: {_path(trail) or 'it'} {problem}")
 
-    def buffer(index, path, scalar):
+    def buffer(index, trail, scalar):
         if type(index) is not int or not 0 <= index < len(arrays):
-            bad(path, f"refers to buffer {index!r}, but {len(arrays)} came with it")
+            bad(trail, f"refers to buffer {index!r}, but {len(arrays)} came with it")
         if used[index]:
-            bad(path, f"refers to buffer {index} again (each buffer is one value)")
+            bad(trail, f"refers to buffer {index} again (each buffer is one value)")
         used[index] = True
         array = arrays[index]
         if not isinstance(array, np.ndarray):
             array = to_host(array)
         if scalar:
             if array.ndim != 0:
-                bad(path, f"is a scalar in buffer {index}, which has shape {array.shape}")
+                bad(trail, f"is a scalar in buffer {index}, which has shape {array.shape}")
             return array[()]
         return array if array.flags.writeable else array.copy()
 
-    def walk(node, path, depth):
+    def walk(node, trail, depth):
         if depth > MAX_DEPTH:
-            bad(path, f"nests deeper than {MAX_DEPTH} levels")
+            bad(trail, f"nests deeper than {MAX_DEPTH} levels")
         if isinstance(node, _PLAIN):
             return node
         if isinstance(node, list):
-            return [walk(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node)]
+            return [walk(v, (trail, i), depth + 1) for i, v in enumerate(node)]
         if not isinstance(node, dict) or len(node) != 1:
-            bad(path, f"is a {type_name(node)}, not a value description (a plain value, a list, or a map of "
-                      f"one key)")
+            bad(trail, f"is a {type_name(node)}, not a value description (a plain value, a list, or a map of "
+                       f"one key)")
         (kind, body), = node.items()
         if kind in ("a", "s"):
-            return buffer(body, path, kind == "s")
+            return buffer(body, trail, kind == "s")
         if kind == "t" and isinstance(body, list):
-            return tuple(walk(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(body))
+            return tuple(walk(v, (trail, i), depth + 1) for i, v in enumerate(body))
         if kind == "d" and isinstance(body, dict):
             if not all(isinstance(k, str) for k in body):
-                bad(path, "is a dict description with keys that are not strings")
-            return {k: walk(v, f"{path}[{k!r}]" if path else k, depth + 1) for k, v in body.items()}
+                bad(trail, "is a dict description with keys that are not strings")
+            return {k: walk(v, (trail, k), depth + 1) for k, v in body.items()}
         if kind == "k" and isinstance(body, list):
             out = {}
             for pair in body:
                 if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], _KEYS)):
-                    bad(path, "is a dict description whose entries are not [key, value] pairs")
-                key = pair[0]
-                out[key] = walk(pair[1], f"{path}[{key!r}]" if path else str(key), depth + 1)
+                    bad(trail, "is a dict description whose entries are not [key, value] pairs")
+                out[pair[0]] = walk(pair[1], (trail, pair[0]), depth + 1)
             return out
         if kind == "r":
             if resolve is None:
-                bad(path, f"is a reference {body!r}, where none may be")
+                bad(trail, f"is a reference {body!r}, where none may be")
             return resolve(body)
-        bad(path, f"is a description of kind {kind!r} with a {type_name(body)}; expected one of a, s, t, d, k, r")
+        bad(trail, f"is a description of kind {kind!r} with a {type_name(body)}; expected one of a, s, t, d, k, r")
 
-    value = walk(skeleton, "", 0)
+    value = walk(skeleton, None, 0)
     if not all(used):
-        bad("", f"uses {sum(used)} of the {len(arrays)} buffers that came with it")
+        bad(None, f"uses {sum(used)} of the {len(arrays)} buffers that came with it")
     return value
 
 
