@@ -132,6 +132,37 @@ def test_a_model_failing_inside_a_probe_task_fails_the_run_with_its_error():
     assert "boom inside a probe task (on purpose)" in proc.stderr
 
 
+def test_links_measured_on_a_job_are_used_instead_of_local_ones(measured, tmp_path):
+    """--probe-links runs as every task of a job (here a local one: 3 workers and a ps), --links uses it."""
+    _, path, _ = measured
+    links = tmp_path / "links.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]))
+    job = subprocess.run([sys.executable, "-m", "stratagem", "launch", "--worker", "3", "--ps", "1", "--timeout", "150",
+                          "--", sys.executable, "-m", "stratagem", "advise", "--probe-links", str(links),
+                          "--transports", "zmq", "--quick", "--model", SMALL],
+                         capture_output=True, text=True, timeout=200, env=env)
+    assert job.returncode == 0, job.stderr
+    raw = json.loads(links.read_text())
+    assert raw["np"] == 3 and len(raw["pairs"]) == 3 and raw["ps_exchange"]
+    proc = advise("--measured", str(path), "--links", str(links), "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["measurements"]["raw"]["links_from_files"]["zmq"]["np"] == 3
+    text = advise("--measured", str(path), "--links", str(links)).stdout
+    assert "zmq's links from --links: 3 tasks, 3 pairs timed" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--probe-links", "x.json", "--transports", "zmq"], "--probe-links runs as every task of a job of at least two"),
+    (["--probe-links", "x.json", "--transports", "zmq,grpc"], "--probe-links measures one transport at a time"),
+    (["--links", "/nonexistent/links.json"], "--links: no such file"),
+])
+def test_link_options_say_what_is_wrong(args, message):
+    proc = advise(*args, timeout=60)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert message in proc.stderr
+
+
 PLAIN_SCRIPT = """
 import sys
 from stratagem.advise.cli import main
