@@ -11,8 +11,8 @@ machine can run: 1-4 workers, 1-2 ps, every default bench strategy over every us
 every cell (strategy x transport x workers x ps) run once by the bench's own runner
 (:func:`stratagem.bench.runner.run_combination`, the code behind ``stratagem bench``), in a shuffled
 order. Around every cell, this process times the model's ``loss_and_grads`` on one task for
-``--sense`` seconds before and after the run: the figure advise's machine probe fits the background
-load to, measured again at the cell's time. The machine is shared with other work whose load changes
+``--sense`` seconds before and after the run, wall and CPU time: how much of a core one task gets
+(the figure advise's machine probe fits the background load to), measured again at the cell's time. The machine is shared with other work whose load changes
 from one second to the next, by a factor of several on this 2-core machine, so each cell gets two
 predictions:
 
@@ -87,7 +87,8 @@ def run_cell(cell: dict, steps: int, warmup: int, model: str, timeout: float) ->
 
 
 class Sensor:
-    """The model's ``loss_and_grads`` on one task (this process), timed for a while: the median call."""
+    """The model's ``loss_and_grads`` on one task (this process), timed for a while: the median wall
+    and CPU seconds per call (their ratio is how much of a core a task gets now)."""
 
     def __init__(self, model: str):
         from stratagem.bench.models import build_model
@@ -97,14 +98,15 @@ class Sensor:
         self.batch = self.model.batch(0, 0, 0, self.model.batch_size)
         self.model.loss_and_grads(self.params, self.batch)
 
-    def __call__(self, seconds: float) -> float:
-        times, end = [], time.perf_counter() + seconds
+    def __call__(self, seconds: float) -> list[float]:
+        times, cpu, end = [], [], time.perf_counter() + seconds
         while True:
-            start = time.perf_counter()
+            start, used = time.perf_counter(), time.thread_time()
             self.model.loss_and_grads(self.params, self.batch)
+            cpu.append(time.thread_time() - used)
             times.append(time.perf_counter() - start)
             if time.perf_counter() >= end and len(times) >= 3:
-                return statistics.median(times)
+                return [statistics.median(times), statistics.median(cpu)]
 
 
 def collect(args) -> dict:
@@ -133,7 +135,7 @@ def collect(args) -> dict:
             log(f"{i + 1}/{len(order)} {cell['strategy']}{':' + cell['mode'] if cell['mode'] else ''} x "
                 f"{cell['transport']} w{cell['workers']} ps{cell['ps']}: "
                 + (f"{f['samples_per_s']:,.0f} samples/s" if result["status"] == "ok" else result["status"])
-                + f" (one-task compute {result['sensor_s'][0] * 1e3:.1f}/{result['sensor_s'][1] * 1e3:.1f} ms, "
+                + f" (one task gets {_share(result['sensor_s'][0]):.0%}/{_share(result['sensor_s'][1]):.0%} of a core, "
                   f"load {result['loadavg'][0]:.1f})")
         doc["rounds"].append(round_doc)
         if args.json:
@@ -143,13 +145,23 @@ def collect(args) -> dict:
     return doc
 
 
+def _share(sensed) -> float:
+    """The share of a core one task got: CPU over wall time of the sensor's calls."""
+    return sensed[1] / sensed[0] if isinstance(sensed, list) else float("nan")
+
+
 def figures(probe_doc: dict, sensor_s: list | None = None) -> tuple:
     """The round's figures; with ``sensor_s``, the host's background refitted to the one-task compute
-    times measured around the cell (against the probe's idle-core compute)."""
+    measured around the cell: its wall time against its CPU time."""
     measured = probe.fit(probe_doc["raw"])      # refitted from the raw figures: the current fits
     host, work = measured.host, measured.work
     if sensor_s:
-        fitted, _ = cm.fit_host(host.cores, [(1, t) for t in sensor_s], idle_s=work.compute_s)
+        if isinstance(sensor_s[0], list):
+            wall = [w for w, _ in sensor_s]
+            idle = statistics.median(c for _, c in sensor_s)
+        else:   # (a run of an earlier version: wall times only)
+            wall, idle = sensor_s, work.compute_s
+        fitted, _ = cm.fit_host(host.cores, [(1, t) for t in wall], idle_s=idle)
         host = cm.Host(host.cores, fitted.background, host.stragglers)
     return host, work, measured.transports
 
@@ -213,12 +225,48 @@ def print_table(rows: list[dict], doc: dict, out=sys.stdout) -> None:
             print(f"\n{name}: {within} of {len(done)} cells within +-15%, median |error| "
                   f"{statistics.median(errors) * 100:.0f}%, worst {errors[-1] * 100:.0f}%", file=out, end="")
         print(file=out)
+    if done:
+        print("\nbias by strategy and transport (median of predicted / measured over the cells; 1.00: unbiased):",
+              file=out)
+        groups: dict[str, list] = {}
+        for r in done:
+            label = r["strategy"] + (f":{r['mode']}" if r["mode"] else "")
+            groups.setdefault(label, {}).setdefault(r["transport"], []).append(r["model"] / r["measured"])
+        transports = sorted({t for g in groups.values() for t in g})
+        print("| strategy | " + " | ".join(transports) + " | all |", file=out)
+        print("| --- |" + " ---: |" * (len(transports) + 1), file=out)
+        for label, by in groups.items():
+            every = [x for xs in by.values() for x in xs]
+            print(f"| {label} | " + " | ".join(f"{statistics.median(by[t]):.2f}" if t in by else "-" for t in transports)
+                  + f" | {statistics.median(every):.2f} |", file=out)
+        inside = sum(r["spread"][0] <= r["model"] <= r["spread"][1] for r in done if r["runs"] > 1)
+        multi = sum(r["runs"] > 1 for r in done)
+        if multi:
+            spreads = sorted(r["spread"][1] / r["spread"][0] for r in done if r["runs"] > 1)
+            print(f"\nthe bench against itself: a cell's fastest run over its slowest, median {statistics.median(spreads):.2f}, "
+                  f"worst {spreads[-1]:.2f}; the model falls within the measured range in {inside} of {multi} cells",
+                  file=out)
+        print("\nthe choice (per worker count: what advise's probe alone recommends, and how it did in the bench):",
+              file=out)
+        for n in sorted({r["workers"] for r in done}):
+            cells_n = [r for r in done if r["workers"] == n]
+            pick = max(cells_n, key=lambda r: r["advise"])
+            best = max(cells_n, key=lambda r: r["measured"])
+            rank = sorted(cells_n, key=lambda r: -r["measured"]).index(pick) + 1
+            print(f"- {n} worker{'s' * (n != 1)}: advise picks {_name(pick)}, measured {pick['measured']:,.0f} samples/s, "
+                  f"{rank} of {len(cells_n)}; the bench's best {_name(best)} {best['measured']:,.0f} "
+                  f"({pick['measured'] / best['measured']:.0%} of it)", file=out)
     for i, round_doc in enumerate(doc["rounds"], start=1):
         loads = [c["loadavg"][0] for c in round_doc["cells"]] or [0.0]
         host = round_doc["probe"]["host"]
         print(f"round {i}: load average {min(loads):.1f}-{max(loads):.1f} (median {statistics.median(loads):.1f}) "
               f"on {host['cores']} cores; the probe's background fit {host['background']:.1f} busy processes",
               file=out)
+
+
+def _name(row: dict) -> str:
+    label = row["strategy"] + (f":{row['mode']}" if row["mode"] else "")
+    return f"{label} over {row['transport']}" + (f" with {row['ps']} ps" if row["ps"] else "")
 
 
 def main(argv=None) -> int:

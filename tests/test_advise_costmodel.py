@@ -120,6 +120,20 @@ def test_an_mpi_job_shares_one_scheduling_group():
     assert predict("mirrored", None, 4, host=cm.Host(2), transport=grouped).step_s == pytest.approx(2 * 15.1 * MS)
 
 
+def test_only_the_cpu_part_of_a_transfer_slows_down_when_cores_are_shared():
+    # a 2.1 ms all-reduce of which each of 4 tasks computes 0.5 ms: on 2 cores with 2 busy processes of
+    # others, the tasks are busy 4 x 0.5 / 2.1 on average, so it barely slows; all CPU: 3x (4 + 2) / 2
+    host = cm.Host(cores=2, background=2)
+    light = cm.TransportFigures("zmq", ZMQ.allreduce, ZMQ.p2p, ZMQ.ps, cpu=cm.CpuCosts(allreduce=cm.Link(0.0, 3e9)))
+    lean = predict("mirrored", None, 4, host=host, transport=light).parts["all-reduce"]
+    heavy = predict("mirrored", None, 4, host=host).parts["all-reduce"]
+    cpu = 1.5e6 / 3e9                                   # 2(n-1)/n x 1 MB at 3 GB/s of CPU
+    assert heavy == pytest.approx(2.1 * MS * 3)
+    slow = (cm.phase(2.1 * MS, cpu, 4 * cpu, host.slowdown) - 2.1 * MS) / cpu + 1
+    assert lean == pytest.approx(2.1 * MS + cpu * (slow - 1))
+    assert 2.1 * MS < lean < 2.1 * MS + cpu * 2
+
+
 def test_recommendation_names_the_winner_and_what_it_beats():
     setups = cm.setups_for(4, ["zmq"], [1, 2], strategies=["mirrored", "between_graph:sync"])
     assert [(s.label, s.ps) for s in setups] == [("mirrored", 0), ("between_graph:sync", 1), ("between_graph:sync", 2)]

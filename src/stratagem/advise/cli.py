@@ -310,12 +310,14 @@ def print_report(measured, predictions, best_reason, extrapolated: dict, setting
                      f"{settings['workers']}" if host.stragglers else ""), markup=False, highlight=False)
     links = Table(box=None, pad_edge=False, title=None)
     for name, justify in (("transport", "left"), ("all-reduce latency", "right"), ("bandwidth", "right"),
-                          ("ps exchange latency", "right"), ("bandwidth", "right")):
+                          ("ps exchange latency", "right"), ("bandwidth", "right"), ("a waiting task", "left")):
         links.add_column(name, justify=justify, no_wrap=True)
     for t in measured.transports.values():
         ps = t.exchange
         links.add_row(t.name, f"{t.allreduce.latency_s * 1e6:.0f} us", human_rate(t.allreduce.bandwidth_Bps),
-                      f"{ps.latency_s * 1e6:.0f} us", human_rate(ps.bandwidth_Bps))
+                      f"{ps.latency_s * 1e6:.0f} us", human_rate(ps.bandwidth_Bps),
+                      (f"spins ({t.idle_burn:.0%} of a core)" if t.idle_burn > 0.25 else "sleeps")
+                      + ("; the job is one scheduling group" if t.one_group else ""))
     console.print("links (idle-core figures, fitted to the measurements):")
     console.print(links)
     table = Table(box=None, pad_edge=False)

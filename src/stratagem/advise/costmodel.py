@@ -101,13 +101,27 @@ class Link:
 
 
 @dataclass(frozen=True)
+class CpuCosts:
+    """The CPU a task spends moving bytes, where measured (idle-core seconds as :class:`Link` s:
+    fixed + bytes / rate): ``allreduce`` per task per call (the ring formula applies to it as to the
+    time), ``p2p`` per round trip on one side, ``exchange`` per ps push-and-pull on the worker, ``serve``
+    per push on the ps. None: as much CPU as time (the transfer keeps the task busy throughout)."""
+
+    allreduce: Link | None = None
+    p2p: Link | None = None
+    exchange: Link | None = None
+    serve: Link | None = None
+
+
+@dataclass(frozen=True)
 class TransportFigures:
     """One transport's links (idle-core figures): ``allreduce`` for the ring formula, ``p2p`` for one
     message one way, ``ps``: a parameter server's exchange, one way (a push and its reply cost
     ``2 * ps.time(B)``, the server's update of the ``B`` bytes included, as a real ps does it);
     ``idle_burn``: CPU a task burns while it waits in a collective (0: it sleeps; about 1: it spins,
     as Open MPI's blocking calls do); ``one_group``: the tasks of a job on this transport share one
-    scheduling group on a host (an MPI job's ranks, under autogroup)."""
+    scheduling group on a host (an MPI job's ranks, under autogroup); ``cpu``: what moving the bytes
+    costs in CPU (the part of a transfer that slows down when tasks share cores)."""
 
     name: str
     allreduce: Link
@@ -115,6 +129,7 @@ class TransportFigures:
     ps: Link | None = None
     idle_burn: float = 0.0
     one_group: bool = False    # its tasks share one scheduling group (see Host.slowdown)
+    cpu: CpuCosts = field(default_factory=CpuCosts)
 
     @property
     def exchange(self) -> Link:
@@ -340,13 +355,44 @@ def _finish(setup: Setup, work: Workload, parts: dict, step: float) -> Predictio
                       staleness_note(setup))
 
 
+def phase(wall: float, critical_cpu: float, total_cpu: float, share) -> float:
+    """A phase of ``wall`` seconds on idle cores, of which the task on the critical path computes or
+    copies ``critical_cpu`` and all tasks together ``total_cpu``. Only the CPU part slows down when
+    tasks share cores: ``wall + critical_cpu * (slowdown - 1)``, at the slowdown of the tasks busy on
+    average in it (``slowdown * total_cpu / duration``: a fixed point, found by iteration).
+
+    >>> round(phase(0.010, 0.010, 0.040, lambda busy: max(1.0, busy / 2)), 6)   # 4 tasks computing on 2 cores
+    0.02
+    >>> round(phase(0.010, 0.001, 0.002, lambda busy: max(1.0, busy / 2)), 6)   # mostly waiting: not slower
+    0.01
+    """
+    critical = min(critical_cpu, wall)
+    slow = 1.0
+    for _ in range(100):
+        duration = wall + critical * (slow - 1)
+        new = share(slow * total_cpu / duration) if duration > 0 else 1.0
+        if abs(new - slow) < 1e-9:
+            break
+        slow = (slow + new) / 2
+    return wall + critical * (slow - 1)
+
+
+def _cpu(link: Link | None, nbytes: float, wall: float) -> float:
+    """CPU seconds of a transfer: the measured cost, else its whole wall time."""
+    return link.time(nbytes) if link is not None else wall
+
+
 def _mirrored(setup: Setup, work: Workload, t: TransportFigures, share, straggle) -> dict:
     n, S = setup.workers, work.param_bytes
     slow = share(n)
     pack = S * work.add_s_per_byte if n > 1 else 0.0
-    return {"compute": slow * straggle(n) * (work.data_s + work.compute_s),
-            "update": slow * (pack + S * work.update_s_per_byte),
-            "all-reduce": slow * ring_allreduce_s(S, n, t.allreduce)}
+    parts = {"compute": slow * straggle(n) * (work.data_s + work.compute_s),
+             "update": slow * (pack + S * work.update_s_per_byte)}
+    if n > 1:
+        wall = ring_allreduce_s(S, n, t.allreduce)
+        cpu = ring_allreduce_s(S, n, t.cpu.allreduce) if t.cpu.allreduce is not None else wall
+        parts["all-reduce"] = phase(wall, cpu, n * cpu, share)
+    return parts
 
 
 def _in_graph(setup: Setup, work: Workload, t: TransportFigures, share, straggle) -> dict:
@@ -355,54 +401,69 @@ def _in_graph(setup: Setup, work: Workload, t: TransportFigures, share, straggle
     parts = {"compute": share(1) * n * work.data_s + share(n) * straggle(n) * work.compute_s,
              "update": share(1) * (n * S * work.add_s_per_byte + S * work.update_s_per_byte)}
     if remote:
-        out = t.p2p.latency_s + remote * (S + rows) / t.p2p.bandwidth_Bps
-        back = t.p2p.latency_s + remote * S / t.p2p.bandwidth_Bps
-        parts["client link"] = share(2) * (out + back)
+        wall = (t.p2p.latency_s + remote * (S + rows) / t.p2p.bandwidth_Bps
+                + t.p2p.latency_s + remote * S / t.p2p.bandwidth_Bps)
+        # the client sends each worker its rows and the values, and gets its gradients back: a round
+        # trip's CPU on the client per worker (the worker spends as much on its side)
+        client = remote * _cpu(t.cpu.p2p, S + rows / 2, wall / remote)
+        parts["client link"] = phase(wall, client, 2 * client, share)
     return parts
 
 
 def _ps_sync(setup: Setup, work: Workload, t: TransportFigures, share, straggle) -> dict:
-    n, p = setup.workers, setup.ps
-    biggest = max(work.shard_bytes(p))
+    n, p, S = setup.workers, setup.ps, work.param_bytes
+    shards = work.shard_bytes(p)
+    biggest = max(shards)
     coordinator = setup.strategy == "parameter_server"
+    link = t.exchange
+    wall = fan_in_s(biggest, n, link)
+    serve = _cpu(t.cpu.serve, biggest, round_trip_s(biggest, link))          # the busiest shard, per push
+    serve_all = sum(_cpu(t.cpu.serve, b, round_trip_s(b, link)) for b in shards)
+    worker = _cpu(t.cpu.exchange, S, round_trip_s(biggest, link))           # a worker, all its shards
     parts = {"compute": share(n) * straggle(n) * (work.data_s + work.compute_s),
-             "ps fan-in": share(n + p) * fan_in_s(biggest, n, t.exchange)}
+             "ps fan-in": phase(wall, n * serve + worker, n * (serve_all + worker), share)}
     if t.ps is None:   # the p2p link moves the bytes; the shard's adds and update come on top
         parts["ps update"] = share(p) * biggest * (n * work.add_s_per_byte + work.update_s_per_byte)
     if coordinator:
-        parts["dispatch"] = share(n + p + 1) * 2 * t.p2p.latency_s
+        dispatch = 2 * t.p2p.latency_s
+        parts["dispatch"] = phase(dispatch, _cpu(t.cpu.p2p, 0, dispatch), 2 * _cpu(t.cpu.p2p, 0, dispatch), share)
     return parts
 
 
 def _ps_async(setup: Setup, work: Workload, t: TransportFigures, share) -> tuple[dict, float]:
-    n, p = setup.workers, setup.ps
-    biggest = max(work.shard_bytes(p))
+    n, p, S = setup.workers, setup.ps, work.param_bytes
+    shards = work.shard_bytes(p)
+    biggest = max(shards)
     coordinator = setup.strategy == "parameter_server"
     link = t.exchange
     local = work.data_s + work.compute_s
-    def serve(nbytes):   # a shard's time per push of nbytes: both ways, and its update (in the
-        # measured exchange; on top of the p2p link's bytes when there is no such measurement)
-        return 2 * nbytes / link.bandwidth_Bps + (nbytes * work.update_s_per_byte if t.ps is None else 0.0)
-
-    service = serve(biggest)
-    exchange = 2 * link.latency_s + service                 # one worker's push and the values back
-    dispatch = 2 * t.p2p.latency_s if coordinator else 0.0  # the coordinator's closure and its result
-    loop = local + exchange + dispatch                      # one worker step on idle cores
-    pace = max(loop, n * service)                           # the busiest shard's queue may set the pace
-    # Busy tasks on average: workers while they compute or copy, shards while they serve (the
-    # tasks overlap freely, so the cores are shared by the average, not by phases).
-    every_shard = serve(work.param_bytes)      # a worker's bytes to and from all the shards
-    workers, shards = n * (local + every_shard), n * every_shard
-    busy = (workers + shards) / pace
-    slow = share(busy)
-    step = pace * slow
-    if n * service > loop:
-        parts = {"compute": slow * local, "ps queue": step - slow * local}
+    extra = biggest * work.update_s_per_byte if t.ps is None else 0.0   # (the p2p link has no update in it)
+    exchange = 2 * link.latency_s + 2 * biggest / link.bandwidth_Bps + extra   # a push and the values back
+    serve = _cpu(t.cpu.serve, biggest, exchange - 2 * link.latency_s)         # the busiest shard's CPU per push
+    serve_all = sum(_cpu(t.cpu.serve, b, 2 * b / link.bandwidth_Bps + extra) for b in shards)
+    worker = _cpu(t.cpu.exchange, S, exchange)
+    dispatch = 2 * t.p2p.latency_s if coordinator else 0.0    # the coordinator's closure and its result
+    dispatch_cpu = _cpu(t.cpu.p2p, 0, dispatch) if coordinator else 0.0
+    # The tasks overlap freely: the cores are shared by the tasks busy on average, which depends on
+    # the pace (a fixed point): each worker's loop, or the busiest shard's queue when it is longer.
+    work_cpu = n * (local + worker + serve_all + 2 * dispatch_cpu)   # CPU seconds per global step
+    slow = 1.0
+    for _ in range(100):
+        exchanged = exchange + min(serve + worker, exchange) * (slow - 1)
+        dispatched = dispatch + min(dispatch_cpu, dispatch) * (slow - 1)
+        loop = local * slow + exchanged + dispatched
+        pace = max(loop, n * serve * slow)
+        new = share(slow * work_cpu / pace)
+        if abs(new - slow) < 1e-9:
+            break
+        slow = (slow + new) / 2
+    if n * serve * slow > loop:
+        parts = {"compute": slow * local, "ps queue": pace - slow * local}
     else:
-        parts = {"compute": slow * local, "ps exchange": slow * exchange}
+        parts = {"compute": slow * local, "ps exchange": exchanged}
         if dispatch:
-            parts["dispatch"] = slow * dispatch
-    return parts, step
+            parts["dispatch"] = dispatched
+    return parts, pace
 
 
 # -- the choice -------------------------------------------------------------------------------------

@@ -87,12 +87,18 @@ class Measurements:
         """Back from :meth:`as_dict` (``stratagem advise --measured FILE``)."""
         work = dict(doc["workload"])
         work["shards"] = {int(k): tuple(v) for k, v in work.get("shards", {}).items()}
-        transports = {name: cm.TransportFigures(t["name"], cm.Link(**t["allreduce"]), cm.Link(**t["p2p"]),
-                                                cm.Link(**t["ps"]) if t.get("ps") else None,
-                                                t.get("idle_burn", 0.0), t.get("one_group", False))
-                      for name, t in doc["transports"].items()}
+        transports = {name: transport_from_dict(t) for name, t in doc["transports"].items()}
         return cls(host_from_dict(doc["host"]), cm.Workload(**work), transports, dict(doc.get("skipped", {})),
                    doc.get("raw", {}), doc.get("seconds", 0.0))
+
+
+def transport_from_dict(t: dict) -> cm.TransportFigures:
+    def link(value):
+        return cm.Link(**value) if value else None
+    cpu = t.get("cpu") or {}
+    return cm.TransportFigures(t["name"], link(t["allreduce"]), link(t["p2p"]), link(t.get("ps")),
+                               t.get("idle_burn", 0.0), t.get("one_group", False),
+                               cpu=cm.CpuCosts(**{k: link(v) for k, v in cpu.items()}))
 
 
 def host_from_dict(doc: dict) -> cm.Host:
@@ -228,7 +234,12 @@ def run_job(spec: dict, tasks: int, transport: str, timeout: float, mpi_job: boo
                             output=tail, error_output=tail, ps_grace=10.0)
         if result.ok and os.path.exists(spec["out"]):
             with open(spec["out"]) as f:
-                return json.load(f)
+                doc = json.load(f)
+            ps_cpu = os.path.join(tmp, "ps_cpu.json")      # the ps task's CPU per push, by piece
+            if os.path.exists(ps_cpu):
+                with open(ps_cpu) as f:
+                    doc["ps_server_cpu"] = json.load(f)
+            return doc
         failed = result.failed_task.short if getattr(result, "failed_task", None) is not None else None
         lines = tail.of(failed)
         why = result.reason if not result.ok else "the job ended without writing its figures"
@@ -243,21 +254,28 @@ def _fastest(times: Sequence[float]) -> float:
 def fit_machine(raw: dict, model: dict) -> tuple[cm.Host, cm.Workload]:
     """Host and idle-core workload figures from the machine job's output.
 
-    Idle-core figures are the *fastest* calls: that call ran with a core to itself, so it is the
-    work's cost whatever else the machine runs (a median would count the load twice, once in the
-    figure and once in the slowdown). The background load is fitted to the free-running rounds'
-    medians against that idle-core compute, the stragglers to the lockstep rounds."""
+    Idle-core figures are CPU times: what the work costs a core, whatever else the machine runs (a
+    busy machine stretches the wall time, not the CPU time; the fastest wall time of a call is no
+    good either, for under heavy load no call runs without being preempted). The background load is
+    fitted to the free-running rounds' wall times against that idle-core compute, the stragglers to
+    the lockstep rounds."""
     free = [(entry["k"], t) for entry in raw["sharing"] for t in entry["seconds"] if t == t]
     lockstep = [(entry["k"], t) for entry in raw.get("lockstep", []) for t in entry["seconds"] if t == t]
     parts = raw["parts"]
-    fastest = [t for entry in raw["sharing"] + raw.get("lockstep", []) for t in entry.get("fastest", []) if t == t]
-    idle = min([parts["compute_fastest_s"]] + fastest)
+    cpu = [t for entry in raw["sharing"] for t in entry.get("cpu", []) if t == t]
+    if cpu:
+        idle = _median([parts["compute_cpu_s"]] + cpu) if "compute_cpu_s" in parts else _median(cpu)
+    else:   # (figures of an older probe: the fastest call)
+        idle = min([parts["compute_fastest_s"]] + [t for e in raw["sharing"] for t in e.get("fastest", []) if t == t])
     host, idle_compute = cm.fit_host(raw["cores"], free, idle_s=idle)
     host = cm.Host(host.cores, host.background, cm.fit_stragglers(free, lockstep))
     S = max(1, model["param_bytes"])
+
+    def alone(name):   # a part's idle-core seconds: its CPU time where measured
+        return parts.get(f"{name}_cpu_s", parts[f"{name}_fastest_s"])
     work = cm.Workload(model["name"], model["batch_size"], model["param_bytes"], model["input_bytes"],
-                       data_s=parts["data_fastest_s"], compute_s=idle_compute,
-                       update_s_per_byte=parts["update_fastest_s"] / S, add_s_per_byte=parts["add_fastest_s"] / S,
+                       data_s=alone("data"), compute_s=idle_compute,
+                       update_s_per_byte=alone("update") / S, add_s_per_byte=alone("add") / S,
                        shards={int(k): tuple(v) for k, v in model["shards"].items()})
     return host, work
 
@@ -265,17 +283,42 @@ def fit_machine(raw: dict, model: dict) -> tuple[cm.Host, cm.Workload]:
 def fit_transport(raw: dict, one_group: bool = False) -> cm.TransportFigures:
     """A transport's idle-core links from its link job, each fitted to the fastest time per size (as
     for the machine's figures): all-reduce to the ring formula, the slowest pair's round trips to the
-    one-way p2p link, the parameter server's push-and-pull (its update included) to the ps link."""
+    one-way p2p link, the parameter server's push-and-pull (its update included) to the ps link; and
+    the CPU each cost the task that measured it (per all-reduce call, per round trip, per exchange on
+    the worker, per push on the ps), fitted the same way to the mean CPU per call."""
     n = len({p["a"] for p in raw["pairs"]} | {p["b"] for p in raw["pairs"]}) or 2
     ring = cm.fit_allreduce([(e["data_bytes"], _fastest(e["times_s"])) for e in raw["allreduce"]], n)
-    pairs = [cm.fit_round_trip([(e["bytes"], _fastest(e["times_s"])) for e in pair["sizes"]])
+    ring_cpu = _cpu(raw["allreduce"], "data_bytes", lambda pts: cm.fit_allreduce(pts, n))
+    pairs = [(cm.fit_round_trip([(e["bytes"], _fastest(e["times_s"])) for e in pair["sizes"]]), pair)
              for pair in raw["pairs"]]
-    slowest = min(pairs, key=lambda link: link.bandwidth_Bps) if pairs else ring
-    ps = None
+    slowest, pair = min(pairs, key=lambda lp: lp[0].bandwidth_Bps) if pairs else (ring, None)
+    p2p_cpu = _cpu(pair["sizes"], "bytes", _per_call) if pair else None
+    ps = exchange_cpu = serve_cpu = None
     if raw.get("ps_exchange"):
         ps = cm.fit_round_trip([(e["bytes"], _fastest(e["times_s"])) for e in raw["ps_exchange"]])
+        exchange_cpu = _cpu(raw["ps_exchange"], "bytes", _per_call)
+        server = raw.get("ps_server_cpu") or {}
+        served = [{"bytes": e["bytes"], "cpu_s": _median(server.get(f"piece{i}", []))}
+                  for i, e in enumerate(raw["ps_exchange"])]
+        serve_cpu = _cpu(served, "bytes", _per_call) if all(e["cpu_s"] for e in served) else None
     burn = min(1.0, float(raw.get("idle_burn", {}).get("collective", 0.0)))
-    return cm.TransportFigures(raw["transport"], ring, slowest, ps, burn, one_group)
+    return cm.TransportFigures(raw["transport"], ring, slowest, ps, burn, one_group,
+                               cpu=cm.CpuCosts(ring_cpu, p2p_cpu, exchange_cpu, serve_cpu))
+
+
+def _per_call(points) -> cm.Link:
+    a, b = cm.fit_line(points)
+    return cm.Link(a, 1.0 / b if b > 0 else float("inf"))
+
+
+def _cpu(entries: Sequence[dict], size_key: str, fit) -> cm.Link | None:
+    points = [(e[size_key], e["cpu_s"]) for e in entries if e.get("cpu_s")]
+    return fit(points) if len(points) >= 1 else None
+
+
+def _median(values: Sequence[float]) -> float | None:
+    values = sorted(v for v in values if v == v)
+    return values[len(values) // 2] if values else None
 
 
 def autogroup() -> bool:

@@ -15,7 +15,7 @@ cluster or one that spans hosts.
   client do per replica), each the fastest and the median of several calls;
 - CPU sharing: for each ``k`` in ``ks``, the first ``k`` tasks run ``loss_and_grads`` over and over
   for ``duration`` seconds from the same barrier, the others wait; each reports its median and
-  fastest call time.
+  fastest wall time and its median CPU time per call (their ratio: how slow the sharing made it).
   ``k`` above the core count shows how the tasks share the cores (and how busy the machine already is).
   Then the same in *lockstep*: the ``k`` tasks meet at a barrier after every call, as synchronous
   replicas meet at every step, so each step waits for the slowest (the straggler's cost).
@@ -32,6 +32,11 @@ cluster or one that spans hosts.
   the server applies SGD and streams the values back), through :class:`~stratagem.ps.client.PSClient`;
 - how much CPU a task burns while it waits: the first task waits in an all-reduce (then in a
   ``recv``) while the others compute for ``idle_probe`` seconds (an MPI that spins burns a core).
+
+Beside each time, the CPU it cost (``time.process_time``: every thread of the task): per all-reduce
+call on each task, per round trip on the side that starts it, per exchange on the worker, and per
+push on the ps (written by the ps task to ``ps_cpu.json`` beside ``out``). Moving bytes costs wall
+time and CPU time, and only the CPU part slows down when tasks share cores.
 """
 
 from __future__ import annotations
@@ -49,17 +54,15 @@ import numpy as np
 PING_TAG = "advise-pingpong"
 
 
-def _call_times(fn, repeats: int) -> list[float]:
-    times = []
+def _call_times(fn, repeats: int) -> tuple[list[float], list[float]]:
+    """Wall and CPU seconds (this thread's: the math runs in it, one thread) of ``repeats`` calls."""
+    wall, cpu = [], []
     for _ in range(max(1, repeats)):
-        start = time.perf_counter()
+        start, used = time.perf_counter(), time.thread_time()
         fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def _median_call(fn, repeats: int) -> float:
-    return statistics.median(_call_times(fn, repeats))
+        cpu.append(time.thread_time() - used)
+        wall.append(time.perf_counter() - start)
+    return wall, cpu
 
 
 def _write(path: str, doc: dict) -> None:
@@ -71,9 +74,10 @@ def _write(path: str, doc: dict) -> None:
 # -- machine ----------------------------------------------------------------------------------------
 
 def model_parts(model, seed: int, repeats: int) -> dict:
-    """The fastest and the median seconds of one batch, one ``loss_and_grads``, one ps update and one
-    weighted add over all parameters, on this task alone. The fastest call ran with a core to itself:
-    it is the work's idle-core cost, whatever else the machine runs."""
+    """The median and fastest wall seconds, and the median CPU seconds, of one batch, one
+    ``loss_and_grads``, one ps update and one weighted add over all parameters, on this task alone.
+    The CPU time is the work's idle-core cost, whatever else the machine runs (the wall time also
+    counts the time others held the core)."""
     from stratagem.training.optimizers.rules import SGD
 
     params = model.init_params(seed)
@@ -105,23 +109,26 @@ def model_parts(model, seed: int, repeats: int) -> dict:
     for name, fn, n in (("data", lambda: model.batch(seed, 0, next(draws), model.batch_size), repeats),
                         ("compute", lambda: model.loss_and_grads(params, batch), repeats * 2),
                         ("update", update, repeats * 2), ("add", add, repeats * 2)):
-        times = _call_times(fn, n)
-        figures[f"{name}_s"], figures[f"{name}_fastest_s"] = statistics.median(times), min(times)
+        wall, cpu = _call_times(fn, n)
+        figures[f"{name}_s"], figures[f"{name}_fastest_s"] = statistics.median(wall), min(wall)
+        figures[f"{name}_cpu_s"] = statistics.median(cpu)
     return figures
 
 
 def sharing_round(comm, model, params, batch, k: int, duration: float, group=None) -> list[list[float]]:
     """The first ``k`` tasks call ``loss_and_grads`` for ``duration`` seconds at once (with ``group``,
     a communicator of those ``k``, they meet at its barrier after every call: lockstep); every task
-    returns ``[median, fastest]`` seconds per call of each active task (the same list everywhere)."""
+    returns ``[median wall, fastest wall, median CPU]`` seconds per call of each active task (the same
+    list everywhere)."""
     comm.barrier()
-    mine = [float("nan"), float("nan")]
+    mine = [float("nan")] * 3
     if comm.rank < k:
-        times = []
+        times, cpu = [], []
         end = time.perf_counter() + duration
         while True:
-            start = time.perf_counter()
+            start, used = time.perf_counter(), time.thread_time()
             model.loss_and_grads(params, batch)
+            cpu.append(time.thread_time() - used)
             finished = time.perf_counter() >= end and len(times) >= 2
             if group is not None:
                 # the group's all-reduce is the barrier, and agrees on when to stop (same call count)
@@ -129,9 +136,9 @@ def sharing_round(comm, model, params, batch, k: int, duration: float, group=Non
             times.append(time.perf_counter() - start)
             if finished:
                 break
-        mine = [statistics.median(times[1:]), min(times[1:])]
-    gathered = np.asarray(comm.allgather(np.array(mine, np.float64))).reshape(-1, 2)
-    return [[float(a), float(b)] for a, b in gathered[:k]]
+        mine = [statistics.median(times[1:]), min(times[1:]), statistics.median(cpu[1:])]
+    gathered = np.asarray(comm.allgather(np.array(mine, np.float64))).reshape(-1, 3)
+    return [[float(x) for x in row] for row in gathered[:k]]
 
 
 def run_machine(comm, spec: dict) -> dict | None:
@@ -158,10 +165,12 @@ def run_machine(comm, spec: dict) -> dict | None:
         # alternate the order, so a change of the machine's load does not always hit the same k
         for k in (ks if round_ % 2 == 0 else ks[::-1]):
             rows = sharing_round(comm, model, params, batch, k, duration)
-            sharing.append({"k": k, "seconds": [r[0] for r in rows], "fastest": [r[1] for r in rows]})
+            sharing.append({"k": k, "seconds": [r[0] for r in rows], "fastest": [r[1] for r in rows],
+                            "cpu": [r[2] for r in rows]})
             if k >= 2:
                 rows = sharing_round(comm, model, params, batch, k, duration, groups.get(k))
-                lockstep.append({"k": k, "seconds": [r[0] for r in rows], "fastest": [r[1] for r in rows]})
+                lockstep.append({"k": k, "seconds": [r[0] for r in rows], "fastest": [r[1] for r in rows],
+                                 "cpu": [r[2] for r in rows]})
     for group in groups.values():
         group.close()
     if comm.rank != 0:
@@ -183,17 +192,19 @@ def pingpong(comm, peer: int, sizes: list[dict], initiator: bool) -> list[dict]:
         count = max(1, int(entry["bytes"]) // 4)
         buffer = np.ones(count, np.float32)
         times = []
+        cpu = 0.0
         for i in range(int(entry["warmup"]) + int(entry["iters"])):
             if initiator:
-                start = time.perf_counter()
+                start, used = time.perf_counter(), time.process_time()
                 transport.send(other, PING_TAG, Message({"i": i}, [buffer]))
                 transport.recv(other, PING_TAG)
                 if i >= int(entry["warmup"]):
                     times.append(time.perf_counter() - start)
+                    cpu += time.process_time() - used
             else:
                 transport.recv(other, PING_TAG)
                 transport.send(other, PING_TAG, Message({"i": i}, [buffer]))
-        results.append({"bytes": count * 4, "times_s": times})
+        results.append({"bytes": count * 4, "times_s": times, "cpu_s": cpu / max(1, len(times))})
     return results
 
 
@@ -237,17 +248,29 @@ def pairs_of(size: int, all_pairs_up_to: int = 8) -> list[tuple[int, int]]:
     return [(0, j) for j in range(1, size)]
 
 
-def serve_ps(spec: dict) -> None:
-    """A ``ps`` task of the link job: serve a real parameter server until the workers say goodbye."""
+def serve_ps(spec: dict, out_dir: str) -> None:
+    """A ``ps`` task of the link job: serve a real parameter server until the workers say goodbye,
+    then write the CPU seconds (this process's, every thread) each push of each piece cost it to
+    ``OUT_DIR/ps_cpu.json``, which the parent reads when the job ran on its host."""
     import stratagem
     from stratagem.ps.server import ParameterServer
 
+    class TimedServer(ParameterServer):
+        def handle(self, message):
+            used = time.process_time()
+            super().handle(message)
+            meta = message.meta or {}
+            if meta.get("op") == "push" and meta.get("names"):
+                cpu.setdefault(meta["names"][0], []).append(time.process_time() - used)
+
+    cpu: dict[str, list] = {}
     transport = stratagem.transport(spec["transport"], timeout=spec.get("timeout", 60))
     transport.start()
     try:
-        ParameterServer(transport, poll=0.05).serve()
+        TimedServer(transport, poll=0.05).serve()
     finally:
         transport.close()
+    _write(os.path.join(out_dir, "ps_cpu.json"), cpu)
 
 
 def ps_exchange(comm, sizes: list[dict], learning_rate: float) -> list[dict]:
@@ -268,12 +291,14 @@ def ps_exchange(comm, sizes: list[dict], learning_rate: float) -> list[dict]:
         grad = np.full(count, 1e-3, np.float32)
         others = [n for n in names if n != name]
         times = []
+        cpu = 0.0
         for i in range(int(entry["warmup"]) + int(entry["iters"])):
-            start = time.perf_counter()
+            start, used = time.perf_counter(), time.process_time()
             client.push({0: ([name], [grad])}, pull=True, skip={0: others})
             if i >= int(entry["warmup"]):
                 times.append(time.perf_counter() - start)
-        results.append({"bytes": count * 4, "times_s": times})
+                cpu += time.process_time() - used
+        results.append({"bytes": count * 4, "times_s": times, "cpu_s": cpu / max(1, len(times))})
     return results
 
 
@@ -283,7 +308,7 @@ def run_link(spec: dict, out_dir: str) -> dict | None:
     from stratagem.ps.client import PSClient
 
     if ClusterResolver.from_env().task.job == "ps":
-        serve_ps(spec)
+        serve_ps(spec, out_dir)
         return None
     backend = collectives_task.StratagemBackend({"stratagem": {"transport": spec["transport"]},
                                                  "timeout": spec.get("timeout", 60)})
@@ -291,9 +316,16 @@ def run_link(spec: dict, out_dir: str) -> dict | None:
     has_ps = "ps" in comm.transport.cluster.jobs
     clean = False
     try:
-        allreduce_path = os.path.join(out_dir, "allreduce.json")
-        collectives_task.measure(backend, {"label": spec["transport"], "collective": "allreduce",
-                                           "sizes": spec["sizes"]}, allreduce_path)
+        allreduce, allreduce_path = [], os.path.join(out_dir, "allreduce.json")
+        for entry in spec["sizes"]:     # one size at a time: the CPU it cost this task, per call
+            used = time.process_time()
+            collectives_task.measure(backend, {"label": spec["transport"], "collective": "allreduce",
+                                               "sizes": [entry]}, allreduce_path)
+            calls = int(entry["warmup"]) + int(entry["iters"])
+            allreduce.append({"cpu_s": (time.process_time() - used) / max(1, calls)})
+            if comm.rank == 0:
+                with open(allreduce_path) as f:
+                    allreduce[-1].update(json.load(f)["sizes"][0])
         pairs = []
         width = sum(int(e["iters"]) for e in spec["sizes"])
         for i, j in pairs_of(comm.size):
@@ -301,13 +333,20 @@ def run_link(spec: dict, out_dir: str) -> dict | None:
             result = None
             if comm.rank in (i, j):
                 result = pingpong(comm, j if comm.rank == i else i, spec["sizes"], initiator=comm.rank == i)
-            pairs.append({"a": str(comm.members[i]), "b": str(comm.members[j]),
-                          "sizes": _gather_times(comm, i, result, spec["sizes"], width)})
+            sizes = _gather_times(comm, i, result, spec["sizes"], width)
+            cpus = np.asarray(comm.allgather(np.array([e["cpu_s"] for e in result] if comm.rank == i
+                                                      else [np.nan] * len(spec["sizes"])))).reshape(comm.size, -1)
+            for entry, cpu in zip(sizes, cpus[i]):
+                entry["cpu_s"] = float(cpu)
+            pairs.append({"a": str(comm.members[i]), "b": str(comm.members[j]), "sizes": sizes})
         exchange = None
         if has_ps:
             comm.barrier()
             result = ps_exchange(comm, spec["sizes"], spec.get("learning_rate", 0.01)) if comm.rank == 0 else None
             exchange = _gather_times(comm, 0, result, spec["sizes"], width)
+            if comm.rank == 0:
+                for entry, timed in zip(exchange, result):
+                    entry["cpu_s"] = timed["cpu_s"]
         burn = idle_burn(comm, float(spec.get("idle_probe", 0.25)))
         clean = True
     finally:
@@ -316,8 +355,6 @@ def run_link(spec: dict, out_dir: str) -> dict | None:
         backend.close(clean)
     if comm.rank != 0:
         return None
-    with open(allreduce_path) as f:
-        allreduce = json.load(f)["sizes"]
     return {"mode": "link", "transport": spec["transport"], "np": comm.size, "allreduce": allreduce,
             "pairs": pairs, "ps_exchange": exchange, "idle_burn": burn, "hostname": socket.gethostname(),
             "loadavg": list(os.getloadavg())}
