@@ -8,9 +8,10 @@ probes of :mod:`stratagem.advise.probe` measure them), so each formula can be ch
 on a core nobody else uses; :class:`Host` says how much slower it runs when tasks share cores.
 
 **Links** (the alpha-beta model). Moving ``b`` bytes between two tasks takes ``latency + b /
-bandwidth`` (:class:`Link`). Each transport has two: ``allreduce`` (the alpha and beta of a ring
-step, fitted to all-reduces) and ``p2p`` (one message one way, fitted to a ps-shaped exchange: a
-push and the values it brings back).
+bandwidth`` (:class:`Link`). Each transport has three: ``allreduce`` (the alpha and beta of a ring
+step, fitted to all-reduces), ``p2p`` (one message one way, fitted to round trips) and ``ps`` (a
+real parameter server's push and the values it sends back). Beside each, what it costs in CPU
+(:class:`CpuCosts`): a transfer is partly waiting (the wire, the peer) and partly copying.
 
 - Ring all-reduce of ``S`` bytes over ``n`` tasks: ``2(n-1)/n * S / bw + 2(n-1) * alpha``
   (:func:`ring_allreduce_s`).
@@ -25,9 +26,11 @@ runs ``slowdown(k) = max(1, (k + background) / cores)`` times slower than on an 
 fair share, where ``background`` is the number of busy processes of others (the probe fits it: a
 busy machine slows every task, but adding a task costs less than on an idle one). The ranks of an MPI
 job share one scheduling group under Linux's autogroup, so they get one share between them
-(``TransportFigures.one_group``). Each phase of a step is charged at the slowdown of the tasks busy
-in it; a synchronous step also waits for the slowest of its ``k`` replicas (``Host.straggle``,
-measured in lockstep). With one task per host (``colocated=False``) nothing is shared.
+(``TransportFigures.one_group``). Only CPU work slows down: a phase of ``wall`` seconds of which the
+task on the critical path computes or copies ``cpu`` takes ``wall + cpu * (slowdown - 1)``, at the
+slowdown of the tasks busy on average in it (:func:`phase`); computing is all CPU, a transfer partly.
+A synchronous step also waits for the slowest of its ``k`` replicas (``Host.straggle``, measured in
+lockstep). With one task per host (``colocated=False``) nothing is shared.
 
 **Strategies** (what one step costs; ``n`` workers, ``S`` parameter bytes; ``data``, ``compute``: a
 replica drawing its batch and running forward and backward; ``update``, ``add``: per byte, the

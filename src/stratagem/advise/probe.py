@@ -6,13 +6,18 @@ running :mod:`stratagem.advise.probe_task`, with one math thread each (as the be
 
 - the *machine* job (``zmq``, as many tasks as the busiest setup predicted here needs, at least
   cores + 1): the model's parts on one task (a batch, forward and backward, a ps's update, a
-  gradient add) and how ``loss_and_grads`` slows down when ``k`` tasks run it at once; fitted to
-  :class:`~stratagem.advise.costmodel.Host` (the cores and the background load) and idle-core times;
-- a *link* job per transport, 2 tasks: all-reduce and ps-shaped round trips at a few sizes around the
-  model's, fitted to the alpha-beta :class:`~stratagem.advise.costmodel.Link` of each.
+  gradient add) and how ``loss_and_grads`` slows down when ``k`` tasks run it at once, free-running
+  and in lockstep; fitted to :class:`~stratagem.advise.costmodel.Host` (the cores, the background
+  load, the stragglers) and idle-core times (CPU times: :func:`fit_machine`);
+- a *link* job per transport, 2 workers and a ps: all-reduce, round trips and a real parameter
+  server's push-and-pull at a few sizes around the model's, with the CPU each cost; fitted to the
+  alpha-beta :class:`~stratagem.advise.costmodel.Link` of each and its
+  :class:`~stratagem.advise.costmodel.CpuCosts` (:func:`fit_transport`).
 
 A transport that cannot run here is reported with the reason (as ``stratagem bench`` does) and left
-out of the predictions. A job that fails raises :class:`ProbeError` with the job's last lines.
+out of the predictions. A job that fails raises :class:`ProbeError` with its failed task's last
+lines. :func:`fit` turns the raw figures (kept in ``Measurements.raw``) into the model's, so a saved
+measurement can be refitted.
 
     >>> sizes_around(1_600_000)
     [4096, 400000, 1600000, 3200000]
