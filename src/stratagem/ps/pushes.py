@@ -17,6 +17,7 @@ Row gradients (``IndexedSlices``) go through :mod:`stratagem.ps.rows`.
 from __future__ import annotations
 
 from stratagem.core.cluster import TaskId
+from stratagem.ps.compressed import expand_pieces
 from stratagem.ps.consistency import StalenessGate, SyncRound
 from stratagem.ps.protocol import APPLIED, DROPPED, STOPPED, RequestRefused, piece_shape, split_parts, task_key
 from stratagem.ps.rows import apply_row_gradient, check_real, row_gradients
@@ -69,9 +70,13 @@ class PushHandling:
     def _gradients(self, meta: dict, buffers: list) -> tuple[list[str], list]:
         """A push's pieces and gradients, checked: first the dense ones (``names``, one array each),
         then the row gradients (``rows``, two arrays each: int64 rows counted from the piece's first
-        row, and their gradient), as :class:`~stratagem.training.sparse.IndexedSlices`."""
+        row, and their gradient), as :class:`~stratagem.training.sparse.IndexedSlices`. Compressed
+        dense gradients (``compression``) are decompressed first (:mod:`stratagem.ps.compressed`)."""
         names = self._names(meta.get("names") or [])
         rows = self._names(meta.get("rows") or [])
+        if meta.get("compression") is not None:
+            buffers = expand_pieces(self.compressor, self.task, meta["compression"], [self.specs[n] for n in names],
+                                    buffers)
         if len(buffers) < len(names):
             raise RequestRefused(f"push: {len(names)} name(s) but {len(buffers)} gradient(s)")
         for name, grad in zip(names, buffers):

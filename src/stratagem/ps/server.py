@@ -117,16 +117,19 @@ class ParameterServer(PushHandling):
         poll: seconds between checks for replicas that are gone.
         linger: seconds the server keeps serving after the chief said goodbye, for the replicas that
             have not (default: ``timeout``, else 60).
+        compressor: the compressor that decompresses compressed pushes (the strategies'
+            ``compression``); ``None`` refuses them.
     """
 
     def __init__(self, transport: Transport, *, timeout: float | None = None, poll: float = DEFAULT_POLL,
-                 linger: float | None = None):
+                 linger: float | None = None, compressor=None):
         if transport.task.job != "ps":
             raise ConfigurationError(f"a ParameterServer runs on a 'ps' task, not on {transport.task}")
         self.transport = transport
         self.task = transport.task
         self.cluster = transport.cluster
         self.timeout = timeout
+        self.compressor = compressor
         self.poll = poll
         self.linger = linger if linger is not None else (timeout or transport.timeout or 60.0)
         #: Every task that may talk to this server: the replicas (chief and workers).
