@@ -110,7 +110,7 @@ def to_bfloat16_bits(array):
     """
     xp = array_module(array)
     with np.errstate(over="ignore"):   # float64 beyond float32's range: inf, as bfloat16 would give
-        bits = xp.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
+        bits = xp.ascontiguousarray(array, dtype=np.float32).reshape(array.shape).view(np.uint32)
     # Round to nearest even: add 0x7FFF plus the lowest kept bit, then drop the low 16 bits. A carry
     # into the exponent is right (it rounds up to the next binade, or to inf past the largest value).
     rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
