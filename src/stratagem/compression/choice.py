@@ -95,6 +95,10 @@ class CompressionStates:
     def __len__(self) -> int:
         return len(self._states)
 
+    def clear(self) -> None:
+        """Forget every state (the next step starts each variable afresh)."""
+        self._states.clear()
+
     def as_dict(self) -> dict[str, dict]:
         """Every state by key (the arrays themselves, not copies): what a caller checkpoints."""
         return {key: state for key, (_, _, state) in self._states.items()}

@@ -22,6 +22,7 @@ from stratagem.ps.consistency import StalenessGate, SyncRound
 from stratagem.ps.protocol import APPLIED, DROPPED, STOPPED, RequestRefused, piece_shape, split_parts, task_key
 from stratagem.ps.rows import apply_row_gradient, check_real, row_gradients
 from stratagem.training.sparse import IndexedSlices
+from stratagem.core import timeline as _timeline
 
 
 class PushHandling:
@@ -108,10 +109,14 @@ class PushHandling:
 
     def _apply(self, names: list[str], grads: list) -> None:
         """One optimizer step over ``names`` (no names: the step still counts, as for every shard)."""
+        recorder = _timeline.RECORDER
+        started = recorder.now() if recorder is not None else 0
         self.optimizer.iterations += 1
         for name, grad in zip(names, grads):
             self._update(name, grad)
         self.step += 1
+        if recorder is not None:
+            recorder.add("optimizer", "optimizer", started, recorder.now(), {"pieces": len(names)})
 
     def _update(self, name: str, grad) -> None:
         if isinstance(grad, IndexedSlices):   # rows: see ps_rows (exact rules in place, others densified)
@@ -128,6 +133,8 @@ class PushHandling:
         the transfer of this one. No other request is handled in between, so every part carries the
         values of this step, as one reply would. Pieces the reply leaves out (``want``) are updated
         first."""
+        recorder = _timeline.RECORDER
+        started = recorder.now() if recorder is not None else 0
         pieces = self._reply_pieces(want)
         grad_of = dict(zip(names, grads))
         groups = [[pieces[i] for i in group] for group in split_parts([self.values[n].nbytes for n in pieces])]
@@ -147,6 +154,8 @@ class PushHandling:
                                           [self.values[n] for n in group])
         self.step += 1
         self.counters["updates"] += 1
+        if recorder is not None:
+            recorder.add("optimizer", "optimizer (reply streamed)", started, recorder.now(), {"pieces": len(names)})
         reply_meta, _ = self._count(who, APPLIED, None)
         if sending:
             last = {"names": groups[-1], "part": len(groups) - 1, "parts": len(groups)}

@@ -101,6 +101,7 @@ from stratagem.ps.protocol import (
     task_key,
 )
 from stratagem.core.transport import Message, Transport
+from stratagem.core import timeline as _timeline
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,10 @@ class ParameterServer(PushHandling):
         chief vanished without saying goodbye or a replica left with an error."""
         self._serving = True
         next_check = 0.0
+        # The timeline records the time idle until each request as a wait on its sender: a worker
+        # waiting on this task in sync mode is then seen waiting on the worker this task waits for.
+        recorder = _timeline.RECORDER
+        idle_since = recorder.now() if recorder is not None else 0
         try:
             while True:
                 try:
@@ -173,7 +178,14 @@ class ParameterServer(PushHandling):
                     message = None
                 except TransportClosed:
                     break
-                if message is not None:
+                if message is not None and recorder is not None:
+                    recorder.wait(message.src, REQUEST_TAG, idle_since, recorder.now(), idle=True)
+                    started = recorder.now()
+                    self.handle(message)
+                    idle_since = recorder.now()
+                    recorder.add("serve", str(message.meta.get("op")), started, idle_since,
+                                 {"peer": str(message.src), "bytes_received": message.nbytes})
+                elif message is not None:
                     self.handle(message)
                 now = time.monotonic()
                 if message is None or now >= next_check:

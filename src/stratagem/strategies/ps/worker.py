@@ -30,6 +30,7 @@ from stratagem.strategies.ps.functions import (
 )
 from stratagem.ps.protocol import ShardLostError
 from stratagem.core.transport import Message
+from stratagem.core import timeline as _timeline
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,11 @@ class Worker:
             fn = self._function(meta["fn"], arrays)
             values = decode_value(meta["values"], arrays, self._resolve)
             self.strategy._mark_stale()          # a step reads the variables as they are now
+            recorder = _timeline.RECORDER
+            started = recorder.now() if recorder is not None else 0
             result = fn(*values["args"], **values["kwargs"])
+            if recorder is not None:
+                recorder.add("step", "step", started, recorder.now(), {"closure": meta.get("id")})
             skeleton, out, _ = encode_value(result, self.strategy._reference_for_result, "the step's result")
             return Message({**reply, "ok": True, "value": skeleton}, out), None
         except ShardLostError as exc:

@@ -171,6 +171,7 @@ class GrpcTransport(Acceptor, Transport):
     """
 
     name = "grpc"
+    elastic = True   # a restarted peer is re-accepted (see the acceptor's _admit)
 
     def __init__(self, cluster, task, *, bind_host: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None,
@@ -347,6 +348,9 @@ class GrpcTransport(Acceptor, Transport):
 
     def lost_peers(self):
         return self._mailbox.lost()
+
+    def peer_losses(self, task):
+        return self._mailbox.losses(TaskId.parse(task))
 
     def _require_started(self) -> None:
         if self._server is None or self._closed:
