@@ -5,11 +5,11 @@ error is relative, 2^-11 for fp16 and 2^-8 for bf16); ``error_feedback=True`` ca
 
 - ``fp16``: IEEE half precision: 10 bits of mantissa, but a range of only ~6e-8 to 65504; larger
   values (or sums) become inf, smaller ones lose precision. ``scale`` multiplies before the cast and
-  divides after (loss-scaling style) when gradients are very small or very large. numpy computes in
-  float16 slowly (each element converted on its own: ~40 ns per addition, and ~0.5 us per conversion
-  of a value that underflows to a subnormal, which numpy's ``astype`` flags one by one), so on the host
-  the conversions are done here with integer operations (bit for bit numpy's, round to nearest even)
-  and the replicas' float16 payloads are all-gathered and summed in the gradient's dtype
+  divides after (loss-scaling style) when gradients are very small or very large. numpy is slow with
+  float16: each addition converts its operands one by one (~40 ns), and ``astype(np.float16)`` takes
+  ~0.5 us per value that underflows to a subnormal (:func:`to_float16` converts those by integer
+  operations, bit for bit the same). So on the host the replicas' float16 payloads are all-gathered and
+  summed in the gradient's dtype
   (decompress-reduce: as many bytes as a ring all-reduce with 2 replicas, ``(N - 1) / 2`` times as many
   with N). cupy gradients are summed by a float16 all-reduce instead (NCCL adds float16 natively).
 - ``bf16``: bfloat16, float32's range with 7 bits of mantissa: it never overflows where float32 does
@@ -60,7 +60,8 @@ class Fp16Compressor(Compressor):
         scale = float(self.config["scale"])
         scaled = array * array.dtype.type(scale) if scale != 1.0 else array
         if is_device_array(array):
-            half = scaled.astype(np.float16)
+            with np.errstate(over="ignore"):
+                half = scaled.astype(np.float16)
         else:
             half = to_float16(scaled)
         return Compressed((half,), tuple(array.shape), array.dtype, {})
@@ -69,8 +70,7 @@ class Fp16Compressor(Compressor):
         return [(shape, np.float16)]
 
     def expand(self, compressed: Compressed):
-        half = compressed.payload[0]
-        out = half.astype(compressed.dtype) if is_device_array(half) else from_float16(half, compressed.dtype)
+        out = compressed.payload[0].astype(compressed.dtype)
         scale = float(self.config["scale"])
         if scale != 1.0:
             out /= out.dtype.type(scale)
@@ -122,51 +122,46 @@ class Bf16Compressor(Compressor):
 
 def to_float16(array):
     """numpy's ``array.astype(np.float16)`` (round to nearest even, beyond the range inf), bit for bit,
-    by integer operations: numpy's own conversion takes ~0.5 us per element that underflows to a
-    subnormal or zero. float64 arrays are rounded to float32 first.
+    without its slow path: numpy converts normal values fast (F16C) but takes ~0.5 us per element that
+    underflows to a subnormal or zero (a gradient of magnitude 1e-6 converts ~100 times slower than one
+    of magnitude 1). Those elements are converted here by integer operations instead. float64 arrays
+    are rounded to float32 first.
 
     >>> to_float16(np.array([1.0, 65519.0, 65520.0, 1e-7, -2.0 ** -25], np.float32)).tolist()
     [1.0, 65504.0, inf, 1.1920928955078125e-07, -0.0]
     """
     with np.errstate(over="ignore"):   # float64 beyond float32's range: inf, as float16 gives anyway
-        bits = np.ascontiguousarray(array, dtype=np.float32).reshape(-1).view(np.uint32)   # 1-D: 0-d ops give scalars
-    sign = ((bits >> np.uint32(16)) & np.uint32(0x8000)).astype(np.uint16)
+        x = np.ascontiguousarray(array, dtype=np.float32).reshape(-1)   # 1-D: 0-d operations give scalars
+    magnitude = x.view(np.uint32) & np.uint32(0x7FFFFFFF)
+    small = (magnitude < np.uint32(113 << 23)) & (magnitude != 0)       # nonzero, below 2^-14
+    count = int(np.count_nonzero(small))
+    with np.errstate(over="ignore"):   # documented: beyond float16's range becomes inf
+        if count == 0:
+            out = x.astype(np.float16)
+        elif count > x.size // 4:
+            out = _float16_bits(x).view(np.float16)
+        else:
+            out = np.where(small, np.float32(0), x).astype(np.float16)
+            out[small] = _float16_bits(x[small]).view(np.float16)
+    return out.reshape(np.shape(array))
+
+
+def _float16_bits(x):
+    """The float16 bits of 1-D float32 ``x`` by integer operations (round to nearest even)."""
+    bits = x.view(np.uint32)
     magnitude = bits & np.uint32(0x7FFFFFFF)
     # A normal half: rebias the exponent (127 -> 15: 0xC8000000 modulo 2^32) and round the 13 dropped
     # bits to nearest even; a carry into the exponent is right (up to the next binade, or inf).
-    out = ((magnitude + (np.uint32(0xC8000FFF) + ((magnitude >> np.uint32(13)) & np.uint32(1))))
-           >> np.uint32(13)).astype(np.uint16)
-    small = magnitude < np.uint32(113 << 23)          # below 2^-14: a subnormal half, or zero
-    if small.any():
-        # float32's own addition rounds to a multiple of 2^-24 (to nearest even) when 0.5 is added
-        shifted = magnitude[small].view(np.float32) + np.float32(0.5)
-        out[small] = (shifted.view(np.uint32) - np.uint32(126 << 23)).astype(np.uint16)
-    large = magnitude >= np.uint32(143 << 23)         # 2^16 and beyond: inf, or NaN
-    if large.any():
-        out[large] = np.where(magnitude[large] > np.uint32(0x7F800000), np.uint16(0x7E00), np.uint16(0x7C00))
-    out |= sign
-    return out.view(np.float16).reshape(np.shape(array))
-
-
-def from_float16(half, dtype=np.float32):
-    """numpy's ``half.astype(dtype)`` for a float16 array, bit for bit, by integer operations (numpy's
-    takes ~80 ns per subnormal).
-
-    >>> from_float16(np.array([1.0, -2.0 ** -24, np.inf], np.float16)).tolist()
-    [1.0, -5.960464477539063e-08, inf]
-    """
-    bits = half.view(np.uint16).reshape(-1).astype(np.uint32)
-    sign = (bits & np.uint32(0x8000)) << np.uint32(16)
-    shifted = (bits & np.uint32(0x7FFF)) << np.uint32(13)
-    exponent = shifted & np.uint32(0x0F800000)
-    out = shifted + np.uint32((127 - 15) << 23)       # rebias the exponent
-    out[exponent == np.uint32(0x0F800000)] += np.uint32((128 - 16) << 23)   # inf, NaN: all ones
-    tiny = exponent == 0                              # zero and subnormals: renormalised by float32
-    if tiny.any():
-        out[tiny] = ((out[tiny] + np.uint32(1 << 23)).view(np.float32) - np.float32(2.0 ** -14)).view(np.uint32)
-    out |= sign
-    wide = out.view(np.float32).reshape(half.shape)
-    return wide if np.dtype(dtype) == np.float32 else wide.astype(dtype)
+    out = (magnitude + (np.uint32(0xC8000FFF) + ((magnitude >> np.uint32(13)) & np.uint32(1)))) >> np.uint32(13)
+    # Below 2^-14 a subnormal half (or zero): float32's own addition of 0.5 rounds the value to a
+    # multiple of 2^-24, to nearest even, leaving it in the low mantissa bits.
+    with np.errstate(invalid="ignore"):
+        subnormal = (magnitude.view(np.float32) + np.float32(0.5)).view(np.uint32) - np.uint32(126 << 23)
+    out = np.where(magnitude < np.uint32(113 << 23), subnormal, out)
+    out = np.where(magnitude >= np.uint32(143 << 23),                      # 2^16 and beyond: inf, or NaN
+                   np.where(magnitude > np.uint32(0x7F800000), np.uint32(0x7E00), np.uint32(0x7C00)), out)
+    out |= (bits >> np.uint32(16)) & np.uint32(0x8000)
+    return out.astype(np.uint16)
 
 
 def to_bfloat16_bits(array):
