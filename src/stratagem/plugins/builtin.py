@@ -77,7 +77,7 @@ def stratagem_add_compressors() -> list[PluginSpec]:
     return [
         PluginSpec(
             "fp16", "stratagem.compression.casts:Fp16Compressor", "compressor",
-            description="gradients as float16: half the bytes, summed in float16 (range up to 65504)",
+            description="gradients as float16: half the bytes (values beyond 65504 become inf)",
         ),
         PluginSpec(
             "bf16", "stratagem.compression.casts:Bf16Compressor", "compressor",
