@@ -225,3 +225,22 @@ def test_cupy_arrays_are_refused_by_host_only_compressors(fake_cupy):
     x = fake_cupy.ones(4, dtype=np.float32)
     with pytest.raises(ConfigurationError, match="compresses numpy \\(host\\) arrays, not cupy arrays"):
         stratagem.compressor("topk").compress(x, {})
+
+
+def test_a_compressor_that_cannot_use_the_transport_is_one_clear_error():
+    from stratagem.core.cluster import ClusterSpec
+    from stratagem.core.errors import IncompatibleError
+    from stratagem.transports.local import LocalFabric
+
+    class NeedsNativeAllreduce(TopKCompressor):
+        @classmethod
+        def supports(cls, transport_class):
+            return "it needs a transport with a native all-reduce (mpi, nccl)" if transport_class.in_process else None
+
+    fabric = LocalFabric()
+    with pytest.raises(IncompatibleError, match=r"strategy 'mirrored' cannot use compression 'topk' over transport "
+                                                r"'local': it needs a transport with a native all-reduce"):
+        stratagem.strategy("mirrored", transport="local", cluster=ClusterSpec({"worker": ["local:0"]}),
+                           task="worker:0", transport_options={"fabric": fabric}, compression=NeedsNativeAllreduce())
+    from stratagem.core.cluster import TaskId
+    assert fabric.gone(TaskId("worker", 0)) is not None        # the transport it had started was closed
