@@ -143,3 +143,35 @@ def test_a_ps_task_refuses_a_payload_that_does_not_fit_and_serves_on(shard):
     with pytest.raises(RemoteError, match="bad compression entry"):
         client.push({0: (["w"], payload)}, compression={0: {"name": "topk", "pieces": [["k", 2]]}})
     assert client.push({0: (["w"], payload)}, compression={0: wire})[0].meta["status"] == "applied"
+
+
+def test_parameter_server_workers_push_compressed_with_their_own_error_feedback():
+    from stratagem.strategies.ps.parameter_server import ParameterServerStrategy
+
+    cluster = ClusterSpec({"chief": ["local:0"], "worker": ["local:1"], "ps": ["local:2"]})
+    fabric = LocalFabric()
+
+    def start(task):
+        return ParameterServerStrategy("local", cluster=cluster, task=task, exit_after_serving=False,
+                                       transport_options={"fabric": fabric, "timeout": 30, "secret": b"s"},
+                                       compression="topk", compression_options={"ratio": 0.25})
+
+    servers = [threading.Thread(target=start, args=(t,), daemon=True) for t in ("ps:0", "worker:0")]
+    for thread in servers:
+        thread.start()
+    coordinator = start("chief:0")
+    try:
+        with coordinator.scope():
+            w = stratagem.Variable(np.zeros(4, np.float32), name="w")
+            opt = stratagem.optimizers.SGD(learning_rate=1.0)
+        descend = lambda w, opt: opt.apply_gradients([(np.array([1.0, 2.0, 3.0, 4.0], np.float32), w)])  # noqa: E731
+        for _ in range(4):
+            coordinator.schedule(descend, args=(w, opt))
+        coordinator.join()
+        # one entry of four per push, the rest waiting on the worker: 4 (entry 3), 3+3 (entry 2),
+        # 4+4 (entry 3), 2+2+2+2 (entry 1)
+        np.testing.assert_array_equal(w.numpy(), [0.0, -8.0, -6.0, -12.0])
+    finally:
+        coordinator.shutdown()
+        for thread in servers:
+            thread.join(10)
