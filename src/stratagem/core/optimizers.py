@@ -75,6 +75,7 @@ class SGD(Optimizer):
 
     name = "SGD"
     elementwise = True
+    result_written_last = True     # _update_into reads g first, writes w last
 
     def __init__(self, learning_rate: float = 0.01, momentum: float = 0.0, nesterov: bool = False):
         super().__init__(learning_rate)
@@ -136,6 +137,7 @@ class Adam(Optimizer):
 
     name = "Adam"
     elementwise = True
+    result_written_last = True
     chunk_from_bytes = 1 << 20     # ten passes over the arrays: chunks pay from the smallest size
 
     def __init__(self, learning_rate: float = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
@@ -189,6 +191,7 @@ class Adagrad(Optimizer):
 
     name = "Adagrad"
     elementwise = True
+    result_written_last = True
     chunk_from_bytes = 1 << 20     # seven passes over the arrays: chunks pay from the smallest size
 
     def __init__(self, learning_rate: float = 0.001, initial_accumulator_value: float = 0.1,

@@ -50,6 +50,16 @@ log = logging.getLogger(__name__)
 MAX_VERSIONS = 3
 
 
+def takes_over(grad, value, optimizer) -> bool:
+    """True when a push's gradient buffer may receive the update and become the piece's array: a
+    writable, aligned, C-contiguous numpy array of the value's shape and dtype (received, so this
+    task's own: the transport contract), and an optimizer whose rule may write over the gradient
+    (``writes_over_gradient``). Then nothing the update writes is read by an unfinished reply."""
+    return (type(grad) is np.ndarray and type(value) is np.ndarray and grad.dtype == value.dtype
+            and grad.shape == value.shape and grad.flags.writeable and grad.flags.c_contiguous
+            and grad.flags.aligned and optimizer.writes_over_gradient)
+
+
 class ReplyBuffers:
     """Which value arrays unfinished sends read, and the spare arrays of each piece.
 

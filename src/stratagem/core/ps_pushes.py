@@ -17,6 +17,7 @@ Row gradients (``IndexedSlices``) go through :mod:`stratagem.core.ps_rows`.
 from __future__ import annotations
 
 from .cluster import TaskId
+from .ps_buffers import takes_over
 from .ps_consistency import StalenessGate, SyncRound
 from .ps_protocol import APPLIED, DROPPED, STOPPED, RequestRefused, piece_shape, split_parts, task_key
 from .ps_rows import apply_row_gradient, check_real, row_gradients
@@ -113,6 +114,13 @@ class PushHandling:
             apply_row_gradient(self.optimizer, name, grad, self._replace, self._update)
             return
         optimizer = self.optimizer
+        if takes_over(grad, self.values[name], optimizer):
+            # The new values are written over the received gradient, which becomes the piece's
+            # array: the old one is only read (a reply may still be sending it), no spare is written
+            # (a quarter less memory traffic than updating into one), nothing waits.
+            optimizer.update_array(name, self.values[name], grad, out=grad)
+            self.values[name] = grad
+            return
         self._replace(name, lambda old, target: optimizer.update_array(
             name, old, grad, out=None if target is old else target))
 

@@ -155,8 +155,10 @@ class PSStrategyBase(Strategy):
         self._global_step = 0
         if self.task.job == "ps":
             return
+        # Pieces within what the transport delivers whole: a larger buffer costs a copy at each end.
         self._placer = Placer(len(cluster.tasks("ps")), self.config["placement"], self.config["partition_bytes"],
-                              self.config["partitioner"])
+                              self.config["partitioner"],
+                              piece_bytes=getattr(self.transport, "whole_buffer_bytes", None))
         self._client = PSClient(self.transport, timeout=self._timeout)
         # Reach every shard now: a ps task that is down fails the job here, naming it, and a shard
         # that dies later is seen as lost (its connection drops) instead of silently unreachable.

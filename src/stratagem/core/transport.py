@@ -106,6 +106,9 @@ class Transport(abc.ABC):
     device_buffers: ClassVar[bool] = False
     #: True if all endpoints of a world must live in one process (the ``local`` transport).
     in_process: ClassVar[bool] = False
+    #: The largest buffer that arrives as it was sent, without a copy (``None``: any size). A larger
+    #: one is received in parts and joined. A parameter server keeps its pieces within it.
+    whole_buffer_bytes: ClassVar[int | None] = None
 
     def __init__(self, cluster: ClusterSpec, task: TaskId | str, *, secret: bytes | str | None = None,
                  timeout: float = DEFAULT_TIMEOUT, peer_timeout: float = DEFAULT_PEER_TIMEOUT,

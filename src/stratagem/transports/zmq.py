@@ -142,6 +142,7 @@ class ZmqTransport(Acceptor, Transport):
     """
 
     name = "zmq"
+    whole_buffer_bytes = PART_BYTES
 
     def __init__(self, cluster, task, *, bind_host: str | None = None, io_threads: int = 1,
                  zero_copy_bytes: int = 256 * 1024, linger: float = 1.0, **common):
