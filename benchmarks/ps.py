@@ -3,38 +3,47 @@
 parameter server), with the CPU each costs, optionally over a rate-limited link; and MLP training
 steps/s under each consistency mode.
 
-    python benchmarks/ps.py                               # both parts (about 3 minutes on 2 cores)
-    python benchmarks/ps.py --part throughput             # ps 1 2 4, 80 steps, best of 3: ~2.5 minutes
-    python benchmarks/ps.py --part throughput --link 10gbit   # the same behind a 10 Gbit/s loopback (~3 min)
+    python benchmarks/ps.py                               # both parts (about 5 minutes on 2 cores)
+    python benchmarks/ps.py --part throughput             # ps 1 2 4, 2 workers, 80 steps, 3 rounds
+    python benchmarks/ps.py --part throughput --ps 1 2 --workers 2 4 --kinds ps raw-ps \
+        --raw-ps-ways inplace/adopt spare/copy --rounds 5     # issue 14's targets (~15 minutes)
+    python benchmarks/ps.py --part throughput --link 10gbit   # behind a 10 Gbit/s loopback (~3 min)
     python benchmarks/ps.py --part mlp --modes async sync bounded --json results-ps.json
 
 **Throughput.** A model of ``--params`` float32 parameters (default 10M: a 5M, a 4M and a 1M weight
-matrix plus biases, 40 MB) lives on 1, 2 and 4 ps tasks. Each of 2 workers, started together, runs
-``--iters`` timed steps (default 80: with 10, start-up skew and the first steps weigh on the short
-raw runs, whose figures then differ from those of long runs); a step pushes every gradient and gets
-every shard's new values back, i.e. one round trip per shard carrying the model's bytes each way, the
-shards served concurrently. The jobs (``--kinds``):
+matrix plus biases, 40 MB) lives on ``--ps`` tasks (1, 2 and 4). Each of ``--workers`` workers (2),
+started together, runs ``--iters`` timed steps (default 80: with 10, start-up skew and the first
+steps weigh on the short raw runs, whose figures then differ from those of long runs); a step pushes
+every gradient and gets every shard's new values back, i.e. one round trip per shard carrying the
+model's bytes each way, the shards served concurrently. The jobs (``--kinds``):
 
 - ``ours`` (``--kinds ps``): stratagem, ``between_graph``, ``mode="async"``, greedy placement (the two big matrices
-  partitioned over the shards in 4 MB pieces), ``opt.apply_gradients`` with plain SGD and
-  ``pull_with_push``: the servers apply SGD, then answer with the values, which the workers copy
-  into their variables.
-- ``raw``: the transport alone. The same processes (ps tasks and 2 clients), bare pyzmq (a ROUTER
+  partitioned over the shards, each piece cut to at most 4 MiB, what the zmq transport delivers
+  whole), ``opt.apply_gradients`` with plain SGD and ``pull_with_push``: the servers apply SGD (over
+  the received gradients), then answer with the values, which the workers adopt or copy into their
+  variables.
+- ``raw``: the transport alone. The same processes (ps tasks and clients), bare pyzmq (a ROUTER
   per server, a DEALER per client and server, zero-copy sends), every client sending every server
   the very frames ours sends it and getting as many bytes back, to all servers before waiting for
   any reply; nothing is done with the data. ``raw-duplex``: the same, the replies over a connection
   of their own (one per direction, as stratagem's transport). "raw" below is the faster of the two.
-- ``raw-ps``: the minimal parameter server on that transport (``_ps_raw.py``): the server keeps a
-  float32 value array per frame, applies ``value -= lr * grad`` to each gradient frame as it is
-  taken from the message (numpy, in 256 KB chunks, preallocated scratch, written into the second
-  of two buffers per frame once no zero-copy reply still reads it) and sends the frame's new values
-  at once; the client copies each reply frame into a preallocated float32 variable. The same work
-  as ours with none of the framework: what a PS must cost on this transport.
+- ``raw-ps``: the minimal parameter server on that transport (``_ps_raw.py``), the same async
+  semantics as ours (each push applied as it arrives and answered at once; each client waits for
+  its replies before it pushes again): the server applies SGD to each gradient frame as it is
+  taken from the message (numpy, 256 KB chunks) and sends the frame's new values at once
+  (zero-copy); the client gets them into its variables. In several ways (``--raw-ps-ways``, default
+  all four: the server writes the update into a spare array or over the received gradient; the
+  client copies every frame into its variables or adopts the frames that are whole variables, see
+  ``_ps_raw.py``) and frame layouts (``--raw-frames``: ``pieces``, ours, default; ``whole``, the
+  slices of partitioning alone, up to 20 MB). The same work as ours with none of the framework; the
+  way with the highest median is the baseline of its cell (the best plain use of pyzmq here), and
+  ``plain_pyzmq_ps.py`` is the same server written as a plain script, to check the harness against.
 
 How to read the tables: ``raw-ps / raw`` is the price of the work itself (the SGD pass over the
 model on the server and the copy into the variables on the worker, on top of moving the bytes);
-``ours / raw-ps`` is the framework's own overhead (near 1: none to speak of); ``ours / raw`` is the
-issue's figure (target >= 0.8), their product. GB/s is aggregate over both workers (bytes pushed +
+``ours / raw-ps`` is the framework's own overhead (issue 14's target: >= 0.9 at 2 and 4 workers,
+and ours growing from 2 to 4 workers with 2 ps tasks; both printed as verdicts); ``ours / raw`` is
+their product. GB/s is aggregate over the workers (bytes pushed +
 pulled, over the wall time from the first worker's first timed step to the last worker's last);
 round trips/s counts one per shard per step. **CPU ms/step** is the CPU time (user + system, every
 thread) of all the job's processes over that window, divided by the workers' steps, split into
@@ -65,9 +74,11 @@ batch 128 per worker, SGD) trained by 2 workers on 2 ps tasks under ``async``, `
 
 Each job runs in its own processes (``stratagem.core.launcher.launch`` for ours; the raw paths'
 processes are started and reaped here), one job after another; with ``--rounds R`` (default 3) the
-jobs run R times in alternating order and the best round is reported (the machine is shared: the
-best round is the least disturbed one; every round is in the JSON, with the load average before and
-after). Every process uses one math thread. Tables go to stdout, progress to stderr.
+jobs run R times, the order reversed every other round. Throughput tables give the median and the
+range over the rounds, and ``ours / raw-ps`` the median and min of the ratios of runs of the same
+round (the machine is shared: the load moves between rounds, less within one); the MLP table, the
+best round. Every round is in the JSON, with the load average at each job. Every process uses one
+math thread. Tables go to stdout, progress to stderr.
 """
 
 from __future__ import annotations
@@ -195,8 +206,9 @@ def frames_per_server(shapes: list, ps: int, partition_bytes: int,
     from stratagem.core.placement import Placer
     from stratagem.transports.zmq import ZmqTransport
 
-    placer = Placer(ps, "greedy", partition_bytes,
-                    piece_bytes=ZmqTransport.whole_buffer_bytes if layout == "pieces" else None)
+    # (getattr: the script also measures stratagem from before the transports said it.)
+    piece_bytes = getattr(ZmqTransport, "whole_buffer_bytes", None) if layout == "pieces" else None
+    placer = Placer(ps, "greedy", partition_bytes, **({"piece_bytes": piece_bytes} if piece_bytes else {}))
     frames: list[list[int]] = [[] for _ in range(ps)]
     whole: list[list[bool]] = [[] for _ in range(ps)]
     for name, shape in shapes:

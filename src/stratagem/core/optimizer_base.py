@@ -563,6 +563,7 @@ def _writes_over_gradient(cls: type) -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=None)
 def _rule_of(cls: type) -> tuple[Callable, bool]:
     """``(the _update_into function, whether it may run in chunks)`` for an optimizer class.
 

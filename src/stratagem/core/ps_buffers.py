@@ -1,6 +1,10 @@
 """Double buffering of a parameter server's values: replies are sent from the values themselves,
 without a copy and without waiting, and an update never writes into an array a reply still reads.
 
+The common case needs none of it: an update written over the received gradient (:func:`takes_over`)
+makes that buffer the piece's array and only reads the old one. What follows is for the rest
+(assignments, checkpoint loads, row updates, rules that cannot write over their gradient).
+
 A reply hands the transport the piece arrays by reference (``send_async``); ZeroMQ may read them for
 milliseconds after the call returns (40 MB take ~10 ms on loopback). Waiting for that before the next
 request held the server idle, and copying the values into the reply cost a full extra pass over the

@@ -19,9 +19,12 @@ How a push is applied depends on the job's mode (the push handling lives in
   *clock*) and holds the acknowledgement of a replica more than ``s`` pushes ahead of the slowest
   active one, until the slowest catches up.
 
-Replies carry the values by reference and are not waited for: an update that finds a piece's array
-still being sent writes the new version into another array of the piece
-(:mod:`stratagem.core.ps_buffers`), so a reply carries one version of every piece, never a torn mix.
+Replies carry the values by reference and are not waited for. An update is written over the pushed
+gradient, which becomes the piece's array, when the optimizer's rule allows it (SGD, Adam, Adagrad:
+:func:`~stratagem.core.ps_buffers.takes_over`), so the array a reply sends is never written again;
+otherwise an update that finds a piece's array still being sent writes the new version into another
+array of the piece (:mod:`stratagem.core.ps_buffers`). Either way a reply carries one version of
+every piece, never a torn mix.
 
 Embedding tables move by rows (:mod:`stratagem.core.ps_rows`): ``pull_rows`` answers just the asked
 rows (new arrays, gathered), a push may carry row gradients (int64 rows of a piece and their gradient

@@ -40,7 +40,8 @@ Options (besides every strategy's): ``mode`` (``"async"``, ``"sync"``, ``"bounde
 ``replicas_to_aggregate``, ``total_replicas``, ``staleness`` (see :mod:`stratagem.core.ps_server`),
 ``placement`` (``"round_robin"`` or ``"greedy"``), ``partition_bytes`` (variables larger than this are
 split across shards; default 16 MiB; ``None`` never), ``partitioner`` (how many slices: default one per
-ps task), ``timeout`` (seconds a request to the shards may take; default the transport's),
+ps task; a slice larger than the transport's ``whole_buffer_bytes`` is further cut into row slices on
+the same shard, see :mod:`stratagem.core.placement`), ``timeout`` (seconds a request to the shards may take; default the transport's),
 ``checkpoint_dir`` (the chief restores the latest checkpoint found there, if any, before anyone starts),
 ``pull_with_push``, ``exit_after_serving``.
 """
