@@ -5,8 +5,8 @@ steps/s under each consistency mode.
 
     python benchmarks/ps.py                               # both parts (about 5 minutes on 2 cores)
     python benchmarks/ps.py --part throughput             # ps 1 2 4, 2 workers, 80 steps, 3 rounds
-    python benchmarks/ps.py --part throughput --ps 1 2 --workers 2 4 --kinds ps raw-ps \
-        --raw-ps-ways inplace/adopt spare/copy --rounds 5     # issue 14's targets (~15 minutes)
+    python benchmarks/ps.py --part throughput --ps 1 2 --workers 2 4 --kinds ps raw-ps --rounds 5
+                                                          # issue 14's targets (~15 minutes)
     python benchmarks/ps.py --part throughput --link 10gbit   # behind a 10 Gbit/s loopback (~3 min)
     python benchmarks/ps.py --part mlp --modes async sync bounded --json results-ps.json
 
@@ -31,13 +31,14 @@ model's bytes each way, the shards served concurrently. The jobs (``--kinds``):
   semantics as ours (each push applied as it arrives and answered at once; each client waits for
   its replies before it pushes again): the server applies SGD to each gradient frame as it is
   taken from the message (numpy, 256 KB chunks) and sends the frame's new values at once
-  (zero-copy); the client gets them into its variables. In several ways (``--raw-ps-ways``, default
-  all four: the server writes the update into a spare array or over the received gradient; the
-  client copies every frame into its variables or adopts the frames that are whole variables, see
-  ``_ps_raw.py``) and frame layouts (``--raw-frames``: ``pieces``, ours, default; ``whole``, the
-  slices of partitioning alone, up to 20 MB). The same work as ours with none of the framework; the
-  way with the highest median is the baseline of its cell (the best plain use of pyzmq here), and
-  ``plain_pyzmq_ps.py`` is the same server written as a plain script, to check the harness against.
+  (zero-copy); the client gets them into its variables. In eight ways (``--raw-ps-ways
+  SERVER/CLIENT/FRAMES``: the server writes the update into a spare array or over the received
+  gradient; the client copies every frame into its variables or adopts the frames that are whole
+  variables, see ``_ps_raw.py``; the frames are ours, ``pieces``, or the slices of partitioning
+  alone, ``whole``, up to 20 MB); by default the two that used the least CPU per step here. The
+  same work as ours with none of the framework; the way with the highest median is the baseline of
+  its cell (the best plain use of pyzmq here), and ``plain_pyzmq_ps.py`` is the same server written
+  as a plain script, to check the harness against.
 
 How to read the tables: ``raw-ps / raw`` is the price of the work itself (the SGD pass over the
 model on the server and the copy into the variables on the worker, on top of moving the bytes);
@@ -449,9 +450,10 @@ def qdisc_stats() -> str:
 PARTITION_BYTES = 4 << 20
 KINDS = ("ps", "raw", "raw-duplex", "raw-ps")
 OURS = "ours"
-#: The ways of the minimal pyzmq PS (``server/client``, see :mod:`_ps_raw`) and its frame layouts.
-RAW_PS_WAYS = ("spare/copy", "spare/adopt", "inplace/copy", "inplace/adopt")
-RAW_FRAMES = ("pieces", "whole")
+#: The ways of the minimal pyzmq PS: ``server/client/frames`` (see :mod:`_ps_raw` and
+#: :func:`frames_per_server`). The default two used the least CPU per step of the eight here.
+RAW_PS_WAYS = tuple(f"{s}/{c}/{f}" for s in ("spare", "inplace") for c in ("copy", "adopt") for f in ("pieces", "whole"))
+DEFAULT_RAW_PS_WAYS = ("inplace/adopt/pieces", "inplace/copy/whole")
 TARGET_RAW_PS = 0.9
 
 
@@ -464,11 +466,9 @@ def contenders(args) -> list[tuple[str, dict]]:
         if kind != "raw-ps":
             jobs.append((OURS if kind == "ps" else kind, {"kind": kind, "layout": "pieces"}))
             continue
-        for layout in args.raw_frames:
-            for way in args.raw_ps_ways:
-                server, client = way.split("/")
-                jobs.append((f"raw-ps {way} {layout}", {"kind": kind, "layout": layout, "server": server,
-                                                        "client": client}))
+        for way in args.raw_ps_ways:
+            server, client, layout = way.split("/")
+            jobs.append((f"raw-ps {way}", {"kind": kind, "layout": layout, "server": server, "client": client}))
     return jobs
 
 
@@ -653,11 +653,10 @@ def parse_args(argv=None):
     parser.add_argument("--part", choices=("all", "throughput", "mlp"), default="all")
     parser.add_argument("--ps", type=int, nargs="+", default=[1, 2, 4], help="ps task counts (default 1 2 4)")
     parser.add_argument("--workers", type=int, nargs="+", default=[2], help="worker counts (default 2)")
-    parser.add_argument("--raw-ps-ways", nargs="+", choices=RAW_PS_WAYS, default=list(RAW_PS_WAYS),
-                        help="the minimal pyzmq PS's ways, server/client (default all; see _ps_raw.py)")
-    parser.add_argument("--raw-frames", nargs="+", choices=RAW_FRAMES, default=["pieces"],
-                        help="the raw jobs' frames: ours (pieces, default) or as partitioning alone gives them "
-                             "(whole: up to 20 MB)")
+    parser.add_argument("--raw-ps-ways", nargs="+", choices=RAW_PS_WAYS, default=list(DEFAULT_RAW_PS_WAYS),
+                        metavar="SERVER/CLIENT/FRAMES",
+                        help=f"the minimal pyzmq PS's ways (default {' '.join(DEFAULT_RAW_PS_WAYS)}; any of "
+                             f"spare|inplace / copy|adopt / pieces|whole, see _ps_raw.py)")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
                         help="throughput jobs to run (default all: ps raw raw-duplex raw-ps)")
     parser.add_argument("--params", type=parse_count, default=parse_count("10M"), help="model size (default 10M)")
