@@ -73,7 +73,7 @@ batch 128 per worker, SGD) trained by 2 workers on 2 ps tasks under ``async``, `
 ``bounded`` (staleness 2), and under ``mirrored`` (2 workers, no ps) for reference: global updates/s
 (the updates the ps applied, over the wall time) and steps/s per worker.
 
-Each job runs in its own processes (``stratagem.core.launcher.launch`` for ours; the raw paths'
+Each job runs in its own processes (``stratagem.launch.launcher.launch`` for ours; the raw paths'
 processes are started and reaped here), one job after another; with ``--rounds R`` (default 3) the
 jobs run R times, the order reversed every other round. Throughput tables give the median and the
 range over the rounds, and ``ours / raw-ps`` the median and min of the ratios of runs of the same
@@ -204,8 +204,8 @@ def frames_per_server(shapes: list, ps: int, partition_bytes: int,
     does), so that the raw path sends the very same frames; ``"whole"``: as partitioning alone gives
     them (up to 20 MB, which bare pyzmq takes whole). Also, per frame, whether it is a whole variable
     (not a slice of one)."""
-    from stratagem.core.placement import Placer
-    from stratagem.transports.zmq import ZmqTransport
+    from stratagem.ps.placement import Placer
+    from stratagem.transports.zmq.transport import ZmqTransport
 
     # (getattr: the script also measures stratagem from before the transports said it.)
     piece_bytes = getattr(ZmqTransport, "whole_buffer_bytes", None) if layout == "pieces" else None
@@ -315,7 +315,7 @@ def pid_files(out: str) -> dict[int, str]:
 def launch_job(mode: str, spec: dict, ps: int, workers: int, timeout: float, meter: bool = False):
     """Run a child job under stratagem's launcher; return the workers' records (and, with ``meter``,
     the CPU spent over their timed window)."""
-    from stratagem.core.launcher import launch
+    from stratagem.launch.launcher import launch
 
     with tempfile.TemporaryDirectory() as out:
         spec_path = os.path.join(out, "spec.json")

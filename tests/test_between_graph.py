@@ -5,7 +5,7 @@ Two kinds of test:
 - tasks as threads of this process over the ``local`` transport (tests/scripts/ps_harness.py): sync
   equals mirrored, backup workers, the staleness bound, initialisation by the chief, checkpoints,
   options and errors;
-- real processes over ``zmq`` under ``stratagem.core.launcher.launch`` (2 ps, 3 workers): the example
+- real processes over ``zmq`` under ``stratagem.launch.launcher.launch`` (2 ps, 3 workers): the example
   converges in the three modes with the ps tasks exiting on their own, every reply holds one version
   of the values (1 ps, 2 workers, replies in parts and double-buffered), exact accounting of pushes, a
   worker killed under async, a ps task killed (every worker names it) and the restart from the
@@ -28,9 +28,9 @@ import pytest
 
 import stratagem
 from stratagem import ConfigurationError
-from stratagem.core.launcher import launch
-from stratagem.strategies import between_graph as between_graph_module
-from stratagem.strategies.between_graph import BetweenGraphStrategy
+from stratagem.launch.launcher import launch
+from stratagem.strategies.ps import between_graph as between_graph_module
+from stratagem.strategies.ps.between_graph import BetweenGraphStrategy
 from stratagem.strategies.mirrored import MirroredStrategy
 from stratagem.transports.local import LocalFabric
 
@@ -253,7 +253,7 @@ def gpu_worker_steps(xp, device_array):
 
 
 def test_a_gpu_worker_keeps_its_variables_on_the_device_and_trains_as_on_the_host(fake_cupy):
-    from stratagem.core.variables import is_device_array
+    from stratagem.training.variables import is_device_array
     seen, w_gpu, table_gpu = gpu_worker_steps(fake_cupy, is_device_array)
     fake_cupy.calls.clear()
     _, w_host, table_host = gpu_worker_steps(np, lambda a: True)
@@ -440,7 +440,7 @@ def test_a_killed_ps_task_is_named_by_every_worker_and_the_job_restarts_from_the
         assert result.returncodes[f"worker:{i}"] == 3
     ps0 = json.loads((first / "ps_0.error.json").read_text())
     assert "/job:ps/task:1" in ps0["message"] and result.returncodes["ps:0"] == 4
-    saved = stratagem.core.checkpoint.load(str(ckpt)).step
+    saved = stratagem.training.checkpoint.load(str(ckpt)).step
     assert saved >= 100
 
     result, log = run_job([SCRIPTS / "ps_train.py", "--out", second, "--mode", "async", "--steps", saved + 300,

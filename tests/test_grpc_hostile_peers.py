@@ -28,8 +28,8 @@ from stratagem.core.transport import Message  # noqa: E402
 from stratagem.core.wire import Kind  # noqa: E402
 from stratagem.testing.peer import spawn_peer  # noqa: E402
 from stratagem.testing.world import local_cluster, wait_for  # noqa: E402
-from stratagem.transports.grpc import FULL_METHOD, GrpcTransport  # noqa: E402
-from stratagem.transports.grpc_framing import WHOLE_BYTES, Reassembler, chunks  # noqa: E402
+from stratagem.transports.grpc.transport import FULL_METHOD, GrpcTransport  # noqa: E402
+from stratagem.transports.framing import WHOLE_BYTES, Reassembler, chunks  # noqa: E402
 
 TIMEOUT = 20.0
 SECRET = b"cluster secret"

@@ -35,13 +35,13 @@ from stratagem.core.transport import COMPLETED, Message  # noqa: E402
 from stratagem.core.wire import Kind, Limits  # noqa: E402
 from stratagem.testing.peer import spawn_peer  # noqa: E402
 from stratagem.testing.world import local_cluster, still_serves, wait_for  # noqa: E402
-from stratagem.transports.grpc import FULL_METHOD, MAX_MESSAGE_BYTES, GrpcTransport  # noqa: E402
-from stratagem.transports.grpc_config import MAX_RECEIVE_BYTES  # noqa: E402
-from stratagem.transports.grpc_framing import CONTROL_LIMITS, HEAD_ROOM, Reassembler, chunks  # noqa: E402
+from stratagem.transports.grpc.transport import FULL_METHOD, MAX_MESSAGE_BYTES, GrpcTransport  # noqa: E402
+from stratagem.transports.grpc.config import MAX_RECEIVE_BYTES  # noqa: E402
+from stratagem.transports.framing import CONTROL_LIMITS, HEAD_ROOM, Reassembler, chunks  # noqa: E402
 
 TIMEOUT = 20.0
 PEER_TIMEOUT = 3.0  # as the contract suite: keepalive pings every 1.2 s
-LOGGER = "stratagem.transports.grpc"
+LOGGER = "stratagem.transports.grpc.transport"
 
 
 def make(cluster, task, **options):

@@ -33,9 +33,9 @@ import stratagem
 from stratagem import ClusterSpec, ConfigurationError, PeerLostError, TaskId
 from stratagem.core.transport import Message
 from stratagem.plugins.manager import PluginManager
-from stratagem.strategies import in_graph_functions
-from stratagem.strategies.in_graph import InGraphStrategy, PerReplica, ReplicaError
-from stratagem.strategies.in_graph_replica import REPLY, REQUEST
+from stratagem.strategies.in_graph import functions as in_graph_functions
+from stratagem.strategies.in_graph.strategy import InGraphStrategy, PerReplica, ReplicaError
+from stratagem.strategies.in_graph.replica import REPLY, REQUEST
 from stratagem.testing.world import free_ports
 from stratagem.transports.local import LocalFabric, LocalTransport
 

@@ -22,8 +22,8 @@ import pytest
 
 from stratagem.core.cluster import ClusterResolver, TaskId
 from stratagem.core.errors import ConfigurationError
-from stratagem.core import launcher as L
-from stratagem.core.launcher import EXIT_TIMEOUT, LaunchResult, TaskResult, launch
+from stratagem.launch import launcher as L
+from stratagem.launch.launcher import EXIT_TIMEOUT, LaunchResult, TaskResult, launch
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPORT = [sys.executable, str(SCRIPTS / "report_task.py")]
@@ -47,7 +47,7 @@ def launcher() -> list[str]:
                            capture_output=True, text=True, timeout=30)
     if probe.returncode == 0 and "--ps-grace" in probe.stdout:
         return [sys.executable, "-m", "stratagem", "launch"]
-    return [sys.executable, "-m", "stratagem.core.launcher"]
+    return [sys.executable, "-m", "stratagem.launch.launcher"]
 
 
 def _alive(pid: int) -> bool:

@@ -3,7 +3,7 @@ save/restore).
 
 Two kinds of test:
 
-- real processes and sockets: ``stratagem.core.launcher.launch`` runs tests/scripts/mirrored_train.py
+- real processes and sockets: ``stratagem.launch.launcher.launch`` runs tests/scripts/mirrored_train.py
   once per replica over ``zmq`` (equivalence with one process, checkpoint across two jobs, a replica
   dying mid-step). The launcher reaps every process it starts, whatever happens.
 - replicas as threads of this process over the ``local`` transport, for the broad matrix (fast).
@@ -30,11 +30,11 @@ import pytest
 
 import stratagem
 from stratagem import ClusterSpec, ConfigurationError, PeerLostError, StratagemError, TaskId
-from stratagem.core import strategy as strategy_module
-from stratagem.core.checkpoint import CheckpointNotFoundError
-from stratagem.core.launcher import launch
-from stratagem.core.sharding import shard_batch
-from stratagem.core.strategy import Strategy
+from stratagem.strategies import base as strategy_module
+from stratagem.training.checkpoint import CheckpointNotFoundError
+from stratagem.launch.launcher import launch
+from stratagem.training.sharding import shard_batch
+from stratagem.strategies.base import Strategy
 from stratagem.plugins.manager import PluginManager
 from stratagem.strategies import mirrored as mirrored_module
 from stratagem.strategies.mirrored import DEFAULT_BUCKET_BYTES, MirroredStrategy
@@ -353,7 +353,8 @@ def test_unknown_and_bad_options_are_rejected_before_the_transport_starts():
     with pytest.raises(ConfigurationError) as info:
         MirroredStrategy("local", bucket_byte=1024, **common)
     assert "does not accept option(s) 'bucket_byte' (did you mean 'bucket_bytes'?)" in str(info.value)
-    assert "bucket_bytes, chunk_bytes, cluster, compression, plugins, small_bytes, task, timeout" in str(info.value)
+    assert ("bucket_bytes, chunk_bytes, cluster, commit_every, compression, on_failure, plugins, small_bytes, "
+            "task, timeout") in str(info.value)
     for bad, message in [({"compression": "int8"}, "unknown compression 'int8'"),
                          ({"bucket_bytes": 0}, "bucket_bytes must be an integer >= 1"),
                          ({"chunk_bytes": "1M"}, "chunk_bytes must be an integer >= 1"),

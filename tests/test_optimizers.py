@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import stratagem
-from stratagem.core import optimizer_chunks as chunks_module
-from stratagem.core import optimizers as optimizers_module
+from stratagem.training.optimizers import chunks as chunks_module
+from stratagem.training.optimizers import rules as optimizers_module
 from stratagem.core.errors import ConfigurationError, StratagemError
-from stratagem.core.optimizers import SGD, Adagrad, Adam, Optimizer, TorchSGD, compute_dtype, from_config
-from stratagem.core.variables import Variable, strategy_scope
+from stratagem.training.optimizers.rules import SGD, Adagrad, Adam, Optimizer, TorchSGD, compute_dtype, from_config
+from stratagem.training.variables import Variable, strategy_scope
 from stratagem.testing.fake_cupy import FakeDeviceArray
 
 STEPS = 8
@@ -587,7 +587,7 @@ def test_update_array_out_must_be_a_separate_array_like_the_value():
 
 
 def test_a_variable_with_a_remote_store_is_written_back():
-    from stratagem.core.variables import VariableStore
+    from stratagem.training.variables import VariableStore
 
     class CopyStore(VariableStore):
         def __init__(self, array):

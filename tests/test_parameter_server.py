@@ -27,14 +27,14 @@ import pytest
 
 import stratagem
 from stratagem import ConfigurationError, TaskId
-from stratagem.core import ps_coordinator as coordinator_module
-from stratagem.core import ps_functions as functions_module
-from stratagem.core import ps_worker as worker_module
-from stratagem.core.launcher import launch
-from stratagem.core.ps_coordinator import CancelledError, ClosureError
-from stratagem.core.ps_protocol import ShardLostError
-from stratagem.strategies import parameter_server as parameter_server_module
-from stratagem.strategies.parameter_server import ParameterServerStrategy
+from stratagem.strategies.ps import coordinator as coordinator_module
+from stratagem.strategies.ps import functions as functions_module
+from stratagem.strategies.ps import worker as worker_module
+from stratagem.launch.launcher import launch
+from stratagem.strategies.ps.coordinator import CancelledError, ClosureError
+from stratagem.ps.protocol import ShardLostError
+from stratagem.strategies.ps import parameter_server as parameter_server_module
+from stratagem.strategies.ps.parameter_server import ParameterServerStrategy
 from stratagem.transports.local import LocalFabric
 
 SCRIPTS = Path(__file__).parent / "scripts"

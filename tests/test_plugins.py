@@ -25,13 +25,13 @@ import pytest
 
 import stratagem
 from stratagem import ClusterSpec, ConfigurationError, IncompatibleError, PluginError, StratagemError, TaskId
-from stratagem.core.strategy import Strategy, check_compatible
+from stratagem.strategies.base import Strategy, check_compatible
 from stratagem.plugins import PluginSpec, hookimpl
 from stratagem.plugins import builtin
 from stratagem.plugins import report as info_report
+from stratagem.core.options import TRANSPORT_ENV, constructor_options
 from stratagem.plugins.manager import (
-    DISABLE_AUTOLOAD_ENV, TRANSPORT_ENV, PluginManager, autoload_disabled, constructor_options, plugin_manager,
-    reset_plugin_manager, transport_or_default,
+    DISABLE_AUTOLOAD_ENV, PluginManager, autoload_disabled, plugin_manager, reset_plugin_manager, transport_or_default,
 )
 from stratagem.transports.local import LocalFabric, LocalTransport
 
@@ -236,9 +236,9 @@ def test_listing_imports_no_plugin_module(example_plugin, tmp_path):
         from stratagem.plugins.report import report
         data = report()
         assert any(r["name"] == "loopback" for r in data["plugins"]), data
-        loaded = [m for m in ("stratagem.transports.zmq", "zmq", "stratagem.transports.local",
+        loaded = [m for m in ("stratagem.transports.zmq.transport", "zmq", "stratagem.transports.local",
                               "stratagem_example_plugin.loopback", "stratagem_example_plugin.solo",
-                              "stratagem.core.strategy") if m in sys.modules]
+                              "stratagem.strategies.base") if m in sys.modules]
         print(loaded)
     """, tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -555,7 +555,7 @@ def test_the_default_transport_comes_from_the_environment_and_an_explicit_one_wi
 
 
 def test_reduce_across_replicas_in_threads(manager):
-    pytest.importorskip("stratagem.core.communicator")
+    pytest.importorskip("stratagem.collectives.communicator")
     fabric = LocalFabric()
     strategies = [Strategy("local", cluster=TWO_WORKERS, task=f"worker:{i}", plugins=manager,
                            transport_options={"fabric": fabric, "timeout": 30}) for i in range(2)]
@@ -631,10 +631,10 @@ def test_info_cut_short_by_its_reader_ends_quietly(args):
 
 
 def test_errors_users_catch_are_exported_and_every_public_name_resolves():
-    from stratagem.core.checkpoint import CheckpointError
-    from stratagem.core.ps_coordinator import ClosureError
-    from stratagem.core.ps_protocol import ShardLostError
-    from stratagem.strategies.in_graph_client import ReplicaError
+    from stratagem.training.checkpoint import CheckpointError
+    from stratagem.strategies.ps.coordinator import ClosureError
+    from stratagem.ps.protocol import ShardLostError
+    from stratagem.strategies.in_graph.client import ReplicaError
 
     for name in stratagem.__all__:
         assert getattr(stratagem, name) is not None, name

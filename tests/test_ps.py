@@ -1,4 +1,4 @@
-"""The parameter-server service (core/ps_*.py) and the placement (core/placement.py), over the ``local``
+"""The parameter-server service (core/ps_*.py) and the placement (ps/placement.py), over the ``local``
 transport: servers and clients are threads of this process, so these tests are fast.
 
 - placement: round-robin, greedy by bytes (with its load bound), explicit device, device setters,
@@ -23,15 +23,14 @@ import pytest
 
 import stratagem
 from stratagem import ConfigurationError, PeerLostError, StratagemError, TaskId
-from stratagem.core import placement as placement_module
-from stratagem.core import ps as ps_module
-from stratagem.core import ps_checkpoint as checkpoint_module
-from stratagem.core import ps_client as client_module
-from stratagem.core import ps_consistency as consistency_module
-from stratagem.core import ps_protocol as protocol_module
-from stratagem.core import ps_server as server_module
-from stratagem.core import ps_strategy as ps_strategy_module
-from stratagem.core.placement import (
+from stratagem.ps import placement as placement_module
+from stratagem.strategies.ps import checkpoint as checkpoint_module
+from stratagem.ps import client as client_module
+from stratagem.ps import consistency as consistency_module
+from stratagem.ps import protocol as protocol_module
+from stratagem.ps import server as server_module
+from stratagem.strategies.ps import base as ps_strategy_module
+from stratagem.ps.placement import (
     GreedyByBytes,
     Placer,
     RoundRobin,
@@ -40,7 +39,9 @@ from stratagem.core.placement import (
     min_slice_partitioner,
     replica_device_setter,
 )
-from stratagem.core.ps import ParameterServer, PSClient, RemoteError, ShardLostError
+from stratagem.ps.client import PSClient
+from stratagem.ps.protocol import RemoteError, ShardLostError
+from stratagem.ps.server import ParameterServer
 from stratagem.core.transport import SendHandle
 from stratagem.transports.local import LocalFabric, LocalTransport
 
@@ -180,7 +181,7 @@ def test_a_partitioned_variable_reassembles_exactly(tmp_path):
     assert not zeroed.any()
     np.testing.assert_array_equal(after, value - 1.0)                 # restored after the zero assign
     assert step == 1
-    saved = stratagem.core.checkpoint.load(path)                      # one ordinary, whole array
+    saved = stratagem.training.checkpoint.load(path)                      # one ordinary, whole array
     np.testing.assert_array_equal(saved.variables["emb"], value - 1.0)
     assert saved.step == 1 and saved.extra["ps_tasks"] == 3
 
@@ -577,7 +578,7 @@ def test_mode_options_are_checked():
 
 
 def test_docstring_examples():
-    for module in (placement_module, ps_module, client_module, protocol_module, server_module, ps_strategy_module,
+    for module in (placement_module, client_module, protocol_module, server_module, ps_strategy_module,
                    consistency_module, checkpoint_module):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0, f"{module.__name__}: {result.failed} doctest example(s) failed"

@@ -5,7 +5,7 @@ tests; here one test class is made per registered built-in transport.
 """
 
 from stratagem.plugins.manager import plugin_manager
-from stratagem.testing.contract import run_contract
+from stratagem.testing import run_contract
 
 for _info in plugin_manager().describe(check=True):
     if _info.kind == "transport" and _info.source == "builtin" and _info.usable:

@@ -9,12 +9,12 @@ import pytest
 
 from stratagem.core import user_code
 from stratagem.core.errors import ConfigurationError
-from stratagem.core.ps_functions import FunctionNotFound, resolve_by_name
+from stratagem.strategies.ps.functions import FunctionNotFound, resolve_by_name
 
 
 @pytest.mark.parametrize("module, name", [
     ("os", "system"), ("subprocess", "run"), ("builtins", "exec"), ("shutil", "rmtree"),
-    ("numpy", "save"), ("stratagem.core.launcher", "launch"), ("antigravity", "geohash"),
+    ("numpy", "save"), ("stratagem.launch.launcher", "launch"), ("antigravity", "geohash"),
 ])
 def test_a_peer_cannot_name_library_functions(module, name):
     imported_before = module in sys.modules

@@ -36,14 +36,14 @@ from stratagem.core.cluster import TaskId
 from stratagem.core.transport import Message
 from stratagem.core.wire import Kind
 from stratagem.testing.world import local_cluster, still_serves, wait_for
-from stratagem.transports.zmq import ZAP_USER, ZmqTransport
+from stratagem.transports.zmq.transport import ZAP_USER, ZmqTransport
 
 SCRIPTS = Path(__file__).parent / "scripts"
 SRC = Path(__file__).parent.parent / "src"
 
 
 TIMEOUT = 20.0
-LOGGER = "stratagem.transports.zmq"
+LOGGER = "stratagem.transports.zmq.transport"
 
 
 def rss_bytes(pid: int | str = "self") -> int:

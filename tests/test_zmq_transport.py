@@ -17,7 +17,7 @@ from stratagem.core.errors import PeerLostError, TransportTimeout
 from stratagem.core.transport import Message
 from stratagem.core.wire import Kind, Limits
 from stratagem.testing.world import local_cluster, still_serves, wait_for
-from stratagem.transports.zmq import ZAP_USER, ZmqTransport
+from stratagem.transports.zmq.transport import ZAP_USER, ZmqTransport
 
 TIMEOUT = 20.0
 
@@ -66,7 +66,7 @@ def raw_socket():
 def test_malformed_frame_is_logged_and_server_keeps_serving(pair, raw_socket, caplog, garbage):
     a, b = pair
     attacker = raw_socket(b.address)
-    with caplog.at_level(logging.WARNING, logger="stratagem.transports.zmq"):
+    with caplog.at_level(logging.WARNING, logger="stratagem.transports.zmq.transport"):
         attacker.send_multipart(garbage)
         assert wait_for(lambda: b.stats["rejected_frames"] >= 1)
         assert still_serves(a, b)
@@ -76,7 +76,7 @@ def test_malformed_frame_is_logged_and_server_keeps_serving(pair, raw_socket, ca
 def test_data_without_handshake_is_dropped(pair, raw_socket, caplog):
     a, b = pair
     attacker = raw_socket(b.address)
-    with caplog.at_level(logging.WARNING, logger="stratagem.transports.zmq"):
+    with caplog.at_level(logging.WARNING, logger="stratagem.transports.zmq.transport"):
         attacker.send_multipart(wire.encode(Kind.DATA, "ok", {"forged": True}, [np.arange(3)]))
         assert wait_for(lambda: b.stats["rejected_frames"] >= 1)
     assert any("handshake" in r.getMessage() for r in caplog.records)
@@ -89,7 +89,7 @@ def test_hello_from_another_cluster_is_refused(pair, raw_socket, caplog):
     a, b = pair
     attacker = raw_socket(b.address)
     hello, _ = handshake.make_hello(TaskId("worker", 0), "some-other-cluster", None)
-    with caplog.at_level(logging.WARNING, logger="stratagem.transports.zmq"):
+    with caplog.at_level(logging.WARNING, logger="stratagem.transports.zmq.transport"):
         attacker.send_multipart(wire.encode(Kind.HELLO, "", hello))
         attacker.send_multipart(wire.encode(Kind.DATA, "ok", {"forged": True}))
         assert wait_for(lambda: b.stats["rejected_frames"] >= 2)
@@ -181,7 +181,7 @@ def test_a_peer_restarted_many_times_is_accepted_every_time(caplog, noticed):
     socket's file descriptor, which the OS reuses; the HELLO was then dropped with 'Address already
     in use')."""
     cluster = local_cluster(2)
-    with caplog.at_level(logging.WARNING, logger="stratagem.transports.zmq"), \
+    with caplog.at_level(logging.WARNING, logger="stratagem.transports.zmq.transport"), \
             ZmqTransport(cluster, "worker:0", timeout=TIMEOUT, peer_timeout=3.0) as a:
         for life in range(20):
             b = ZmqTransport(cluster, "worker:1", timeout=TIMEOUT, peer_timeout=3.0)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.errors import ConfigurationError
-from .availability import TransportCheck
+from stratagem.core.errors import ConfigurationError
+from stratagem.bench.availability import TransportCheck
 
 #: Strategies the bench knows how to drive (see train_task.py), with their modes.
 MODES = {"mirrored": (), "in_graph": (), "between_graph": ("async", "sync", "bounded"),
@@ -114,7 +114,7 @@ def cluster_for(strategy: StrategyChoice, mpi_job: bool, workers: int, ps: int) 
 def check_names(strategies: list[StrategyChoice], transports: list[str], manager) -> None:
     """Refuse a strategy or transport name no plugin registers (a typo, most likely: ``mirored``),
     with the known ones and a did-you-mean: a usage error, not a bench of nothing."""
-    from ..core.errors import PluginError
+    from stratagem.core.errors import PluginError
 
     for option, kind, names in (("--strategies", "strategy", [s.name for s in strategies]),
                                 ("--transports", "transport", transports)):
@@ -132,8 +132,8 @@ def plan(strategies: list[StrategyChoice], transports: list[str], *, workers: in
     ``manager`` is the plugin manager: it says which strategies and transports exist (an unknown name
     raises ``ConfigurationError``: :func:`check_names`); each transport is checked once
     (:func:`~stratagem.bench.availability.check_transport`, importing it)."""
-    from ..core.errors import PluginError
-    from .availability import check_transport
+    from stratagem.core.errors import PluginError
+    from stratagem.bench.availability import check_transport
 
     check_names(strategies, transports, manager)
     checks: dict[str, TransportCheck] = {}

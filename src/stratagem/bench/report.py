@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .runner import Outcome
-from .units import human_bytes
+from stratagem.bench.runner import Outcome
+from stratagem.bench.units import human_bytes
 
 
 def _fastest(outcomes: Sequence[Outcome]) -> Outcome | None:

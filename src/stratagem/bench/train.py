@@ -36,11 +36,11 @@ import sys
 import time
 from typing import Sequence
 
-from ..core.errors import ConfigurationError
-from . import plan as planning
-from .models import BUILTIN, build_model
-from .runner import RunSettings, run_combination
-from .units import human_bytes
+from stratagem.core.errors import ConfigurationError
+from stratagem.bench import plan as planning
+from stratagem.bench.models import BUILTIN, build_model
+from stratagem.bench.runner import RunSettings, run_combination
+from stratagem.bench.units import human_bytes
 
 DEFAULT_TRANSPORTS_NOTE = "every registered transport (those not usable here are listed as skipped)"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -129,9 +129,9 @@ def run(args: argparse.Namespace) -> int:
     """``stratagem bench`` with parsed ``args``; returns the exit status."""
     from rich.console import Console
 
-    from ..plugins.manager import plugin_manager
-    from . import report
-    from .environment import describe_environment
+    from stratagem.plugins.manager import plugin_manager
+    from stratagem.bench import report
+    from stratagem.bench.environment import describe_environment
 
     err = Console(stderr=True, soft_wrap=True)   # messages stay whole lines (grep, logs)
     try:

@@ -30,9 +30,9 @@ import hashlib
 import hmac
 import os
 
-from .cluster import TaskId
-from .errors import AuthenticationError, ConfigurationError, ProtocolError
-from .wire import VERSION
+from stratagem.core.cluster import TaskId
+from stratagem.core.errors import AuthenticationError, ConfigurationError, ProtocolError
+from stratagem.core.wire import VERSION
 
 NONCE_BYTES = 16
 

@@ -32,11 +32,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
-from .cluster import ClusterSpec, TaskId
-from .errors import ConfigurationError, PeerLostError
-from .lifecycle import end_at_exit
-from .traffic import Traffic
-from .wire import Limits
+from stratagem.core.cluster import ClusterSpec, TaskId
+from stratagem.core.errors import ConfigurationError, PeerLostError
+from stratagem.core.lifecycle import end_at_exit
+from stratagem.core.traffic import Traffic
+from stratagem.core.wire import Limits
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,9 @@ class Transport(abc.ABC):
     device_buffers: ClassVar[bool] = False
     #: True if all endpoints of a world must live in one process (the ``local`` transport).
     in_process: ClassVar[bool] = False
+    #: True if a world over it may change (elastic training, ``on_failure="shrink"``): a dead peer
+    #: is reported as ``PeerLostError``, and a new process for a lost task is accepted as that peer.
+    elastic: ClassVar[bool] = False
     #: The largest buffer that arrives as it was sent, without a copy (``None``: any size). A larger
     #: one is received in parts and joined. A parameter server keeps its pieces within it.
     whole_buffer_bytes: ClassVar[int | None] = None
@@ -215,6 +218,12 @@ class Transport(abc.ABC):
     def lost_peers(self) -> dict[TaskId, str]:
         """Peers known to be gone, with the reason."""
         return {}
+
+    def peer_losses(self, task: TaskId) -> int:
+        """How many times ``task`` was declared lost, even if a new process of it was accepted since
+        (a counter that never goes down): an elastic communicator waiting on a member sees that the
+        process it waits for was replaced (:mod:`stratagem.core.elastic`). The default counts none."""
+        return 0
 
     def flush(self, timeout: float | None = None, tasks=None) -> None:
         """Wait (up to ``timeout`` s, best effort) until what was sent to ``tasks`` (default: every

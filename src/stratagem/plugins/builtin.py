@@ -10,7 +10,7 @@ Targets are lazy import paths, so listing the built-ins imports none of their mo
 
 from __future__ import annotations
 
-from .hookspecs import PluginSpec, hookimpl
+from stratagem.plugins.hookspecs import PluginSpec, hookimpl
 
 
 @hookimpl
@@ -21,17 +21,17 @@ def stratagem_add_transports() -> list[PluginSpec]:
             description="every task of the world in one process (tests, single-process multi-replica)",
         ),
         PluginSpec(
-            "zmq", "stratagem.transports.zmq:ZmqTransport", "transport",
+            "zmq", "stratagem.transports.zmq.transport:ZmqTransport", "transport",
             requires=("zmq",), install_hint="pip install 'pyzmq>=25'",
             description="ZeroMQ sockets over TCP: the default transport between processes and machines",
         ),
         PluginSpec(
-            "grpc", "stratagem.transports.grpc:GrpcTransport", "transport",
+            "grpc", "stratagem.transports.grpc.transport:GrpcTransport", "transport",
             requires=("grpc",), install_hint="pip install 'stratagem[grpc]'",
             description="gRPC bidirectional streams over HTTP/2, with optional TLS and mutual TLS",
         ),
         PluginSpec(
-            "mpi", "stratagem.transports.mpi:MpiTransport", "transport",
+            "mpi", "stratagem.transports.mpi.transport:MpiTransport", "transport",
             requires=("mpi4py",), install_hint="pip install 'stratagem[mpi]'",
             description="MPI point-to-point and native collectives; every task a rank of one mpiexec job",
         ),
@@ -41,7 +41,7 @@ def stratagem_add_transports() -> list[PluginSpec]:
             description="NCCL collectives on the GPU (cupy), one GPU per process; messages over ZeroMQ",
         ),
         PluginSpec(
-            "shm", "stratagem.transports.shm:ShmTransport", "transport",
+            "shm", "stratagem.transports.shm.transport:ShmTransport", "transport",
             requires=("zmq",), install_hint="pip install 'pyzmq>=25'",
             description="tasks on one host: messages through shared-memory rings (Linux memfd); control over ZeroMQ",
         ),
@@ -56,15 +56,15 @@ def stratagem_add_strategies() -> list[PluginSpec]:
             description="a copy of every variable on every replica; gradients all-reduced every step",
         ),
         PluginSpec(
-            "between_graph", "stratagem.strategies.between_graph:BetweenGraphStrategy", "strategy",
+            "between_graph", "stratagem.strategies.ps.between_graph:BetweenGraphStrategy", "strategy",
             description="variables on ps tasks; every worker runs its own loop (async, sync or bounded)",
         ),
         PluginSpec(
-            "parameter_server", "stratagem.strategies.parameter_server:ParameterServerStrategy", "strategy",
+            "parameter_server", "stratagem.strategies.ps.parameter_server:ParameterServerStrategy", "strategy",
             description="variables on ps tasks; a coordinator schedules step functions onto the workers",
         ),
         PluginSpec(
-            "in_graph", "stratagem.strategies.in_graph:InGraphStrategy", "strategy",
+            "in_graph", "stratagem.strategies.in_graph.strategy:InGraphStrategy", "strategy",
             description="one client splits each batch over its devices and the worker tasks; synchronous",
         ),
     ]

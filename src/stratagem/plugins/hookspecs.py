@@ -33,7 +33,7 @@ from typing import Union
 
 import pluggy
 
-from ..core.errors import PluginError
+from stratagem.core.errors import PluginError
 
 #: pluggy project name: the marker of every hook and hook implementation.
 PROJECT_NAME = "stratagem"
@@ -63,7 +63,7 @@ class PluginSpec:
         install_hint: the command that makes the plugin usable (``"pip install 'stratagem[mpi]'"``).
         description: one line for ``stratagem info``.
 
-    >>> spec = PluginSpec("mpi", "stratagem.transports.mpi:MpiTransport", "transport",
+    >>> spec = PluginSpec("mpi", "stratagem.transports.mpi.transport:MpiTransport", "transport",
     ...                   requires=("definitely_missing_module",), install_hint="pip install 'stratagem[mpi]'")
     >>> spec.missing()
     "No module named 'definitely_missing_module'"
@@ -170,6 +170,6 @@ def stratagem_add_strategies() -> list[PluginSpec]:
 
     Called once per plugin manager, the first time a strategy or transport is looked up or listed,
     after built-ins and entry-point plugins are registered. Return an empty list if the plugin adds
-    none. Each class must subclass :class:`stratagem.core.strategy.Strategy`, and may refuse
+    none. Each class must subclass :class:`stratagem.strategies.base.Strategy`, and may refuse
     transports it cannot run over with its ``supports(transport_class)`` classmethod.
     """

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import threading
 
-from ..core.cluster import TaskId
-from ..core.errors import ConfigurationError, PeerLostError, TransportClosed
-from ..core.mailbox import Mailbox
-from ..core.transport import Message, Transport
+from stratagem.core.cluster import TaskId
+from stratagem.core.errors import ConfigurationError, PeerLostError, TransportClosed
+from stratagem.core.mailbox import Mailbox
+from stratagem.core.transport import Message, Transport
 
 
 class LocalFabric:
@@ -77,6 +77,7 @@ class LocalTransport(Transport):
     """In-process transport; every endpoint of a world shares one ``fabric``."""
 
     name = "local"
+    elastic = True   # a restarted peer is re-accepted (LocalFabric.join marks it alive)
     in_process = True
     device_buffers = True  # buffers are copied with their own array module, so cupy stays on device
 
@@ -135,3 +136,6 @@ class LocalTransport(Transport):
 
     def lost_peers(self):
         return self._mailbox.lost() if self._mailbox is not None else {}
+
+    def peer_losses(self, task):
+        return self._mailbox.losses(TaskId.parse(task)) if self._mailbox is not None else 0
