@@ -30,7 +30,7 @@ variable), ``work`` (the ``raw-ps`` variant) with its ``server`` and ``client`` 
   a variable sliced into several frames must end up as one array for the user.
 
   The spec's ``server`` and ``client`` pick the ways (default ``spare`` and ``copy``); ``ps.py``
-  runs the combinations and takes the fastest as the baseline.
+  runs the ways it is given (``--raw-ps-ways``) and takes the fastest (median) as the baseline.
 """
 
 from __future__ import annotations
