@@ -29,6 +29,7 @@ from __future__ import annotations
 import abc
 import copy
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
@@ -86,8 +87,9 @@ COMPLETED = SendHandle()
 class Transport(abc.ABC):
     """Base class of every transport plugin.
 
-    Subclasses implement :meth:`start`, :meth:`close`, :meth:`send` and :meth:`recv`; they may
-    override :meth:`native_collectives`. Construct with the cluster and this task; options that a
+    Subclasses implement :meth:`start`, :meth:`_shutdown`, :meth:`send` and :meth:`recv`; they may
+    override :meth:`native_collectives`. :meth:`close` and :meth:`abort` are this class's: each ends
+    the transport once (``_shutdown(graceful)``), whichever comes first and from whatever thread. Construct with the cluster and this task; options that a
     transport does not know are refused with the list of those it does.
 
     Args:
@@ -124,6 +126,8 @@ class Transport(abc.ABC):
         self.limits = limits or Limits()
         #: Payload bytes and messages moved, per peer (see :mod:`stratagem.core.traffic`).
         self.traffic = Traffic()
+        self._closed = False                     # set once, by the first close() or abort()
+        self._closed_lock = threading.Lock()
         # A script that never closes its transport still ends cleanly (stratagem.core.lifecycle).
         end_at_exit(self)
 
@@ -146,13 +150,29 @@ class Transport(abc.ABC):
     def start(self) -> None:
         """Bind this task's address and start serving. Idempotent."""
 
-    @abc.abstractmethod
     def close(self) -> None:
-        """Tell peers we are leaving, release every resource, and wake blocked callers. Idempotent."""
+        """Tell peers we are leaving, release every resource, and wake blocked callers. Idempotent:
+        a second call, or a call after :meth:`abort`, does nothing."""
+        self._end(graceful=True)
 
     def abort(self) -> None:
-        """Stop abruptly, as a crash would (no goodbye to peers). Used by failure tests."""
-        self.close()
+        """Stop abruptly, as a crash would (no goodbye to peers). Used by failure tests. Idempotent,
+        like :meth:`close`."""
+        self._end(graceful=False)
+
+    def _end(self, graceful: bool) -> None:
+        with self._closed_lock:
+            if self._closed:
+                return
+            self._closed = True
+        # Outside the lock: a shutdown joins threads that may themselves call close() (a no-op then).
+        self._shutdown(graceful)
+
+    @abc.abstractmethod
+    def _shutdown(self, graceful: bool) -> None:
+        """End the transport, once (``_closed`` is already set): with ``graceful``, say goodbye to
+        peers and let queued messages go first; else drop everything at once, as a crash would.
+        Called even if the transport never started."""
 
     def _end_at_exit(self, error: str | None) -> None:
         """Called once at interpreter exit if still open (``error``: the uncaught exception ending the

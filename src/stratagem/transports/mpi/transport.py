@@ -211,7 +211,6 @@ class MpiTransport(MpiProgress, Transport):
         self._comm = None          # point-to-point traffic (a duplicate of the base communicator)
         self.coll_comm = None      # parent of the collectives' communicators (another duplicate)
         self._mailbox = Mailbox(self.task, traffic=self.traffic)
-        self._closed = False
         self._stopping = False
         self.mpi_lock: contextlib.AbstractContextManager = contextlib.nullcontext()
         self._send_locks = {t: threading.Lock() for t in self._tasks}
@@ -338,9 +337,6 @@ class MpiTransport(MpiProgress, Transport):
         comm.Set_errhandler(self.MPI.ERRORS_RETURN)
         return comm
 
-    def close(self) -> None:
-        self._shutdown(graceful=True)
-
     def _end_at_exit(self, error) -> None:
         self.close()
         if error is not None:
@@ -354,13 +350,7 @@ class MpiTransport(MpiProgress, Transport):
                     stream.flush()
             os._exit(1)
 
-    def abort(self) -> None:
-        self._shutdown(graceful=False)
-
     def _shutdown(self, graceful: bool) -> None:
-        if self._closed:
-            return
-        self._closed = True
         if self._comm is None:
             self._mailbox.close("closed before it started")
             return

@@ -71,6 +71,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from stratagem.core import handshake, ports, wire
+from stratagem.core.acceptor import Acceptor
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import (
     AuthenticationError,
@@ -83,8 +84,8 @@ from stratagem.core.errors import (
 from stratagem.core.mailbox import Mailbox
 from stratagem.core.transport import COMPLETED, Message, SendHandle, Transport
 from stratagem.core.wire import Kind
-from stratagem.transports.framing import CONTROL_LIMITS
-from stratagem.transports.zmq.acceptor import Acceptor, Incoming
+from stratagem.core.handshake import CONTROL_LIMITS
+from stratagem.transports.zmq.acceptor import ZmqAcceptor
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ class _Peer:
 
 
 
-class ZmqTransport(Acceptor, Transport):
+class ZmqTransport(Transport):
     """ZeroMQ transport (see the module docstring for the design).
 
     Options:
@@ -165,11 +166,9 @@ class ZmqTransport(Acceptor, Transport):
         self._cluster_id = self.cluster.cluster_id
         self._ctx: zmq.Context | None = None
         self._zap: zmq.Socket | None = None      # the ZAP handler's socket, with a secret
-        self._mailbox = Mailbox(self.task, traffic=self.traffic)
+        self._mailbox = self._new_mailbox()
         self._peers: dict[TaskId, _Peer] = {}
         self._peers_lock = threading.Lock()
-        self._incoming: dict[bytes, Incoming] = {}
-        self._rejected: dict[bytes, int] = {}
         self._new_monitors: queue.SimpleQueue = queue.SimpleQueue()
         self._control_lock = threading.Lock()
         # Whoever holds the reader lock reads the ROUTER and the monitors: a waiting recv() (so a
@@ -177,17 +176,24 @@ class ZmqTransport(Acceptor, Transport):
         self._reader = threading.Lock()
         self._monitors: dict[zmq.Socket, _Peer] = {}
         self._handshakes: dict[zmq.Socket, _Peer] = {}   # DEALERs whose answers the reader reads
-        self._connection_fds: dict[int, bytes] = {}      # a ROUTER connection's socket -> routing id
         self._poller: zmq.Poller | None = None
         self._pending_loss: dict[TaskId, tuple[float, str, _Peer]] = {}
         self._background_reading = False
         self._user_read_at = 0.0
         self._stopping = False
         self._io_thread: threading.Thread | None = None
-        self._closed = False
         self.address: str | None = None
         #: Counters a test or an operator can read: frames dropped and why.
         self.stats = {"rejected_frames": 0, "data_frames": 0}
+        #: What arrives at the ROUTER: the handshake as acceptor, then data into the mailbox.
+        self._acceptor = ZmqAcceptor(
+            Acceptor(self.task, self.cluster, self.secret, limits=self.limits), self._mailbox, self.stats,
+            answer=self._answer, forget_peer=self._forget_peer, watch_peer=self._ensure_peer,
+            peer_gone=self._peer_gone, part_cap=self._part_cap)
+
+    def _new_mailbox(self) -> Mailbox:
+        """Where received messages go (the shm transport's control transport files into its own)."""
+        return Mailbox(self.task, traffic=self.traffic)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -238,16 +244,7 @@ class ZmqTransport(Acceptor, Transport):
                                            daemon=True)
         self._io_thread.start()
 
-    def close(self) -> None:
-        self._shutdown(graceful=True)
-
-    def abort(self) -> None:
-        self._shutdown(graceful=False)
-
     def _shutdown(self, graceful: bool) -> None:
-        if self._closed:
-            return
-        self._closed = True
         if self._ctx is None:
             self._mailbox.close("closed before it started")
             return
@@ -435,6 +432,13 @@ class ZmqTransport(Acceptor, Transport):
             except zmq.ZMQError:
                 pass
 
+    def _answer(self, routing_id: bytes, kind: Kind, meta: dict) -> None:
+        """Send a control frame back on the ROUTER connection ``routing_id`` (dropped if it is gone)."""
+        try:
+            self._router.send_multipart([routing_id, *wire.encode(kind, "", meta)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("%s: could not answer %s on connection %s: %s", self.task, kind.name, routing_id.hex(), exc)
+
     def _send_control(self, peer: _Peer, kind: Kind, meta: dict) -> None:
         with peer.lock:
             if not peer.closed:
@@ -502,7 +506,7 @@ class ZmqTransport(Acceptor, Transport):
                 self._control_in.recv()  # "stop", "watch", "yield": each just wakes the poll
         if self._router_monitor in ready:  # first: a connection's end comes before a reuse of its fd
             while self._router_monitor.poll(0):
-                self._connection_closed(recv_monitor_message(self._router_monitor)["value"])
+                self._acceptor.connection_closed(recv_monitor_message(self._router_monitor)["value"])
         if self._zap is not None and self._zap in ready:
             self._answer_zap()
         if self._router in ready:
@@ -561,9 +565,9 @@ class ZmqTransport(Acceptor, Transport):
                 return
             routing_id = parts[0].bytes
             try:
-                self._on_message(routing_id, parts[1:], _source_fd(parts[0]))
+                self._acceptor.on_message(routing_id, parts[1:], _source_fd(parts[0]))
             except Exception as exc:  # a bad frame must never take the server down
-                self._reject(routing_id, f"error while handling a frame: {type(exc).__name__}: {exc}")
+                self._acceptor.reject(routing_id, f"error while handling a frame: {type(exc).__name__}: {exc}")
                 log.debug("frame handler error", exc_info=True)
 
     # -- our side of the handshake: the answers to our HELLOs, read by the reader -------------------
