@@ -20,7 +20,7 @@ from stratagem.core.acceptor import (
     Reply,
     Stage,
 )
-from stratagem.core.cluster import ClusterSpec, TaskId
+from stratagem.core.cluster import ClusterSpec
 from stratagem.core.errors import ConfigurationError, ProtocolError
 from stratagem.core.wire import Kind, Limits
 
