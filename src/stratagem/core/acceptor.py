@@ -92,42 +92,38 @@ class Reply:
 
 
 @dataclass(frozen=True)
-class Admitted:
+class _OfTask:
+    task: TaskId
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Admitted(_OfTask):
     """``task`` proved who it is on this connection: its ``epoch``-th admission (``again``: not its first,
     so an older connection of it belongs to a process that is gone or going). A WELCOME follows."""
 
-    task: TaskId
-    epoch: int
     again: bool
 
 
-@dataclass(frozen=True)
-class Refused:
-    """The connection is refused for ``reason`` (log and count it); a REJECT saying why precedes it."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class Dropped:
-    """A frame came on a connection that is over already: drop it (log and count it)."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class Left:
+class Left(_OfTask):
     """The peer of an open connection said GOODBYE: ``task`` (admission ``epoch``) closed its transport."""
 
-    task: TaskId
-    epoch: int
-
 
 @dataclass(frozen=True)
-class GaveUp:
-    """The connector refused this task's proof (its REJECT, with ``reason``) and ends the connection."""
-
+class _Ending:
     reason: str
+
+
+class Refused(_Ending):
+    """The connection is refused for ``reason`` (log and count it); a REJECT saying why precedes it."""
+
+
+class Dropped(_Ending):
+    """A frame came on a connection that is over already: drop it for ``reason`` (log and count it)."""
+
+
+class GaveUp(_Ending):
+    """The connector refused this task's proof (its REJECT, with ``reason``) and ends the connection."""
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,10 @@ import copy
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping, TypeVar
 
 from stratagem.core.cluster import ClusterSpec, TaskId
-from stratagem.core.errors import ConfigurationError, PeerLostError
+from stratagem.core.errors import ConfigurationError, PeerLostError, TransportClosed
 from stratagem.core.lifecycle import end_at_exit
 from stratagem.core.traffic import Traffic
 from stratagem.core.wire import Limits
@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 300.0
 #: Default seconds of silence after which a connected peer is declared lost.
 DEFAULT_PEER_TIMEOUT = 30.0
+
+_Peer = TypeVar("_Peer")
 
 
 @dataclass
@@ -255,6 +257,37 @@ class Transport(abc.ABC):
             raise PeerLostError(dst, reason)
         self.traffic.count_sent(dst, msg.nbytes)
         return dst
+
+    def _own_address(self) -> str:
+        """This task's ``host:port``, for a transport that listens on the network; a clear error where
+        the cluster has no addresses."""
+        address = self.cluster.address(self.task)
+        if address is None:
+            raise ConfigurationError(
+                f"{self.task} has no network address (the cluster came from an MPI or Slurm world): use "
+                f"transport='mpi' under mpiexec, set STRATAGEM_PORT under srun (each task listens on its "
+                f"node at STRATAGEM_PORT + SLURM_LOCALID), or give addresses through STRATAGEM_CONFIG/TF_CONFIG"
+            )
+        return address
+
+    def _connection(self, peers: dict[TaskId, _Peer], lock, task: TaskId,
+                    connect: Callable[[TaskId, str], _Peer]) -> tuple[_Peer, bool]:
+        """Our connection to ``task`` from ``peers``, else a new one, ``connect(task, address)``, made and
+        filed under ``lock`` (once, whatever the threads); returns it and whether it is new."""
+        peer = peers.get(task)
+        if peer is not None:
+            return peer, False
+        with lock:
+            peer = peers.get(task)
+            if peer is not None:
+                return peer, False
+            if self._closed:
+                raise TransportClosed(f"{self.task}: transport closed")
+            address = self.cluster.address(task)
+            if address is None:
+                raise ConfigurationError(f"{task} has no network address in the cluster spec")
+            peer = peers[task] = connect(task, address)
+        return peer, True
 
     def _check_peer(self, task: TaskId | str) -> TaskId:
         task = TaskId.parse(task)

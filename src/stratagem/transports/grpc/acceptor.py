@@ -58,14 +58,10 @@ class GrpcAcceptor:
     def __init__(self, acceptor: Acceptor, mailbox: Mailbox, *, lock, handshake_timeout: float,
                  take_peer: Callable[[TaskId], object], retire: Callable[[object], None],
                  declare_lost: Callable[[TaskId, str, int], None]):
-        self.acceptor = acceptor
-        self.task = acceptor.task
-        self._mailbox = mailbox
-        self._lock = lock
-        self._handshake_timeout = handshake_timeout
-        self._take_peer = take_peer
-        self._retire = retire
-        self._declare_lost = declare_lost
+        self.acceptor, self.task = acceptor, acceptor.task
+        self._mailbox, self._lock, self._handshake_timeout = mailbox, lock, handshake_timeout
+        # What the transport does for us: our own streams to peers, and the losses, are its.
+        self._take_peer, self._retire, self._declare_lost = take_peer, retire, declare_lost
         self._streams: set[Incoming] = set()
         self._closing = False
         self._stats_lock = threading.Lock()

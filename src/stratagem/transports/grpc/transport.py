@@ -180,14 +180,7 @@ class GrpcTransport(Transport):
                  handshake_timeout: float = 30.0, linger: float = 1.0, max_workers: int | None = None,
                  **common):
         super().__init__(cluster, task, **common)
-        address = self.cluster.address(self.task)
-        if address is None:
-            raise ConfigurationError(
-                f"{self.task} has no network address (the cluster came from an MPI or Slurm world): use "
-                f"transport='mpi' under mpiexec, set STRATAGEM_PORT under srun (each task listens on its "
-                f"node at STRATAGEM_PORT + SLURM_LOCALID), or give addresses through STRATAGEM_CONFIG/TF_CONFIG"
-            )
-        host, _, port = address.rpartition(":")
+        host, _, port = self._own_address().rpartition(":")
         self._host, self._port = host.strip("[]"), int(port)
         self._bind_host = ports.bind_host(self._host, bind_host)
         if not 1 <= int(chunk_bytes) <= MAX_MESSAGE_BYTES:
@@ -360,27 +353,20 @@ class GrpcTransport(Transport):
 
     # -- outgoing streams --------------------------------------------------------------------------
     def _ensure_peer(self, task: TaskId) -> Outgoing:
-        peer = self._peers.get(task)
-        if peer is not None:
-            return peer
-        with self._lock:
-            peer = self._peers.get(task)
-            if peer is not None:
-                return peer
-            if self._closed:
-                raise TransportClosed(f"{self.task}: transport closed")
-            address = self.cluster.address(task)
-            if address is None:
-                raise ConfigurationError(f"{task} has no network address in the cluster spec")
-            hello, nonce = handshake.make_hello(self.task, self._cluster_id, self.secret)
-            peer = Outgoing(task, address, nonce)
-            peer.queue.put(Eager(frame_bytes(wire.encode(Kind.HELLO, "", hello))))
-            peer.channel = self._channel(address)
-            stream = peer.channel.stream_stream(FULL_METHOD)  # no (de)serializers: raw bytes
-            peer.call = stream(self._requests(peer), wait_for_ready=True)
-            self._peers[task] = peer
-        threading.Thread(target=self._read_responses, args=(peer,), daemon=True,
-                         name=f"stratagem-grpc-{self.task.short}-to-{task.short}").start()
+        peer, new = self._connection(self._peers, self._lock, task, self._connect)
+        if new:
+            threading.Thread(target=self._read_responses, args=(peer,), daemon=True,
+                             name=f"stratagem-grpc-{self.task.short}-to-{task.short}").start()
+        return peer
+
+    def _connect(self, task: TaskId, address: str) -> Outgoing:
+        """A stream to ``task`` at ``address``, its HELLO queued (under the lock)."""
+        hello, nonce = handshake.make_hello(self.task, self._cluster_id, self.secret)
+        peer = Outgoing(task, address, nonce)
+        peer.queue.put(Eager(frame_bytes(wire.encode(Kind.HELLO, "", hello))))
+        peer.channel = self._channel(address)
+        stream = peer.channel.stream_stream(FULL_METHOD)  # no (de)serializers: raw bytes
+        peer.call = stream(self._requests(peer), wait_for_ready=True)
         return peer
 
     def _channel(self, address: str) -> grpc.Channel:

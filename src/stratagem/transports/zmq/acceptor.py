@@ -57,16 +57,10 @@ class ZmqAcceptor:
     def __init__(self, acceptor: Acceptor, mailbox: Mailbox, stats: dict, *,
                  answer: Callable[[bytes, Kind, dict], None], forget_peer: Callable[[TaskId], None],
                  watch_peer: Callable[[TaskId], object], peer_gone: Callable[[TaskId, str], None], part_cap: int):
-        self.acceptor = acceptor
-        self.task = acceptor.task
-        self.limits = acceptor.limits
-        self._mailbox = mailbox
-        self.stats = stats
-        self._answer = answer
-        self._forget_peer = forget_peer
-        self._watch_peer = watch_peer
-        self._peer_gone = peer_gone
-        self._part_cap = part_cap
+        self.acceptor, self.task, self.limits = acceptor, acceptor.task, acceptor.limits
+        self._mailbox, self.stats, self._part_cap = mailbox, stats, part_cap
+        # What the transport does for us: the ROUTER and our own connections to peers are its.
+        self._answer, self._forget_peer, self._watch_peer, self._peer_gone = answer, forget_peer, watch_peer, peer_gone
         self._incoming: dict[bytes, Connection] = {}      # by ZeroMQ's routing id
         self._pieces: dict[bytes, Reassembler] = {}       # frames arriving as stream pieces
         self._rejected: dict[bytes, int] = {}

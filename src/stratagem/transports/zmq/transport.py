@@ -147,14 +147,7 @@ class ZmqTransport(Transport):
     def __init__(self, cluster, task, *, bind_host: str | None = None, io_threads: int = 1,
                  zero_copy_bytes: int = 256 * 1024, linger: float = 1.0, **common):
         super().__init__(cluster, task, **common)
-        address = self.cluster.address(self.task)
-        if address is None:
-            raise ConfigurationError(
-                f"{self.task} has no network address (the cluster came from an MPI or Slurm world): use "
-                f"transport='mpi' under mpiexec, set STRATAGEM_PORT under srun (each task listens on its "
-                f"node at STRATAGEM_PORT + SLURM_LOCALID), or give addresses through STRATAGEM_CONFIG/TF_CONFIG"
-            )
-        host, _, port = address.rpartition(":")
+        host, _, port = self._own_address().rpartition(":")
         self._host, self._port = host, int(port)
         self._bind_host = ports.bind_host(host, bind_host)
         if io_threads < 1:
@@ -388,38 +381,31 @@ class ZmqTransport(Transport):
             raise TransportClosed(f"{self.task}: the zmq transport is {'closed' if self._closed else 'not started (call start())'}")
 
     def _ensure_peer(self, task: TaskId) -> _Peer:
-        peer = self._peers.get(task)
-        if peer is not None:
-            return peer
-        with self._peers_lock:
-            peer = self._peers.get(task)
-            if peer is not None:
-                return peer
-            if self._closed:
-                raise TransportClosed(f"{self.task}: transport closed")
-            address = self.cluster.address(task)
-            if address is None:
-                raise ConfigurationError(f"{task} has no network address in the cluster spec")
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.LINGER, self._linger_ms)
-            sock.setsockopt(zmq.MAXMSGSIZE, _CONTROL_PART_BYTES)  # it only ever receives control frames
-            if self.secret:
-                sock.plain_username = ZAP_USER
-                sock.plain_password = handshake.connection_token(self.secret, self._cluster_id)
-            interval_ms, timeout_ms = heartbeat_ms(self.peer_timeout)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
-            sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.peer_timeout * 1000))
-            monitor = sock.get_monitor_socket(_MONITOR_EVENTS, self._monitor_address())
-            sock.connect(f"tcp://{address}")
-            hello, nonce = handshake.make_hello(self.task, self._cluster_id, self.secret)
-            peer = _Peer(task, sock, monitor, nonce, address)
-            peer.handshaking = True  # from now on only the reader uses sock, until WELCOME or REJECT
-            sock.send_multipart(wire.encode(Kind.HELLO, "", hello))
-            self._peers[task] = peer
-        self._new_monitors.put(peer)
-        self._poke(b"watch")
+        peer, new = self._connection(self._peers, self._peers_lock, task, self._connect)
+        if new:
+            self._new_monitors.put(peer)
+            self._poke(b"watch")
+        return peer
+
+    def _connect(self, task: TaskId, address: str) -> _Peer:
+        """A DEALER to ``task`` at ``address``, its HELLO sent (under the peers' lock)."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, self._linger_ms)
+        sock.setsockopt(zmq.MAXMSGSIZE, _CONTROL_PART_BYTES)  # it only ever receives control frames
+        if self.secret:
+            sock.plain_username = ZAP_USER
+            sock.plain_password = handshake.connection_token(self.secret, self._cluster_id)
+        interval_ms, timeout_ms = heartbeat_ms(self.peer_timeout)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.peer_timeout * 1000))
+        monitor = sock.get_monitor_socket(_MONITOR_EVENTS, self._monitor_address())
+        sock.connect(f"tcp://{address}")
+        hello, nonce = handshake.make_hello(self.task, self._cluster_id, self.secret)
+        peer = _Peer(task, sock, monitor, nonce, address)
+        peer.handshaking = True  # from now on only the reader uses sock, until WELCOME or REJECT
+        sock.send_multipart(wire.encode(Kind.HELLO, "", hello))
         return peer
 
     def _monitor_address(self) -> str:
