@@ -353,7 +353,8 @@ def test_unknown_and_bad_options_are_rejected_before_the_transport_starts():
     with pytest.raises(ConfigurationError) as info:
         MirroredStrategy("local", bucket_byte=1024, **common)
     assert "does not accept option(s) 'bucket_byte' (did you mean 'bucket_bytes'?)" in str(info.value)
-    assert "bucket_bytes, chunk_bytes, cluster, compression, plugins, small_bytes, task, timeout" in str(info.value)
+    assert ("bucket_bytes, chunk_bytes, cluster, commit_every, compression, on_failure, plugins, small_bytes, "
+            "task, timeout") in str(info.value)
     for bad, message in [({"compression": "int8"}, "unknown compression 'int8'"),
                          ({"bucket_bytes": 0}, "bucket_bytes must be an integer >= 1"),
                          ({"chunk_bytes": "1M"}, "chunk_bytes must be an integer >= 1"),

@@ -27,6 +27,7 @@ from stratagem.core.errors import (
     StratagemError,
     TransportClosed,
     TransportTimeout,
+    WorldChangedError,
 )
 
 from stratagem._version import __version__
@@ -49,7 +50,7 @@ _LAZY = {
 __all__ = [
     "AuthenticationError", "ClusterResolver", "ClusterSpec", "CollectiveMismatchError",
     "CommunicationError", "ConfigurationError", "IncompatibleError", "PeerLostError", "PluginError",
-    "ProtocolError", "StratagemError", "TaskId", "TransportClosed", "TransportTimeout",
+    "ProtocolError", "StratagemError", "TaskId", "TransportClosed", "TransportTimeout", "WorldChangedError",
     "communicator", "strategy", "transport", "plugin_manager", "__version__", "optimizers", "ray",
     *_LAZY,
 ]
@@ -141,7 +142,9 @@ def strategy(name: str, transport: str | None = None, **options):
     an unknown option is refused with the list of known ones):
 
     - ``"mirrored"``: every replica holds every variable; gradients are all-reduced each step.
-      ``bucket_bytes`` (gradient fusion), ``chunk_bytes``, ``small_bytes``, ``timeout``.
+      ``bucket_bytes`` (gradient fusion), ``compression``, ``chunk_bytes``, ``small_bytes``, ``timeout``,
+      ``on_failure`` (``"shrink"``: elastic training, the survivors of a lost replica go on) and
+      ``commit_every``.
     - ``"between_graph"``: variables on ``ps`` tasks; each worker runs its own loop. ``mode``
       (``"async"``, ``"sync"``, ``"bounded"``), ``replicas_to_aggregate``, ``total_replicas``,
       ``staleness``, ``placement``, ``partition_bytes``, ``checkpoint_dir``, ``timeout``.

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from stratagem.core.errors import ConfigurationError
+from stratagem.core import timeline as _timeline
 from stratagem.adapters.torch_params import resolve_strategy, variable_of, wrap_parameters
 from stratagem.adapters.torch_state import TorchOptimizerState
 from stratagem.adapters.torch_tensors import as_array, as_tensor
@@ -172,7 +173,12 @@ class DistributedOptimizer:
             with torch.no_grad():
                 for (param, _), grad in zip(present, reduced):
                     param.grad.copy_(as_tensor(grad))
-            self.optimizer.step()
+            recorder = _timeline.RECORDER
+            if recorder is None:
+                self.optimizer.step()
+            else:
+                with recorder.span("optimizer", "optimizer", {"optimizer": type(self.optimizer).__name__}):
+                    self.optimizer.step()
             self._state.iterations += 1
         return loss
 

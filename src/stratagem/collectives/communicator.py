@@ -37,6 +37,7 @@ from stratagem.core.cluster import ClusterResolver, TaskId
 from stratagem.core.errors import CollectiveMismatchError, CommunicationError, ConfigurationError, PeerLostError, TransportClosed
 from stratagem.core.transport import Transport
 from stratagem.core.transport_factory import default_factory
+from stratagem.core import timeline as _timeline
 
 #: Options ``open_communicator`` passes to the Communicator (anything else must go in transport_options).
 COMMUNICATOR_OPTIONS = ("members", "name", "timeout", "chunk_bytes", "small_bytes")
@@ -89,6 +90,8 @@ class Communicator:
                  owns_transport: bool = False):
         if not isinstance(transport, Transport):
             raise ConfigurationError(f"a Communicator needs a Transport, got {type(transport).__name__}")
+        if _timeline.RECORDER is not None:
+            _timeline.RECORDER.check()   # an unwritable STRATAGEM_TIMELINE fails now, not at exit
         self.transport = transport
         self._owns_transport = owns_transport
         members = _check_members(transport, members)
@@ -103,6 +106,8 @@ class Communicator:
         self._lock = threading.Lock()  # one collective at a time: interleaved calls would mismatch
         self._close_lock = threading.Lock()
         self._closed = False
+        if _timeline.RECORDER is not None:
+            _timeline.RECORDER.attach(transport)
 
     # -- identity ------------------------------------------------------------------------------------
     @property
@@ -285,6 +290,8 @@ class Communicator:
     # -- dispatch ------------------------------------------------------------------------------------
     def _call(self, collective: str, x, **kwargs):
         """Run one collective: native if the transport has it, else core's algorithm."""
+        recorder = _timeline.RECORDER
+        started = recorder.now() if recorder is not None else 0
         with self._lock:
             self._check_usable()
             x, restore = _stage(x, self.transport.device_buffers)
@@ -296,12 +303,25 @@ class Communicator:
                 result = self._core(collective, x, kwargs)
             else:
                 result = self._run_native(native, collective, x, kwargs)
+        if recorder is not None:
+            self._record(recorder, started, collective, x if x is not None else result, kwargs, native is not None)
         if result is None:
             return None
         if out is not None and restore is not _identity:
             out[...] = restore(result)
             return out
         return restore(result)
+
+    def _record(self, recorder, started: int, collective: str, array, kwargs: dict, native: bool) -> None:
+        """One collective on the timeline: its payload bytes, the other members, op and path."""
+        nbytes = int(getattr(array, "nbytes", 0))
+        args = {"bytes": nbytes, "wire_bytes": _ring_bytes(collective, nbytes, self.size),
+                "peers": [str(m) for m in self._session.members if m != self.transport.task],
+                "communicator": self.name, "native": native}
+        for key in ("op", "root", "algorithm"):
+            if key in kwargs:
+                args[key] = kwargs[key]
+        recorder.add("collective", collective, started, recorder.now(), args)
 
     def _core(self, collective: str, x, kwargs: dict):
         algorithm = coll.ALGORITHMS[collective]

@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from stratagem.core.cluster import TaskId
-from stratagem.core.errors import CollectiveMismatchError, CommunicationError, PeerLostError
+from stratagem.core.errors import CollectiveMismatchError, CommunicationError, PeerLostError, TransportTimeout
 from stratagem.core.transport import Message, SendHandle, Transport
 
 log = logging.getLogger(__name__)
 
 #: Abort notices are best-effort: never wait long on a peer that may itself be the problem.
 ABORT_SEND_TIMEOUT = 2.0
+#: An elastic session's receive looks at the peer's loss count at least this often (seconds).
+WATCH_SECONDS = 0.25
 
 
 def fingerprint(collective: str, **fields) -> dict:
@@ -61,10 +64,17 @@ class CollectiveSession:
 
     Not thread-safe: the communicator serialises calls. After a failed collective the session is
     *broken* (``broken`` holds the error): peers may be mid-call, so later traffic cannot be trusted.
+
+    ``generation`` (elastic communicators, :mod:`stratagem.collectives.elastic`): the number of this
+    membership. It is part of every fingerprint, and a message of an older generation (the rest of a
+    ring that a lost peer broke, an abort notice about it) is discarded, never reduced. A receive then
+    also watches the transport's count of the peer's losses (``peer_losses``, read when the generation
+    began): a transport accepts a restarted process as the same peer, so without it a member could wait
+    forever on a process that died and was replaced before anyone noticed.
     """
 
     def __init__(self, transport: Transport, members: Sequence[TaskId], rank: int, *, name: str,
-                 timeout: float | None, chunk_bytes: int, small_bytes: int):
+                 timeout: float | None, chunk_bytes: int, small_bytes: int, generation: int | None = None):
         self.transport = transport
         self.members = list(members)
         self.rank = rank
@@ -75,6 +85,9 @@ class CollectiveSession:
         self.small_bytes = small_bytes
         self.seq = 0
         self.broken: BaseException | None = None
+        self.generation = generation
+        #: Each member's loss count when this generation began (elastic sessions only).
+        self.losses = {} if generation is None else {m: transport.peer_losses(m) for m in self.members}
 
     @property
     def size(self) -> int:
@@ -94,7 +107,10 @@ class CollectiveSession:
     @contextlib.contextmanager
     def collective(self, fingerprint: dict, learn: Sequence[str] = ()) -> Iterator["CollectiveCall"]:
         """Run one collective call: number it, and on failure break the session and warn the peers."""
-        call = CollectiveCall(self, {"seq": self.next_seq(), **fingerprint}, learn)
+        fp = {"seq": self.next_seq(), **fingerprint}
+        if self.generation is not None:
+            fp["gen"] = self.generation
+        call = CollectiveCall(self, fp, learn)
         try:
             yield call
         except Exception as exc:
@@ -218,11 +234,38 @@ class CollectiveCall:
 
     def _receive(self, src: int) -> Message:
         s = self.session
-        message = s.transport.recv(s.members[src], s.tag, timeout=s.timeout)
+        if s.generation is None:
+            message = s.transport.recv(s.members[src], s.tag, timeout=s.timeout)
+        else:
+            message = self._receive_current(src)
         if "abort" in message.meta:
             raise _error_from_abort(s, message.meta)
         self._check_fingerprint(src, message.meta.get("fp"))
         return message
+
+    def _receive_current(self, src: int) -> Message:
+        """An elastic session's receive: messages of older generations are dropped, and the wait ends
+        with ``PeerLostError`` once the transport has declared ``src`` lost since the generation began."""
+        s = self.session
+        task = s.members[src]
+        deadline = None if s.timeout is None else time.monotonic() + s.timeout
+        while True:
+            if s.transport.peer_losses(task) != s.losses.get(task, 0):
+                raise PeerLostError(task, f"{task} was lost while {s.who(s.rank)} waited for it in "
+                                          f"{describe(self.fp)} (a new process may have taken its place)")
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TransportTimeout(f"{s.transport.task}: no message {s.tag!r} from {task} within "
+                                       f"{s.timeout:g} s (is that task running and calling the same operation?)")
+            try:
+                message = s.transport.recv(task, s.tag, timeout=WATCH_SECONDS if remaining is None
+                                           else min(WATCH_SECONDS, remaining))
+            except TransportTimeout:
+                continue
+            fp = message.meta.get("fp")
+            gen = fp.get("gen") if isinstance(fp, dict) else None
+            if not (isinstance(gen, int) and gen < s.generation):
+                return message   # older generations' leftovers are dropped: never reduced
 
     def _check_fingerprint(self, src: int, theirs) -> None:
         s = self.session

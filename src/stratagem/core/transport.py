@@ -110,6 +110,9 @@ class Transport(abc.ABC):
     device_buffers: ClassVar[bool] = False
     #: True if all endpoints of a world must live in one process (the ``local`` transport).
     in_process: ClassVar[bool] = False
+    #: True if a world over it may change (elastic training, ``on_failure="shrink"``): a dead peer
+    #: is reported as ``PeerLostError``, and a new process for a lost task is accepted as that peer.
+    elastic: ClassVar[bool] = False
 
     def __init__(self, cluster: ClusterSpec, task: TaskId | str, *, secret: bytes | str | None = None,
                  timeout: float = DEFAULT_TIMEOUT, peer_timeout: float = DEFAULT_PEER_TIMEOUT,
@@ -234,6 +237,12 @@ class Transport(abc.ABC):
     def lost_peers(self) -> dict[TaskId, str]:
         """Peers known to be gone, with the reason."""
         return {}
+
+    def peer_losses(self, task: TaskId) -> int:
+        """How many times ``task`` was declared lost, even if a new process of it was accepted since
+        (a counter that never goes down): an elastic communicator waiting on a member sees that the
+        process it waits for was replaced (:mod:`stratagem.core.elastic`). The default counts none."""
+        return 0
 
     def flush(self, timeout: float | None = None, tasks=None) -> None:
         """Wait (up to ``timeout`` s, best effort) until what was sent to ``tasks`` (default: every

@@ -31,6 +31,9 @@ How the job ends:
 - Tasks that only serve (``ps``) may outlive the workers: once every ``chief``/``worker`` task has
   exited 0 they get ``--ps-grace`` seconds to exit on their own, then they are stopped. Being stopped
   then is *not* a failure (the table says so); a ps task exiting non-zero on its own is.
+- ``--restart-workers N``: a worker other than the chief that fails does not stop the job: it is
+  started again (``STRATAGEM_RESTARTS=<n>`` in its environment), up to N times, then left dead while
+  the others go on (:mod:`stratagem.launch.restarts`; for ``on_failure="shrink"``).
 - ``--timeout``: the whole job is stopped after that many seconds; the launcher exits 124. (If the
   workers have all succeeded by then, it only cuts the ps grace period short, and the job succeeds.)
 - Ctrl-C or SIGTERM to the launcher stops every task the same way; it exits 130 or 143. A second signal
@@ -68,6 +71,7 @@ from stratagem.launch.job import (
     job_secret,
     task_env,
 )
+from stratagem.launch.restarts import RESTARTS_ENV, Restarts
 from stratagem.launch.supervisor import (
     EXIT_OK,
     EXIT_SIGNALLED,
@@ -97,6 +101,9 @@ with --transport, STRATAGEM_TRANSPORT (the transport a script gets when it names
 lines are prefixed with the task ([worker:1] ...).
 With --ray ADDRESS the same job runs as Ray actors, one per task, on the nodes Ray chooses:
   stratagem launch --ray auto --worker 4 --ps 2 --spread -- python3 train.py
+With --timeline trace.json every task records where its steps go; the launcher merges them:
+  stratagem launch --timeline trace.json --worker 3 -- python3 train.py
+  stratagem timeline summary trace.json        # step breakdown, waits per peer, the straggler
 Exit status: 0 all tasks succeeded (ps tasks stopped after --ps-grace count as success), 1 a task
 failed, 2 usage error, 124 --timeout expired, 130/143 interrupted by SIGINT/SIGTERM.
 """
@@ -129,6 +136,7 @@ def launch(
     host: str = "127.0.0.1",
     grace: float = DEFAULT_GRACE,
     ps_grace: float = DEFAULT_PS_GRACE,
+    restart_workers: int | None = None,
 ) -> LaunchResult:
     """Run ``command`` once per task of a local cluster and supervise the job; see the module doc.
 
@@ -138,9 +146,13 @@ def launch(
     bad options before anything starts; once tasks run, every outcome is a :class:`LaunchResult`.
     A SIGINT/SIGTERM received during the call stops the job and is reported in the result
     (``interrupted_by``) rather than raised: a caller running several jobs should check it.
+    ``restart_workers``: see ``--restart-workers`` in the module doc (None: a failed task stops the job).
     """
     base_env = job_env(env)
     check_options(command, workers, ps, chief, secret, timeout, grace, ps_grace, base_env.get("PATH"))
+    if restart_workers is not None and (isinstance(restart_workers, bool) or not isinstance(restart_workers, int)
+                                        or restart_workers < 0):
+        raise ConfigurationError(f"restart_workers must be an integer >= 0, got {restart_workers!r}")
     check_transport(transport)
     secret = job_secret(secret, base_env)
     out = Sink(output if output is not None else sys.stdout)
@@ -150,16 +162,26 @@ def launch(
     tasks: list[RunningTask] = []
     pump = OutputPump()
     started = time.monotonic()
+    colors = {task: COLORS[i % len(COLORS)] for i, task in enumerate(cluster.tasks())}
+
+    def start(task: TaskId, restarts: int = 0) -> RunningTask:
+        env = task_env(base_env, cluster, task, secret, transport)
+        if restarts:
+            env[RESTARTS_ENV] = str(restarts)
+        process = start_task(task, command, env)
+        pump.add(process.stdout, PipeReader(task_prefix(task, colors[task], out.stream), out))
+        pump.add(process.stderr, PipeReader(task_prefix(task, colors[task], err.stream), err))
+        return RunningTask(task, process)
+
+    restarts = None if restart_workers is None else Restarts(restart_workers, cluster, start,
+                                                             lambda line: err.write(line + "\n"))
     try:
         with SignalTrap() as trap:
-            for i, task in enumerate(cluster.tasks()):
-                color = COLORS[i % len(COLORS)]
+            for task in cluster.tasks():
                 port_holders.pop(task).close()  # free the port as late as possible: see core.ports
-                process = start_task(task, command, task_env(base_env, cluster, task, secret, transport))
-                tasks.append(RunningTask(task, process))
-                pump.add(process.stdout, PipeReader(task_prefix(task, color, out.stream), out))
-                pump.add(process.stderr, PipeReader(task_prefix(task, color, err.stream), err))
-            outcome = run_to_end(tasks, pump, trap, timeout=timeout, ps_grace=ps_grace, grace=grace, started=started)
+                tasks.append(start(task))
+            outcome = run_to_end(tasks, pump, trap, timeout=timeout, ps_grace=ps_grace, grace=grace,
+                                 started=started, restarts=restarts)
     finally:
         # Every path, including errors and KeyboardInterrupt from a caller's handler: nothing survives.
         kill_and_reap(tasks)
@@ -197,6 +219,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ps-grace", type=float, default=DEFAULT_PS_GRACE, metavar="SECONDS",
                         help="time ps tasks may keep serving after every worker succeeded, before they are "
                              f"stopped without failing the job (default: {DEFAULT_PS_GRACE:g})")
+    parser.add_argument("--timeline", metavar="TRACE.json",
+                        help="record every task's step phases (compute, pack, collectives, ps push/pull, waits "
+                             "on each peer, optimizer) and merge them into one Chrome-trace/Perfetto file, "
+                             "clocks aligned; then: stratagem timeline summary TRACE.json")
+    parser.add_argument("--restart-workers", type=int, metavar="N",
+                        help="a worker (not the chief) that fails does not stop the job: start it again, up to "
+                             "N times, then go on without it; for mirrored with on_failure='shrink' "
+                             "(sets STRATAGEM_RESTARTS in a restarted task)")
     parser.add_argument("--mpi", action="store_true",
                         help="run the command once, as an MPI job: mpiexec -n WORKERS+PS in a private network "
                              "namespace (rank 0 is worker:0, the last PS ranks are ps tasks; "
@@ -223,12 +253,25 @@ def run(args: argparse.Namespace) -> int:
     try:
         if getattr(args, "mpi", False) and getattr(args, "ray", None):
             raise ConfigurationError("--mpi and --ray cannot be combined: give one of them")
+        restart_workers = getattr(args, "restart_workers", None)
+        if restart_workers is not None and (getattr(args, "mpi", False) or getattr(args, "ray", None)):
+            raise ConfigurationError("--restart-workers works with the local launcher only, not with --mpi "
+                                     "(an MPI world is fixed) or --ray")
         ray_only = {"--spread": getattr(args, "spread", False) or None,
                     "--cpus-per-task": getattr(args, "cpus_per_task", None),
                     "--placement-timeout": getattr(args, "placement_timeout", None)}
         if getattr(args, "ray", None) is None and any(v is not None for v in ray_only.values()):
             given = ", ".join(flag for flag, value in ray_only.items() if value is not None)
             raise ConfigurationError(f"{given}: only with --ray ADDRESS")
+        session = None
+        if getattr(args, "timeline", None):
+            if getattr(args, "ray", None):
+                raise ConfigurationError("--timeline does not work with --ray yet (the tasks' files stay on "
+                                         "their nodes): set STRATAGEM_TIMELINE=/shared/dir/{task}.json and run "
+                                         "stratagem timeline merge")
+            from stratagem.timeline.session import TimelineSession
+
+            session = TimelineSession(args.timeline)
         if getattr(args, "ray", None):
             from stratagem.launch.ray import DEFAULT_PLACEMENT_TIMEOUT, launch_ray
 
@@ -245,13 +288,16 @@ def run(args: argparse.Namespace) -> int:
 
             result = launch_mpi(command, workers=args.worker, ps=args.ps, chief=args.chief,
                                 transport=args.transport, secret=args.secret, timeout=args.timeout,
-                                grace=args.grace)
+                                grace=args.grace, env=session.env if session else None)
         else:
             result = launch(
                 command, workers=args.worker, ps=args.ps, chief=args.chief, transport=args.transport,
                 secret=args.secret, timeout=args.timeout, host=args.host, grace=args.grace,
-                ps_grace=args.ps_grace,
+                ps_grace=args.ps_grace, env=session.env if session else None,
+                restart_workers=restart_workers,
             )
+        if session is not None:
+            session.finish(result.cluster.tasks())
     except ConfigurationError as exc:
         parser = getattr(args, "_launch_parser", None)
         if parser is not None:

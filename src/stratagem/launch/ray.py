@@ -164,6 +164,8 @@ class _RayTask:
         self.returncode: int | None = None
         self.ended = False  # the task has exited and its output has all arrived (or its actor is lost)
         self.stopped_by_launcher = False
+        self.restarts = 0          # (--restart-workers is for the local launcher only)
+        self.tolerated = False
         self._pump = pump
 
     @property

@@ -34,6 +34,7 @@ from typing import Sequence
 
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import ConfigurationError
+from stratagem.launch.restarts import Restarts
 from stratagem.launch.task_output import OutputPump
 
 #: Jobs whose tasks only serve the others; they may outlive the workers (see ``--ps-grace``).
@@ -71,6 +72,10 @@ class TaskResult:
     returncode: int
     #: True if the launcher signalled the task (to stop it) while it was still running.
     stopped_by_launcher: bool = False
+    #: How many times ``--restart-workers`` started the task again (this is the last process's result).
+    restarts: int = 0
+    #: True if the task failed and ``--restart-workers`` let the job go on without it.
+    tolerated: bool = False
 
     @property
     def signal_name(self) -> str | None:
@@ -81,7 +86,12 @@ class TaskResult:
     def status(self) -> str:
         """``exit 3``, ``SIGKILL``, or ``stopped by launcher (SIGTERM)``."""
         ended = self.signal_name or f"exit {self.returncode}"
-        return f"stopped by launcher ({ended})" if self.stopped_by_launcher else ended
+        status = f"stopped by launcher ({ended})" if self.stopped_by_launcher else ended
+        if self.tolerated:
+            status += " (left dead: --restart-workers)"
+        if self.restarts:
+            status += f" (restarted {self.restarts}x)"
+        return status
 
 
 @dataclass(frozen=True)
@@ -125,7 +135,7 @@ class LaunchResult:
         """The text the launcher prints to stderr: one line, plus a per-task table unless all was clean."""
         verdict = "" if self.ok else "FAILED: "
         head = f"stratagem launch: {verdict}{self.reason} ({self.duration:.1f}s)"
-        if self.ok and not any(r.stopped_by_launcher for r in self.tasks):
+        if self.ok and not any(r.stopped_by_launcher or r.restarts or r.tolerated for r in self.tasks):
             return head
         rows = [("task", "pid", "status")] + [
             (r.task.short, str(r.pid), r.status + ("  <- first failure" if r.task == self.failed_task else ""))
@@ -154,6 +164,8 @@ class RunningTask:
         self.task = task
         self.process = process
         self.stopped_by_launcher = False
+        self.restarts = 0        # --restart-workers: how many times this task was started again
+        self.tolerated = False   # --restart-workers: it failed and the job goes on without it
 
     @property
     def running(self) -> bool:
@@ -178,7 +190,8 @@ class RunningTask:
             signal_group(self.process.pid, sig)
 
     def result(self) -> TaskResult:
-        return TaskResult(self.task, self.process.pid, self.process.returncode, self.stopped_by_launcher)
+        return TaskResult(self.task, self.process.pid, self.process.returncode, self.stopped_by_launcher,
+                          self.restarts, self.tolerated)
 
 
 #: Run between the fork and the task's own program: ask for SIGKILL when the launcher dies, make
@@ -268,20 +281,24 @@ def first_failure(tasks: list[RunningTask]) -> Outcome | None:
     """The first task that failed on its own (non-zero exit or killed by a signal we did not send)."""
     for t in tasks:
         code = t.poll()
-        if code and not t.stopped_by_launcher:
+        if code and not t.stopped_by_launcher and not t.tolerated:
             how = f"was killed by {describe_signal(-code)}" if code < 0 else f"exited with code {code}"
             return Outcome(f"{t.task.short} {how}; stopped the other tasks", EXIT_TASK_FAILED, t.task)
     return None
 
 
 def supervise(tasks: list[RunningTask], pump: OutputPump, trap: SignalTrap, *,
-              timeout: float | None, ps_grace: float, started: float) -> Outcome:
-    """Watch the running job until it is over or must be stopped; say why."""
+              timeout: float | None, ps_grace: float, started: float,
+              restarts: Restarts | None = None) -> Outcome:
+    """Watch the running job until it is over or must be stopped; say why. ``restarts``: the
+    ``--restart-workers`` policy, which may start a failed worker again (in place in ``tasks``)."""
     deadline = started + timeout if timeout is not None else None
-    drivers = [t for t in tasks if t.task.job not in SERVING_JOBS]
     ps_deadline = None
     while True:
         pump.pump(POLL_INTERVAL)
+        if restarts is not None:
+            restarts.handle(tasks)   # may replace a dead worker in ``tasks`` by its new process
+        drivers = [t for t in tasks if t.task.job not in SERVING_JOBS]
         now = time.monotonic()
         if trap.received:
             sig = trap.received[0]
@@ -295,6 +312,9 @@ def supervise(tasks: list[RunningTask], pump: OutputPump, trap: SignalTrap, *,
             return failure
         if len(over) == len(tasks):
             what = f"all {len(tasks)} tasks" if len(tasks) > 1 else "the task"
+            left = [t.task.short for t in tasks if t.tolerated]
+            if left:
+                what = f"every task but {', '.join(left)} (left dead: --restart-workers)"
             return Outcome(f"{what} finished successfully", EXIT_OK)
         if all(id(t) in over for t in drivers):
             # Only serving tasks are left; they get a grace period to notice and exit.
@@ -334,10 +354,10 @@ def kill_and_reap(tasks: list[RunningTask]) -> None:
 
 
 def run_to_end(tasks: list[RunningTask], pump: OutputPump, trap: SignalTrap, *, timeout: float | None,
-               ps_grace: float, grace: float, started: float) -> Outcome:
+               ps_grace: float, grace: float, started: float, restarts: Restarts | None = None) -> Outcome:
     """Watch the started job until it is over (:func:`supervise`), stop what still runs (:func:`stop`),
     and let the last output arrive; say why the job ended."""
-    outcome = supervise(tasks, pump, trap, timeout=timeout, ps_grace=ps_grace, started=started)
+    outcome = supervise(tasks, pump, trap, timeout=timeout, ps_grace=ps_grace, started=started, restarts=restarts)
     stop(tasks, pump, trap, grace)
     pump.drain(DRAIN_SECONDS, POLL_INTERVAL)
     return outcome

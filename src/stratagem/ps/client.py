@@ -26,6 +26,7 @@ from stratagem.core.cluster import TaskId
 from stratagem.core.errors import CommunicationError, PeerLostError, TransportTimeout
 from stratagem.ps.protocol import REPLY_TAG, REQUEST_TAG, RemoteError, ShardLostError
 from stratagem.core.transport import Message, Transport
+from stratagem.core import timeline as _timeline
 
 #: Longest slice a waiting call blocks in the transport before checking for lost shards.
 WAIT_SLICE = 0.2
@@ -68,6 +69,8 @@ class PSClient:
         reply has arrived, so the next call starts clean).
         """
         timeout = self.timeout if timeout is None else timeout
+        recorder = _timeline.RECORDER
+        started = recorder.now() if recorder is not None else 0
         with self._lock:
             ids: dict[int, int] = {}
             for index, message in requests.items():
@@ -75,7 +78,18 @@ class PSClient:
                 ids[index] = self._next_id
                 message.meta["id"] = self._next_id
             self._send_all(requests, timeout)
-            return self._gather(ids, timeout, on_reply)
+            replies = self._gather(ids, timeout, on_reply)
+        if recorder is not None:
+            self._record(recorder, started, requests, replies)
+        return replies
+
+    def _record(self, recorder, started: int, requests: Mapping[int, Message], replies: dict) -> None:
+        """One round on the timeline, named by its operation (push, pull...), with the bytes and shards."""
+        op = next((str(m.meta.get("op")) for m in requests.values()), "call")
+        recorder.add("ps", "set_optimizer" if op == "optimizer" else op, started, recorder.now(), {
+            "bytes_sent": sum(m.nbytes for m in requests.values()),
+            "bytes_received": sum(r.nbytes for r in replies.values()),
+            "peers": [str(self.shards[index]) for index in requests]})
 
     def _send_all(self, requests: Mapping[int, Message], timeout: float | None) -> None:
         """Start every request, then wait until the transport is done with their arrays.
@@ -118,6 +132,10 @@ class PSClient:
         replies: dict[int, Message] = {}
         parts: dict[int, list[Message]] = {}     # the earlier parts of replies that come in parts
         deadline = None if timeout is None else time.monotonic() + timeout
+        # The timeline charges the time until each reply to the shard it came from (the receives here
+        # take any shard's reply, so the mailbox cannot name the peer waited on).
+        recorder = _timeline.RECORDER
+        waiting_since = recorder.now() if recorder is not None else 0
         while len(replies) < len(ids):
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -132,12 +150,16 @@ class PSClient:
             except TransportTimeout:
                 self._check_lost(ids, replies)
                 continue
+            if recorder is not None:
+                waiting_since = recorder.wait_until_now(reply.src, REPLY_TAG, waiting_since)
             index = by_task.get(reply.src)
             if index is None or reply.meta.get("id") != ids[index]:
                 continue  # the late reply to an earlier call that timed out
             ok = "error" not in reply.meta
             if ok and on_reply is not None:
                 on_reply(index, reply)
+                if recorder is not None:
+                    waiting_since = recorder.now()   # copying the values in was not waiting
             if ok and reply.meta.get("part", 0) + 1 < reply.meta.get("parts", 1):
                 parts.setdefault(index, []).append(reply)
                 continue

@@ -49,6 +49,7 @@ from stratagem.training.replica_sync import broadcast_arrays, broadcast_json
 from stratagem.training.sharding import shard_batch
 from stratagem.strategies.checkpoints import Checkpointing
 from stratagem.training.variables import array_module, is_device_array, strategy_scope
+from stratagem.core import timeline as _timeline
 
 #: The reductions ``Strategy.reduce`` (and the collectives) know.
 REDUCE_OPS = ("sum", "mean", "min", "max", "prod")
@@ -126,6 +127,8 @@ class Strategy(Checkpointing):
         self._pending_optimizer_state: dict | None = None  # restored before its optimizer was known
         self._batch_share: float | None = None    # this replica's share of the last global batch
         self._step = 0                            # updates applied through _apply_gradients
+        if _timeline.RECORDER is not None:
+            _timeline.RECORDER.check()   # an unwritable STRATAGEM_TIMELINE fails now, not at exit
         factory = plugins if plugins is not None else default_factory()
         transport = factory.transport_or_default(transport)   # None: STRATAGEM_TRANSPORT, else zmq
         if isinstance(transport, Transport):
@@ -147,6 +150,8 @@ class Strategy(Checkpointing):
         # The plain script never calls shutdown(): end this strategy as the script ends
         # (stratagem.core.lifecycle): shut down after a normal end, leave with the error otherwise.
         end_at_exit(self)
+        if _timeline.RECORDER is not None:
+            _timeline.RECORDER.attach(self._transport, strategy=self.name)
 
     def _adopt(self, transport: Transport, cluster, task, transport_options) -> None:
         if transport_options:
@@ -433,7 +438,14 @@ class Strategy(Checkpointing):
             raise TypeError(f"run() needs a callable step function, got {type(fn).__name__}")
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple of positional arguments, e.g. args=(x,), got {type(args).__name__}")
-        return fn(*args, **dict(kwargs or {}))
+        recorder = _timeline.RECORDER
+        if recorder is None:
+            return fn(*args, **dict(kwargs or {}))
+        started = recorder.now()
+        try:
+            return fn(*args, **dict(kwargs or {}))
+        finally:
+            recorder.add("step", "step", started, recorder.now(), {"step": self._step})
 
     def reduce(self, op: str, value):
         """Combine ``value`` across the replicas with ``op`` (sum, mean, min, max, prod).

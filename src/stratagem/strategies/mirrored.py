@@ -52,6 +52,8 @@ from stratagem.training.replica_sync import allgather_json, broadcast_arrays, dt
 from stratagem.core.cluster import is_evaluator
 from stratagem.strategies.base import Strategy, evaluator_refusal
 from stratagem.training.variables import array_module, is_device_array
+from stratagem.core import timeline as _timeline
+from stratagem.strategies.mirrored_elastic import ElasticMirrored, ElasticTraining, check_elastic_transport
 
 #: Default largest bucket of fused gradients, in bytes (before any compression).
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -61,9 +63,11 @@ COMPRESSIONS = (None, "fp16")
 MAX_PLANS = 8
 #: Differences between replicas listed in one error message.
 MAX_LISTED = 10
+#: What ``on_failure`` may be: ``raise`` (a lost replica fails the others) or ``shrink`` (elastic).
+ON_FAILURE = ("raise", "shrink")
 
 
-class MirroredStrategy(Strategy):
+class MirroredStrategy(ElasticMirrored, Strategy):
     """Synchronous data parallelism: mirrored variables, all-reduced gradients (see the module doc).
 
     Options:
@@ -74,8 +78,32 @@ class MirroredStrategy(Strategy):
             Replicas stay identical either way.
         chunk_bytes, small_bytes, timeout: the replicas' :class:`~stratagem.collectives.communicator.Communicator`
             settings (default: the communicator's, and the transport's timeout).
+        on_failure: ``"raise"`` (default): a lost replica makes the others raise ``PeerLostError``
+            naming it. ``"shrink"``: elastic training (:mod:`stratagem.strategies.mirrored_elastic`):
+            the training function runs in ``strategy.elastic(fn)``; when a replica is lost the
+            survivors roll back to the last ``commit()``, go on without it and retry, and a restarted
+            worker joins at the next commit. Needs a transport whose world can change (``zmq``,
+            ``grpc``, ``shm``, ``local``), not ``mpi`` or ``nccl``; the chief must survive.
+        commit_every: under shrink, commit before every ``commit_every``-th batch that
+            ``distribute_dataset`` yields (default 1; ``None``: only your ``commit()`` calls).
 
     Plus every strategy's keywords (``cluster``, ``task``, ``transport_options``, ``plugins``).
+
+    Elastic training, as a plain script run with ``stratagem launch --worker 3 --restart-workers 1 --
+    python3 train.py`` (``my_gradients`` and ``batches``, a list of global batches, are yours)::
+
+        strategy = stratagem.strategy("mirrored", on_failure="shrink")
+        with strategy.scope():
+            w = stratagem.Variable(np.zeros(10, np.float32), name="w")
+            opt = stratagem.optimizers.SGD(learning_rate=0.1)
+
+        @strategy.elastic                      # run again from the last commit when the world changes
+        def train():
+            for x, y in strategy.distribute_dataset(batches):   # commits every batch, fast-forwards
+                opt.apply_gradients([(my_gradients(w.value, x, y), w)])
+
+        strategy.on_reset(lambda change: print("now", change.size, "replicas; lost", change.lost))
+        train()
     """
 
     name = "mirrored"
@@ -85,11 +113,18 @@ class MirroredStrategy(Strategy):
         "chunk_bytes": None,
         "small_bytes": None,
         "timeout": None,
+        "on_failure": "raise",
+        "commit_every": 1,
     }
 
     def __init__(self, transport=None, **kwargs):
+        self._elastic = None
+        if kwargs.get("on_failure") == "shrink":
+            check_elastic_transport(transport, kwargs.get("plugins"))
         super().__init__(transport, **kwargs)
         self._plans: dict[tuple, _Plan] = {}   # gradient signature -> buckets (buffers reused)
+        if self.config["on_failure"] == "shrink":
+            self._elastic = ElasticTraining(self, self.config["commit_every"])
         if self.task not in self.cluster.replicas():
             task = self.task
             self.shutdown()
@@ -116,6 +151,11 @@ class MirroredStrategy(Strategy):
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):
             raise ConfigurationError(f"timeout must be a number of seconds > 0 (or None), got {timeout!r}")
+        if config["on_failure"] not in ON_FAILURE:
+            raise ConfigurationError(f"unknown on_failure {config['on_failure']!r} for strategy 'mirrored'; use "
+                                     f"'raise' (a lost replica fails the others) or 'shrink' (go on without it)")
+        if config["commit_every"] is not None:
+            _check_int("commit_every", config["commit_every"], 1)
 
     def _communicator_options(self) -> dict[str, Any]:
         return {key: self.config[key] for key in ("chunk_bytes", "small_bytes", "timeout")
@@ -124,7 +164,9 @@ class MirroredStrategy(Strategy):
     # -- variables ---------------------------------------------------------------------------------
     def _end_scope(self, created: list, *, first: bool) -> None:
         """Check the replicas created the same variables, then give them all the chief's values."""
-        if (created or first) and self.num_replicas_in_sync > 1:
+        if self._elastic is not None:
+            self._elastic.end_scope(created, first)
+        elif (created or first) and self.num_replicas_in_sync > 1:
             self._sync_variables(created)
 
     def _sync_variables(self, created: list) -> None:
@@ -155,7 +197,11 @@ class MirroredStrategy(Strategy):
         pairs = list(pairs)
         if self.num_replicas_in_sync > 1 and pairs:
             pairs = self._average(pairs)
+        recorder = _timeline.RECORDER
+        started = recorder.now() if recorder is not None else 0
         result = optimizer.apply_dense(pairs)
+        if recorder is not None:
+            recorder.add("optimizer", "optimizer", started, recorder.now(), {"optimizer": optimizer.name})
         self._step += 1
         return result
 
@@ -174,7 +220,12 @@ class MirroredStrategy(Strategy):
                     f"in this strategy's scope(), without None gradients"
                 )
         if self.num_replicas_in_sync > 1 and pairs:
-            pairs = self._average(pairs)
+            recorder = _timeline.RECORDER
+            if recorder is None:
+                pairs = self._average(pairs)
+            else:
+                with recorder.span("sync", "reduce_gradients", {"gradients": len(pairs)}):
+                    pairs = self._average(pairs)
         self._step += 1
         return [grad for grad, _ in pairs]
 
@@ -184,8 +235,13 @@ class MirroredStrategy(Strategy):
         plan = self._plan_for(grads, [var for _, var in pairs])
         weight = self._gradient_weight()
         comm = self._comm()
+        recorder = _timeline.RECORDER
         for bucket in plan.buckets:
+            started = recorder.now() if recorder is not None else 0
             bucket.pack(grads, weight)
+            if recorder is not None:
+                recorder.add("pack", "pack", started, recorder.now(),
+                             {"bytes": int(bucket.buffer.nbytes), "gradients": len(bucket.entries)})
             bucket.allreduce(comm)
         return [(plan.averaged(index), var) for index, (_, var) in enumerate(pairs)]
 

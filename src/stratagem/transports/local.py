@@ -77,6 +77,7 @@ class LocalTransport(Transport):
     """In-process transport; every endpoint of a world shares one ``fabric``."""
 
     name = "local"
+    elastic = True   # a restarted peer is re-accepted (LocalFabric.join marks it alive)
     in_process = True
     device_buffers = True  # buffers are copied with their own array module, so cupy stays on device
 
@@ -131,3 +132,6 @@ class LocalTransport(Transport):
 
     def lost_peers(self):
         return self._mailbox.lost() if self._mailbox is not None else {}
+
+    def peer_losses(self, task):
+        return self._mailbox.losses(TaskId.parse(task)) if self._mailbox is not None else 0

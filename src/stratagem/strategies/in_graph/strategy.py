@@ -105,6 +105,7 @@ import numpy as np
 from stratagem.core.cluster import is_evaluator
 from stratagem.core.errors import ConfigurationError, PeerLostError, TransportTimeout
 from stratagem.core.lifecycle import note_failure
+from stratagem.core import timeline as _timeline
 from stratagem.strategies.base import Strategy, _check_op, evaluator_refusal
 from stratagem.strategies.in_graph.client import Client, ReplicaError
 from stratagem.strategies.in_graph.devices import CURRENT_STEP, ClientStore, parse_devices
@@ -316,7 +317,11 @@ class InGraphStrategy(Strategy):
         rows = batch_rows(("args", tree[0]), ("kwargs", tree[1]))
         if rows == 0:
             raise ConfigurationError("the batch passed to run() has no rows")
-        return self._client.step(fn, tree, rows)
+        recorder = _timeline.RECORDER
+        if recorder is None:
+            return self._client.step(fn, tree, rows)
+        with recorder.span("step", "step", {"rows": rows}):
+            return self._client.step(fn, tree, rows)
 
     def reduce(self, op: str, value):
         """Combine a :class:`PerReplica` over the replicas with ``op`` (sum, mean, min, max, prod).

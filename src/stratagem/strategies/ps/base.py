@@ -65,6 +65,7 @@ from stratagem.strategies.checkpoints import DEFAULT_MAX_TO_KEEP
 from stratagem.strategies.ps.cache import adoptable, write_into
 from stratagem.training.variables import VariableStore, array_module, to_module
 from stratagem.core.wire import dtype_name
+from stratagem.core import timeline as _timeline
 
 #: Default size above which a variable is partitioned across the ps tasks.
 DEFAULT_PARTITION_BYTES = 16 << 20
@@ -412,6 +413,8 @@ class PSStrategyBase(Strategy):
         if self._optimizer_sent is not optimizer:
             self._client.set_optimizer(optimizer.get_config())
             self._optimizer_sent = optimizer
+        recorder = _timeline.RECORDER
+        started = recorder.now() if recorder is not None else 0
         by_shard: dict[int, tuple[list, list]] = {}
         rows: dict[int, tuple[list, list, list]] = {}
         for grad, var in pairs:
@@ -430,6 +433,8 @@ class PSStrategyBase(Strategy):
                 names, arrays = by_shard.setdefault(piece.ps, ([], []))
                 names.append(piece.name)
                 arrays.append(self._piece_value(piece, grad))
+        if recorder is not None:
+            recorder.add("pack", "pack", started, recorder.now(), {"shards": len(by_shard) + len(rows)})
         if self._stale and self.consistency["mode"] == "sync":
             # The step did not read the variables since they changed: it works on the current step.
             for index, meta in self._client.hello().items():

@@ -173,6 +173,7 @@ class GrpcTransport(Transport):
     """
 
     name = "grpc"
+    elastic = True   # a restarted peer is re-accepted (core/acceptor.py: an Admitted again)
 
     def __init__(self, cluster, task, *, bind_host: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None,
@@ -332,6 +333,9 @@ class GrpcTransport(Transport):
 
     def lost_peers(self):
         return self._mailbox.lost()
+
+    def peer_losses(self, task):
+        return self._mailbox.losses(TaskId.parse(task))
 
     def _require_started(self) -> None:
         if self._server is None or self._closed:

@@ -331,6 +331,9 @@ class MpiTransport(Transport):
             # rank would stay alive and silent until its peers time out on it (30 s), or forever.
             # Ending here, the peers' MPI (ULFM) reports this rank failed and they raise
             # PeerLostError naming it at once; without ULFM, mpiexec ends the job.
+            from stratagem.core.timeline import flush_now
+
+            flush_now(error)   # os._exit runs no exit callback: the timeline is written here
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
                     stream.flush()

@@ -204,6 +204,7 @@ class ShmTransport(Transport):
     """
 
     name = "shm"
+    elastic = True   # its zmq control connection re-accepts a restarted peer, which announces new rings
 
     def __init__(self, cluster, task, *, ring_bytes: int = 8 << 20, chunk_bytes: int = 1 << 20,
                  native_allreduce_bytes: int | None = NATIVE_MIN_BYTES, control_options: dict | None = None,
@@ -364,6 +365,9 @@ class ShmTransport(Transport):
 
     def lost_peers(self) -> dict[TaskId, str]:
         return self._inbox.lost()
+
+    def peer_losses(self, task) -> int:
+        return self._inbox.losses(TaskId.parse(task))
 
     def native_collectives(self):
         return {} if self._collectives is None else self._collectives.table()

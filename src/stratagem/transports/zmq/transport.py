@@ -143,6 +143,7 @@ class ZmqTransport(Transport):
     """
 
     name = "zmq"
+    elastic = True   # a restarted peer is re-accepted (core/acceptor.py: an Admitted again)
 
     def __init__(self, cluster, task, *, bind_host: str | None = None, io_threads: int = 1,
                  zero_copy_bytes: int = 256 * 1024, linger: float = 1.0, **common):
@@ -374,6 +375,9 @@ class ZmqTransport(Transport):
 
     def lost_peers(self):
         return self._mailbox.lost()
+
+    def peer_losses(self, task):
+        return self._mailbox.losses(TaskId.parse(task))
 
     # -- outgoing connections ----------------------------------------------------------------------
     def _require_started(self) -> None:
