@@ -150,6 +150,14 @@ class ByteStreamContract(TransportContract):
         return any(r.levelno >= logging.WARNING and r.name.startswith(self.logger()) and words in r.getMessage()
                    for r in list(caplog.records))
 
+    @contextlib.contextmanager
+    def attacked_pair(self, caplog) -> Iterator[tuple]:
+        """``(a, b, raw)``: two started endpoints of a fresh cluster and a raw peer connected to ``b``,
+        with the transport's warnings captured."""
+        with self.endpoints(local_cluster(2), ["worker:0", "worker:1"]) as (a, b), \
+                caplog.at_level(logging.WARNING, logger=self.logger()), self.open_raw(b) as raw:
+            yield a, b, raw
+
     def admitted(self, target, as_task: TaskId) -> RawPeer:
         """A raw peer that said HELLO as ``as_task`` (a task of the cluster that is not running) and
         was welcomed (no secret)."""
@@ -170,8 +178,7 @@ class ByteStreamContract(TransportContract):
     @pytest.mark.parametrize("case", sorted(MALFORMED))
     def test_a_malformed_first_frame_is_refused_and_the_server_keeps_serving(self, caplog, case):
         data, reason = MALFORMED[case]
-        with self.endpoints(local_cluster(2), ["worker:0", "worker:1"]) as (a, b), \
-                caplog.at_level(logging.WARNING, logger=self.logger()), self.open_raw(b) as attacker:
+        with self.attacked_pair(caplog) as (a, b, attacker):
             attacker.send_raw(data)
             assert wait_for(lambda: self.logged(caplog, reason)), [r.getMessage() for r in caplog.records]
             assert b.stats["rejected_frames"] >= 1
@@ -191,8 +198,7 @@ class ByteStreamContract(TransportContract):
             assert still_serves(a, b)
 
     def test_data_without_a_handshake_is_refused(self, caplog):
-        with self.endpoints(local_cluster(2), ["worker:0", "worker:1"]) as (a, b), \
-                caplog.at_level(logging.WARNING, logger=self.logger()), self.open_raw(b) as attacker:
+        with self.attacked_pair(caplog) as (a, b, attacker):
             attacker.send_frame(wire.encode(Kind.DATA, "forged", {"forged": True}, [np.arange(3)]))
             assert wait_for(lambda: self.logged(caplog, "before the handshake")), \
                 [r.getMessage() for r in caplog.records]
@@ -201,8 +207,7 @@ class ByteStreamContract(TransportContract):
             assert still_serves(a, b)
 
     def test_a_hello_from_another_cluster_is_refused_on_its_connection(self, caplog):
-        with self.endpoints(local_cluster(2), ["worker:0", "worker:1"]) as (a, b), \
-                caplog.at_level(logging.WARNING, logger=self.logger()), self.open_raw(b) as attacker:
+        with self.attacked_pair(caplog) as (a, b, attacker):
             hello, nonce = handshake.make_hello(a.task, "some-other-cluster", None)
             attacker.send_frame(wire.encode(Kind.HELLO, "", hello))
             attacker.send_frame(wire.encode(Kind.DATA, "forged", {"forged": True}))
