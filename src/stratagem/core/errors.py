@@ -23,6 +23,10 @@ class IncompatibleError(StratagemError):
     """A strategy cannot run over the chosen transport (or another combination that cannot work)."""
 
 
+class FunctionNotFound(ConfigurationError):
+    """A task cannot find, or refuses, the function a peer named (see :mod:`stratagem.core.remote_code`)."""
+
+
 class ProtocolError(StratagemError):
     """A frame is malformed, oversized, of another protocol version, or fails authentication."""
 

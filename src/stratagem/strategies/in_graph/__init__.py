@@ -2,5 +2,5 @@
 
 - :mod:`.strategy`: the strategy object; :mod:`.client`: the chief's side; :mod:`.replica`: what a
   worker runs; :mod:`.devices`: replica devices; :mod:`.functions`: how step functions reach a replica;
-  :mod:`.wire`: step arguments and results (nested values, never pickled).
+  :mod:`.wire`: splitting the batch, and the replicas' results (values travel as :mod:`stratagem.core.values`).
 """

@@ -21,18 +21,22 @@ from typing import Any, Callable
 import numpy as np
 
 from stratagem.collectives.algorithms import split_bounds
+from stratagem.core import values
+from stratagem.core.remote_code import main_script
 from stratagem.core.errors import ConfigurationError, PeerLostError, StratagemError, TransportClosed, TransportTimeout
 from stratagem.core.transport import Message
 from stratagem.training.variables import to_module
 from stratagem.strategies.in_graph.devices import Device, gather, parse_devices, placed_like
-from stratagem.strategies.in_graph.functions import FunctionSender, main_script, remember
+from stratagem.strategies.in_graph.functions import FunctionSender, remember
 from stratagem.strategies.in_graph.replica import PROTOCOL, REPLY, REQUEST, StepContext, run_step
-from stratagem.strategies.in_graph.wire import PerReplica, decode, encode, map_leaves, split_tree
+from stratagem.strategies.in_graph.wire import PerReplica, map_leaves, split_tree
 
 log = logging.getLogger(__name__)
 
 #: Seconds the client waits for each worker's goodbye when it shuts down.
 GOODBYE_TIMEOUT = 5.0
+#: Errors of a replica whose message says it all (no remote traceback with them).
+_EXPLAINED = ("ConfigurationError", "FunctionNotFound", "ProtocolError")
 #: Seconds the client looks for an answer that has arrived once the step's deadline has passed.
 _LATE_LOOK = 0.05
 
@@ -217,7 +221,8 @@ class Client:
                 remember(replica.functions, fn_meta["sha"], True)
             if send_function:
                 buffers.append(np.frombuffer(fn_data, np.uint8))
-            skeleton, arrays = encode(tree if lo is None else split_tree(tree, lo, hi))
+            skeleton, arrays = values.encode_call(*(tree if lo is None else split_tree(tree, lo, hi)),
+                                                  what="an argument of the step")
             meta = {"op": "step", "step": attempt, "values": [[n, stores[n].version] for n in changed],
                     "fn": fn_meta, "fn_bytes": send_function, "args": skeleton}
             try:
@@ -270,7 +275,7 @@ class Client:
         outcome.calls = []
         for names in meta.get("calls") or []:
             outcome.calls.append((None, [(name, buffers.pop(0), None) for name in names]))
-        outcome.result = decode(meta.get("result", {"v": None}), buffers)
+        outcome.result = values.decode(meta.get("result"), buffers)
 
     @staticmethod
     def _remote_error(replica: Replica, meta: dict) -> Exception:
@@ -279,7 +284,7 @@ class Client:
         if where != "step":
             replica.functions.clear()   # it may not hold what the client thinks it sent: send again
             what = "send the step's result back" if where == "reply" else "run the step"
-            detail = "" if kind == "ConfigurationError" else f"\n\nremote traceback:\n{traceback}"
+            detail = "" if kind in _EXPLAINED else f"\n\nremote traceback:\n{traceback}"
             return ConfigurationError(f"{replica.label} could not {what}: {kind}: {message}{detail}")
         return ReplicaError(f"the step function failed on {replica.label}: {kind}: {message}\n\nremote "
                             f"traceback:\n{traceback}", replica=replica.label, task=replica.task, error_type=kind,

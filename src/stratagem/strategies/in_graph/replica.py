@@ -5,7 +5,7 @@ serves here. The client's messages (tag ``in_graph/request``), in order:
 
 - ``hello``: the client's script (sha256) and protocol; the replica answers ``ready``.
 - ``step``: the values of the variables that changed since this replica last saw them (by version),
-  the step function (by name, or serialized: :mod:`.in_graph_functions`), and this replica's shard of
+  the step function (by name, or serialized: :mod:`.functions`), and this replica's shard of
   the arguments. The replica loads the values, runs the step with the gradient capture on, and
   answers ``done`` with every ``apply_gradients`` call's gradients (by variable name, in call order)
   and the step's result, or ``error`` with the exception's type, message and traceback.
@@ -28,13 +28,13 @@ from typing import Any
 
 import numpy as np
 
+from stratagem.core import values
 from stratagem.core.errors import ConfigurationError, PeerLostError, TransportClosed, TransportTimeout
 from stratagem.training.optimizers.rules import from_config
 from stratagem.core.transport import Message
 from stratagem.training.variables import Variable, VariableStore, is_device_array, strategy_scope
 from stratagem.strategies.in_graph.devices import CURRENT_STEP
 from stratagem.strategies.in_graph.functions import FunctionResolver
-from stratagem.strategies.in_graph.wire import decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -221,10 +221,10 @@ class ReplicaServer:
         step = meta.get("step")
         where = "setup"
         try:
-            values = meta["values"]
-            loaded = buffers[:len(values)]
-            rest = buffers[len(values):]
-            for (name, _version), array in zip(values, loaded):
+            changed = meta["values"]
+            loaded = buffers[:len(changed)]
+            rest = buffers[len(changed):]
+            for (name, _version), array in zip(changed, loaded):
                 held = self._held.get(name)
                 if held is None:
                     self._held[name] = HeldValue(name, array)
@@ -232,7 +232,7 @@ class ReplicaServer:
                     held.load(array)
             data = rest.pop(0) if meta.get("fn_bytes") else None
             fn = self.resolver.resolve(meta["fn"], data)
-            args, kwargs = decode(meta["args"], rest)
+            args, kwargs = values.decode_call(meta["args"], rest)
             where = "step"
             context = StepContext()
             result = run_step(fn, args, kwargs, context)
@@ -241,7 +241,7 @@ class ReplicaServer:
             for _, entries in context.calls:
                 names.append([name for name, _, _ in entries])
                 grads.extend(grad for _, grad, _ in entries)
-            skeleton, arrays = encode(result)
+            skeleton, arrays = values.encode(result, what="the step's result")
             return {"op": "done", "step": step, "calls": names, "result": skeleton}, grads + arrays
         except Exception as exc:  # noqa: BLE001 - told to the client, which raises it naming this replica
             return {"op": "error", "step": step, "where": where, "type": type(exc).__name__,

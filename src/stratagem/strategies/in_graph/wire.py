@@ -1,5 +1,6 @@
 """Step arguments and results of the ``in_graph`` strategy: splitting a global batch over the replicas,
-and nested values (trees of arrays) as plain metadata plus array buffers, never pickled.
+and the replicas' results (:class:`PerReplica`). Arguments and results travel as
+:mod:`stratagem.core.values` (plain metadata plus array buffers, never pickled).
 
 A step's arguments are a tree: tuples, lists and dicts whose leaves are arrays (numpy, cupy, PyTorch:
 anything with a ``shape`` that slices) or plain values (numbers, strings, ``None``...). Every leaf
@@ -13,20 +14,16 @@ axis; the other leaves go to every replica unchanged. Rows are split like ``np.a
     5
     >>> [len(split_tree(tree, lo, hi)[0][0]) for lo, hi in zip([0, 3], [3, 5])]
     [3, 2]
-    >>> skeleton, arrays = encode(tree)
-    >>> decoded = decode(skeleton, arrays)
-    >>> decoded[1], decoded[0][1].shape
-    ({'lr': 0.1}, (5, 2))
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 
 from stratagem.core.errors import ConfigurationError
-from stratagem.training.variables import _detach, is_device_array, to_module
+from stratagem.core.values import to_host
 
 
 def has_rows(leaf) -> bool:
@@ -95,74 +92,6 @@ def split_tree(tree, lo: int, hi: int):
     return map_leaves(tree, lambda leaf, path: leaf[lo:hi] if has_rows(leaf) else leaf)
 
 
-def _host(leaf):
-    """An array leaf as a host numpy array (cupy copied from its device, torch detached)."""
-    return to_module(leaf if is_device_array(leaf) else _detach(leaf), np)
-
-
-def encode(tree) -> tuple[Any, list[np.ndarray]]:
-    """``tree`` as ``(skeleton, arrays)``: plain data for a message's metadata and numpy buffers.
-
-    Arrays of any kind travel as host numpy arrays (cupy is copied from the device, PyTorch tensors
-    are detached); numpy scalars keep their dtype. Anything else than tuples, lists, dicts (keys: str,
-    int, float, bool or None), arrays, numbers, strings, bytes and ``None`` is refused, naming where it is.
-    """
-    arrays: list[np.ndarray] = []
-
-    def walk(node, path):
-        children = _children(node)
-        if children is not None:
-            if isinstance(node, Mapping):
-                bad = [k for k, _ in children if not isinstance(k, (str, int, float, bool, type(None)))]
-                if bad:
-                    raise ConfigurationError(f"{path} has a key of type {type(bad[0]).__name__}; dict keys "
-                                             f"sent to a replica must be strings or numbers")
-                return {"d": [[key, walk(child, f"{path}[{key!r}]")] for key, child in children]}
-            items = [walk(child, f"{path}[{key!r}]") for key, child in children]
-            return {"t": items} if isinstance(node, tuple) else {"l": items}
-        if node is None or isinstance(node, (bool, int, float, str, bytes)):
-            return {"v": node}
-        if isinstance(node, np.generic):
-            arrays.append(np.asarray(node))
-            return {"s": len(arrays) - 1}
-        if hasattr(node, "shape") and hasattr(node, "dtype"):
-            array = _host(node)
-            if array.dtype.kind not in "biufc" and array.dtype.name != "bfloat16":
-                raise ConfigurationError(f"{path} is an array of dtype {array.dtype}, which cannot be sent to a "
-                                         f"replica; use numbers")
-            arrays.append(array)
-            return {"a": len(arrays) - 1}
-        raise ConfigurationError(
-            f"{path} is a {type(node).__module__}.{type(node).__name__}, which cannot be sent between the "
-            f"client and a replica: use arrays, numbers, strings, None, and tuples, lists or dicts of them"
-        )
-
-    return walk(tree, "the value"), arrays
-
-
-def decode(skeleton, arrays: list):
-    """The inverse of :func:`encode` (arrays come back as numpy arrays, writable)."""
-    if not isinstance(skeleton, dict) or len(skeleton) != 1:
-        raise ConfigurationError(f"malformed value description {skeleton!r}")
-    (kind, body), = skeleton.items()
-    if kind == "v":
-        return body
-    if kind in ("a", "s"):
-        if not isinstance(body, int) or not 0 <= body < len(arrays):
-            raise ConfigurationError(f"a value refers to buffer {body!r} of {len(arrays)}")
-        array = arrays[body]
-        if not array.flags.writeable:
-            array = array.copy()
-        return array[()] if kind == "s" else array
-    if kind == "t" and isinstance(body, list):
-        return tuple(decode(item, arrays) for item in body)
-    if kind == "l" and isinstance(body, list):
-        return [decode(item, arrays) for item in body]
-    if kind == "d" and isinstance(body, list):
-        return {key: decode(value, arrays) for key, value in body}
-    raise ConfigurationError(f"malformed value description {skeleton!r}")
-
-
 class PerReplica:
     """What ``InGraphStrategy.run`` returns: each replica's value of the step, in replica order.
 
@@ -207,7 +136,7 @@ def reduce_per_replica(op: str, value: PerReplica):
         raise ConfigurationError("nothing to reduce: no replica ran the step (the batch had no rows)")
     scalar = all(isinstance(v, (int, float, np.generic)) and not isinstance(v, bool) for v in values)
     try:
-        stacked = np.stack([np.asarray(_host(v) if hasattr(v, "shape") else v) for v in values])
+        stacked = np.stack([np.asarray(to_host(v) if hasattr(v, "shape") else v) for v in values])
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(
             f"cannot reduce the replicas' values ({', '.join(type(v).__name__ for v in values)}): {exc}; "

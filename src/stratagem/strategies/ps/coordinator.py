@@ -25,18 +25,12 @@ import time
 from collections import Counter, deque
 from typing import Any, Callable
 
+import numpy as np
+
+from stratagem.core import remote_code, values
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import CommunicationError, ConfigurationError, PeerLostError, StratagemError, TransportTimeout
 from stratagem.training.optimizers.rules import Optimizer
-from stratagem.strategies.ps.functions import (
-    _HOW_TO_ENABLE,
-    by_name_problem,
-    decode_value,
-    encode_value,
-    function_ref,
-    own_arrays,
-    pickle_function,
-)
 from stratagem.ps.protocol import ShardLostError
 from stratagem.core.transport import Message
 from stratagem.training.variables import Variable
@@ -44,6 +38,14 @@ from stratagem.training.variables import Variable
 log = logging.getLogger(__name__)
 
 CLOSURE_TAG, RESULT_TAG = "ps.closure", "ps.result"
+#: The ``functions`` option's values, as :mod:`stratagem.core.remote_code` calls them.
+FUNCTION_MODES = {"auto": "auto", "name": "name", "cloudpickle": "value"}
+#: Where else a function sent by name must be defined (the workers serve inside the strategy's constructor).
+_WHERE = (", before the call to stratagem.strategy(...) (workers serve inside that call, so what comes "
+          "after it does not exist there)")
+#: What may be an argument of a step.
+_SENDABLE = ("pass numbers, strings, arrays, lists, tuples, dicts, stratagem Variables, the optimizer or a "
+             "per-worker iterator")
 #: Seconds a waiting dispatcher or join() sleeps between checks.
 POLL = 0.1
 
@@ -141,6 +143,8 @@ class Coordinator:
         self.workers = list(workers)
         self.functions = functions
         self.authenticated = self.transport.secret is not None
+        self._policy = remote_code.Policy(FUNCTION_MODES[functions], authenticated=self.authenticated,
+                                          peers="the workers", option=f"functions={functions!r}", hint=_WHERE)
         self._cond = threading.Condition()
         self._queue: deque[_Closure] = deque()
         self._inflight = 0
@@ -164,7 +168,7 @@ class Coordinator:
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple of positional arguments, e.g. args=(x,), got {type(args).__name__}")
         self._raise_pending()
-        pickled = self._how(fn, "step function") == "pickle"
+        pickled = self._how(fn, "step function") == "value"
         remote = RemoteValue(getattr(fn, "__qualname__", repr(fn)))
         closure = _Closure(fn, tuple(args), dict(kwargs or {}), remote, pickled, next(self._ids))
         closure.message = self._encode(closure)  # refuse what cannot be sent now, not on a worker later
@@ -205,7 +209,7 @@ class Coordinator:
         if not callable(dataset_fn):
             raise TypeError(f"create_per_worker_dataset() needs a function, got {type(dataset_fn).__name__}")
         how = self._how(dataset_fn, "dataset function")
-        ref = function_ref(dataset_fn) if how == "name" else None
+        ref = remote_code.by_name(dataset_fn) if how == "name" else None
         dataset = PerWorkerDataset(len(self._datasets) + 1, dataset_fn, ref)
         self._datasets[dataset.id] = dataset
         return dataset
@@ -229,19 +233,8 @@ class Coordinator:
 
     # -- encoding ------------------------------------------------------------------------------------
     def _how(self, fn: Callable, what: str) -> str:
-        problem = by_name_problem(fn)
-        if self.functions == "cloudpickle" or (problem and self.functions == "auto"):
-            if not self.authenticated:
-                reason = problem or "functions='cloudpickle' was asked for"
-                raise ConfigurationError(
-                    f"the {what} cannot be sent by name ({reason}) and this cluster is not authenticated, so it "
-                    f"may not be sent with cloudpickle (unpickling runs code). Define it at module level, before "
-                    f"stratagem.strategy(...) (every task runs the same script), or {_HOW_TO_ENABLE}"
-                )
-            return "pickle"
-        if problem:
-            raise ConfigurationError(f"the {what} cannot be sent by name: {problem}; define it at module level")
-        return "name"
+        """``"name"`` or ``"value"`` (the rules: :mod:`stratagem.core.remote_code`)."""
+        return self._policy.how(fn, f"the {what} {remote_code.describe(fn)!r}")
 
     def _reference(self, obj):
         strategy = self.strategy
@@ -263,27 +256,37 @@ class Coordinator:
         return None if ref is None else json.dumps(ref, sort_keys=True)
 
     def _encode(self, closure: _Closure) -> Message:
-        name = getattr(closure.fn, "__qualname__", repr(closure.fn))
-        skeleton, arrays, refs = encode_value({"args": closure.args, "kwargs": closure.kwargs}, self._reference,
-                                              f"an argument of {name}", root="")
+        """The closure's message: the functions serialized by value first (``blobs`` of them), then the
+        arguments' arrays."""
+        name = remote_code.describe(closure.fn)
+        refs: list = []
+
+        def reference(obj):
+            ref = self._reference(obj)
+            if ref is not None:
+                refs.append(ref)
+            return ref
+
+        skeleton, arrays = values.encode_call(closure.args, closure.kwargs, reference=reference,
+                                              what=f"an argument of {name}", sendable=_SENDABLE)
+        blobs: list = []
         datasets = {}
         for ref in refs:
             if "__iter__" in ref:
                 dataset = self._datasets[ref["__iter__"]]
-                datasets[str(dataset.id)] = self._function_meta(dataset.fn, dataset.ref, arrays)
-        fn_meta = self._function_meta(closure.fn, None if closure.pickled else function_ref(closure.fn), arrays)
+                datasets[str(dataset.id)] = self._function_meta(dataset.fn, dataset.ref, blobs)
+        fn_meta = self._function_meta(closure.fn, None if closure.pickled else remote_code.by_name(closure.fn), blobs)
         meta = {"op": "run", "id": closure.number, "fn": fn_meta, "values": skeleton, "datasets": datasets,
-                "variables": len(self.strategy._variables)}
-        return Message(meta, arrays)
+                "variables": len(self.strategy._variables), "blobs": len(blobs)}
+        return Message(meta, blobs + arrays)
 
-    def _function_meta(self, fn: Callable, ref: dict | None, arrays: list) -> dict:
+    def _function_meta(self, fn: Callable, ref: dict | None, blobs: list) -> dict:
         if ref is not None and fn not in self._pickled_fns:
             return ref
-        import numpy as np
-
-        data = pickle_function(fn, self._persistent_id)
-        arrays.append(np.frombuffer(data, np.uint8))
-        return {"kind": "pickle", "buffer": len(arrays) - 1}
+        data = remote_code.dumps_function(fn, what=f"the function {remote_code.describe(fn)!r}",
+                                          persistent_id=self._persistent_id)
+        blobs.append(np.frombuffer(data, np.uint8))
+        return {"kind": "pickle", "blob": len(blobs) - 1}
 
     # -- dispatching ---------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -363,7 +366,7 @@ class Coordinator:
             self._failed(closure, self._error_from(meta, worker, closure), worker)
             return "done"
         try:
-            value = decode_value(meta["value"], own_arrays(reply.buffers), self.strategy._resolve_local)
+            value = values.decode(meta["value"], list(reply.buffers), resolve=self.strategy._resolve_local)
         except Exception as exc:  # noqa: BLE001
             self._failed(closure, exc, worker)
             return "done"

@@ -23,9 +23,10 @@ Every task runs the same script. Inside ``stratagem.strategy("parameter_server",
 Arguments and results are numbers, strings, arrays, lists, tuples, dicts, and references to the
 strategy's variables, its optimizer and per-worker iterators (resolved on the worker): nothing is
 pickled. Step functions go *by name* (a module-level function, defined before the
-``stratagem.strategy(...)`` call in the script, or in any module) — or, only when the cluster is
-authenticated by a secret (``STRATAGEM_SECRET``, which ``stratagem launch`` sets), *by value* with
-cloudpickle (lambdas, closures). See :mod:`stratagem.strategies.ps.functions` for why.
+``stratagem.strategy(...)`` call in the script, or in a module of your own code) — or, only when the
+cluster is authenticated by a secret (``STRATAGEM_SECRET``, which ``stratagem launch`` sets), *by value*
+with cloudpickle (lambdas, closures, functions of installed packages). See
+:mod:`stratagem.core.remote_code` for the rules and why.
 
 When a worker dies, the steps it was running run again on the others, and it is used again as soon
 as a new process of that task is back (steps run at least once). A lost ps task makes ``join()``, and
@@ -76,14 +77,14 @@ import numpy as np
 from stratagem.core.errors import ConfigurationError, StratagemError, TransportTimeout
 from stratagem.training.optimizers.rules import from_config
 from stratagem.ps.placement import Piece
-from stratagem.strategies.ps.coordinator import Coordinator, PerWorkerDataset, RemoteValue
+from stratagem.strategies.ps.coordinator import FUNCTION_MODES, Coordinator, PerWorkerDataset, RemoteValue
 from stratagem.ps.protocol import ShardLostError, spec_dtype, task_key
 from stratagem.strategies.ps.base import READY_POLL, PSStrategyBase
 from stratagem.strategies.ps.worker import Worker
 from stratagem.training.variables import Variable, strategy_scope
 
 #: What ``functions=`` may be.
-FUNCTIONS = ("auto", "name", "cloudpickle")
+FUNCTIONS = tuple(FUNCTION_MODES)
 
 
 class ParameterServerStrategy(PSStrategyBase):

@@ -17,17 +17,10 @@ import logging
 import traceback
 from dataclasses import dataclass
 
+from stratagem.core import remote_code, values
 from stratagem.core.cluster import TaskId
-from stratagem.core.errors import PeerLostError, StratagemError, TransportTimeout
+from stratagem.core.errors import FunctionNotFound, PeerLostError, ProtocolError, StratagemError, TransportTimeout
 from stratagem.strategies.ps.coordinator import CLOSURE_TAG, POLL, RESULT_TAG
-from stratagem.strategies.ps.functions import (
-    FunctionNotFound,
-    decode_value,
-    encode_value,
-    own_arrays,
-    resolve_by_name,
-    unpickle_function,
-)
 from stratagem.ps.protocol import ShardLostError
 from stratagem.core.transport import Message
 from stratagem.core import timeline as _timeline
@@ -36,6 +29,10 @@ log = logging.getLogger(__name__)
 
 #: Tag of the message a worker sends the coordinator when it starts.
 HELLO_TAG = "ps.worker"
+#: Said when a function named by the coordinator is not in this worker's ``__main__``.
+_MISSING_IN_MAIN = (": define it in the script before the call to stratagem.strategy(...) (workers serve inside "
+                    "that call, so what comes after it does not exist there), or in a module of your own code, or "
+                    + remote_code.SECRET_HINT + " so that functions may be sent with cloudpickle")
 
 
 @dataclass(frozen=True)
@@ -98,21 +95,26 @@ class Worker:
         meta = message.meta
         reply = {"id": meta.get("id")}
         try:
-            arrays = own_arrays(message.buffers)
+            buffers = list(message.buffers)
+            blobs = meta.get("blobs", 0)
+            if type(blobs) is not int or not 0 <= blobs <= len(buffers):
+                raise ProtocolError(f"a closure says {blobs!r} of its {len(buffers)} buffers are functions")
+            blobs, arrays = buffers[:blobs], buffers[blobs:]
             self.strategy._adopt_variables(int(meta.get("variables") or 0))
             for dataset_id, ref in (meta.get("datasets") or {}).items():
                 if int(dataset_id) not in self.iterators:
-                    dataset_fn = self._function(ref, arrays)
+                    dataset_fn = self._function(ref, blobs)
                     self.iterators[int(dataset_id)] = iter(dataset_fn(self.context))
-            fn = self._function(meta["fn"], arrays)
-            values = decode_value(meta["values"], arrays, self._resolve)
+            fn = self._function(meta["fn"], blobs)
+            args, kwargs = values.decode_call(meta["values"], arrays, resolve=self._resolve)
             self.strategy._mark_stale()          # a step reads the variables as they are now
             recorder = _timeline.RECORDER
             started = recorder.now() if recorder is not None else 0
-            result = fn(*values["args"], **values["kwargs"])
+            result = fn(*args, **kwargs)
             if recorder is not None:
                 recorder.add("step", "step", started, recorder.now(), {"closure": meta.get("id")})
-            skeleton, out, _ = encode_value(result, self.strategy._reference_for_result, "the step's result")
+            skeleton, out = values.encode(result, reference=self.strategy._reference_for_result,
+                                          what="the step's result")
             return Message({**reply, "ok": True, "value": skeleton}, out), None
         except ShardLostError as exc:
             reply.update(error=str(exc), error_type=type(exc).__name__, lost_task=str(exc.task))
@@ -136,20 +138,26 @@ class Worker:
             reply.update(error=f"{exc}", error_type=type(exc).__name__, traceback=last[-4000:])
             return Message(reply), None
 
-    def _function(self, ref: dict, arrays: list):
+    def _function(self, ref, blobs: list):
+        """The function the coordinator sent (the rules: :mod:`stratagem.core.remote_code`)."""
+        where = str(self.transport.task)
+        if not isinstance(ref, dict):
+            raise ProtocolError(f"a closure's function is described by a {type(ref).__name__}")
         if ref.get("kind") == "pickle":
-            if self.transport.secret is None:
-                raise StratagemError(
-                    f"{self.transport.task} refuses a pickled function: its cluster is not authenticated (no "
-                    f"STRATAGEM_SECRET), and unpickling runs code. Set the same STRATAGEM_SECRET on every task"
-                )
-            return unpickle_function(arrays[ref["buffer"]].tobytes(), self._persistent_load)
-        return resolve_by_name(ref, str(self.transport.task))
+            index = ref.get("blob")
+            if type(index) is not int or not 0 <= index < len(blobs):
+                raise ProtocolError(f"a closure's function is in buffer {index!r} of its {len(blobs)}")
+            return remote_code.loads_function(blobs[index], authenticated=self.transport.secret is not None,
+                                              where=where, persistent_load=self._persistent_load)
+        return remote_code.find_function(ref, where=where, missing_hint=_MISSING_IN_MAIN
+                                         if ref.get("module") == "__main__" else "")
 
     def _persistent_load(self, pid):
         return self._resolve(json.loads(pid))
 
     def _resolve(self, ref: dict):
+        if not isinstance(ref, dict) or len(ref) != 1:
+            raise StratagemError(f"unknown reference {ref!r}")
         if "__var__" in ref:
             return self.strategy._variable_named(ref["__var__"])
         if "__opt__" in ref:
