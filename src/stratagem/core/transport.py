@@ -113,6 +113,9 @@ class Transport(abc.ABC):
     #: True if a world over it may change (elastic training, ``on_failure="shrink"``): a dead peer
     #: is reported as ``PeerLostError``, and a new process for a lost task is accepted as that peer.
     elastic: ClassVar[bool] = False
+    #: The largest buffer that arrives as it was sent, without a copy (``None``: any size). A larger
+    #: one is received in parts and joined. A parameter server keeps its pieces within it.
+    whole_buffer_bytes: ClassVar[int | None] = None
 
     def __init__(self, cluster: ClusterSpec, task: TaskId | str, *, secret: bytes | str | None = None,
                  timeout: float = DEFAULT_TIMEOUT, peer_timeout: float = DEFAULT_PEER_TIMEOUT,

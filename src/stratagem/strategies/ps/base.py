@@ -40,9 +40,10 @@ Options (besides every strategy's): ``mode`` (``"async"``, ``"sync"``, ``"bounde
 ``replicas_to_aggregate``, ``total_replicas``, ``staleness`` (see :mod:`stratagem.ps.server`),
 ``placement`` (``"round_robin"`` or ``"greedy"``), ``partition_bytes`` (variables larger than this are
 split across shards; default 16 MiB; ``None`` never), ``partitioner`` (how many slices: default one per
-ps task), ``timeout`` (seconds a request to the shards may take; default the transport's),
-``checkpoint_dir`` (the chief restores the latest checkpoint found there, if any, before anyone starts),
-``pull_with_push``, ``exit_after_serving``.
+ps task; a slice larger than the transport's ``whole_buffer_bytes`` is further cut into row slices on
+the same shard, see :mod:`stratagem.ps.placement`), ``timeout`` (seconds a request to the shards may
+take; default the transport's), ``checkpoint_dir`` (the chief restores the latest checkpoint found
+there, if any, before anyone starts), ``pull_with_push``, ``exit_after_serving``.
 """
 
 from __future__ import annotations
@@ -156,8 +157,10 @@ class PSStrategyBase(Strategy):
         self._global_step = 0
         if self.task.job == "ps":
             return
+        # Pieces within what the transport delivers whole: a larger buffer costs a copy at each end.
         self._placer = Placer(len(cluster.tasks("ps")), self.config["placement"], self.config["partition_bytes"],
-                              self.config["partitioner"])
+                              self.config["partitioner"],
+                              piece_bytes=getattr(self.transport, "whole_buffer_bytes", None))
         self._client = PSClient(self.transport, timeout=self._timeout)
         # Reach every shard now: a ps task that is down fails the job here, naming it, and a shard
         # that dies later is seen as lost (its connection drops) instead of silently unreachable.

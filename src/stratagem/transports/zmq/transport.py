@@ -144,6 +144,7 @@ class ZmqTransport(Transport):
 
     name = "zmq"
     elastic = True   # a restarted peer is re-accepted (core/acceptor.py: an Admitted again)
+    whole_buffer_bytes = PART_BYTES
 
     def __init__(self, cluster, task, *, bind_host: str | None = None, io_threads: int = 1,
                  zero_copy_bytes: int = 256 * 1024, linger: float = 1.0, **common):
