@@ -413,10 +413,10 @@ class FakeStrategy:
     def __init__(self):
         self.variables, self.calls = [], []
 
-    def _register_variable(self, var):
+    def on_variable(self, var):
         self.variables.append(var)
 
-    def _apply_gradients(self, optimizer, pairs):
+    def on_apply_gradients(self, optimizer, pairs):
         self.calls.append((optimizer, pairs))
         optimizer.apply_dense(pairs)
 
@@ -576,8 +576,8 @@ def test_a_variable_with_a_remote_store_is_written_back():
             self.array = np.array(array, copy=True)
 
     class Sharding(FakeStrategy):
-        def _register_variable(self, var):
-            super()._register_variable(var)
+        def on_variable(self, var):
+            super().on_variable(var)
             var._set_store(CopyStore(var.value))
 
     strategy = Sharding()

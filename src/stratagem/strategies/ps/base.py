@@ -103,7 +103,7 @@ class PSStrategyBase(Strategy):
     (:meth:`_pushers`) and what a non-ps task does."""
 
     name = "ps_base"
-    #: ``IndexedSlices`` gradients reach ``_apply_gradients`` as they are: pushed as rows.
+    #: ``IndexedSlices`` gradients reach ``on_apply_gradients`` as they are: pushed as rows.
     sparse_gradients = True
     options = {
         "mode": "async",
@@ -129,7 +129,7 @@ class PSStrategyBase(Strategy):
         if self.task.job == "ps":
             self._serve()
 
-    def _check_config(self) -> None:
+    def check_config(self) -> None:
         config = self.config
         check_mode(config["mode"], config["replicas_to_aggregate"], config["total_replicas"],
                    config["staleness"], 10**9 if config["total_replicas"] is None else config["total_replicas"])
@@ -204,13 +204,13 @@ class PSStrategyBase(Strategy):
             raise ConfigurationError(f"{self.task} is a ps task: it serves the variables and cannot {what}")
 
     # -- variables ---------------------------------------------------------------------------------
-    def _register_variable(self, variable) -> None:
+    def on_variable(self, variable) -> None:
         self._check_worker("create variables")
         try:
             dtype_name(variable.dtype)
         except ProtocolError as exc:
             raise ConfigurationError(f"variable {variable.name!r} cannot live on a ps task: {exc}") from None
-        super()._register_variable(variable)
+        super().on_variable(variable)
         pieces = self._place(variable)
         self._pieces[variable.name] = pieces
         for piece in pieces:
@@ -239,7 +239,7 @@ class PSStrategyBase(Strategy):
                 values.setdefault(piece.ps, []).append(to_module(self._piece_value(piece, cache), np))
         return specs, values
 
-    def _end_scope(self, created: list, *, first: bool) -> None:
+    def on_scope_end(self, created: list, *, first: bool) -> None:
         if self.task.job == "ps" or not (created or first):
             return
         if self.is_chief:
@@ -405,11 +405,11 @@ class PSStrategyBase(Strategy):
         self._client.assign(by_shard)
 
     # -- the sync point ----------------------------------------------------------------------------
-    def _apply_gradients(self, optimizer, pairs: list):
+    def on_apply_gradients(self, optimizer, pairs: list):
         """Push the gradients to the shards; the servers apply them (by the mode)."""
         self._check_worker("apply gradients")
         self._check_trains()
-        self._register_optimizer(optimizer)
+        self.on_optimizer(optimizer)
         if self._optimizer_sent is not optimizer:
             self._client.set_optimizer(optimizer.get_config())
             self._optimizer_sent = optimizer
@@ -532,7 +532,7 @@ class PSStrategyBase(Strategy):
             raise ConfigurationError(
                 f"distribute_dataset() needs an iterable of global batches, got {type(dataset).__name__}"
             ) from None
-        return self._shards(batches, pushers.index(me), len(pushers))
+        return self.shard_batches(batches, pushers.index(me), len(pushers))
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def save(self, path, *, max_to_keep: int = DEFAULT_MAX_TO_KEEP) -> str | None:
@@ -582,7 +582,7 @@ class PSStrategyBase(Strategy):
             self._exit_error = f"{type(exc).__name__}: {exc}"
         self.shutdown()
 
-    def _leave_with_error(self, error: str) -> None:
+    def leave_with_error(self, error: str) -> None:
         # The script ended by an exception: the shards learn why (and fail the job, naming this task)
         # rather than seeing a replica vanish, which they would take for a worker to be restarted.
         self.fail(error)

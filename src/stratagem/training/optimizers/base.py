@@ -3,7 +3,7 @@ precision, and how a rule is run (whole arrays, chunks, out of place). The rules
 Adam and Adagrad, are in :mod:`stratagem.training.optimizers.rules`.
 
 An optimizer created inside ``strategy.scope()`` belongs to that strategy: ``apply_gradients`` hands
-the gradients to the strategy (``strategy._apply_gradients(self, pairs)``), which synchronises the
+the gradients to the strategy (``strategy.on_apply_gradients(self, pairs)``), which synchronises the
 replicas (all-reduce for ``mirrored``, a push for a parameter server) and then calls
 :meth:`Optimizer.apply_dense`, the local update. Outside any scope ``apply_gradients`` updates the
 variables at once.
@@ -161,16 +161,16 @@ class Optimizer:
         Gradients that are ``None`` are skipped; the others may be numpy or cupy arrays, torch tensors
         (converted with ``.detach().cpu().numpy()``, torch is not imported) or anything ``np.asarray``
         takes, and must have their variable's shape. Under a strategy this is the replicas' sync point
-        (``strategy._apply_gradients``); otherwise the variables are updated here (``apply_dense``).
+        (``strategy.on_apply_gradients``); otherwise the variables are updated here (``apply_dense``).
         """
         pairs = self._normalise(grads_and_vars)
         if self.strategy is not None:
             recorder = _timeline.RECORDER
             if recorder is None:
-                self.strategy._apply_gradients(self, pairs)
+                self.strategy.on_apply_gradients(self, pairs)
             else:
                 with recorder.span("sync", "apply_gradients", {"gradients": len(pairs)}):
-                    self.strategy._apply_gradients(self, pairs)
+                    self.strategy.on_apply_gradients(self, pairs)
         else:
             self.apply_dense(pairs)
         return self.iterations

@@ -1,7 +1,7 @@
 """Optimizers: the Keras/TF update rules, written once over the array module (numpy or cupy).
 
 An optimizer created inside ``strategy.scope()`` belongs to that strategy: ``apply_gradients`` hands
-the gradients to the strategy (``strategy._apply_gradients(self, pairs)``), which synchronises the
+the gradients to the strategy (``strategy.on_apply_gradients(self, pairs)``), which synchronises the
 replicas (all-reduce for ``mirrored``, a push for a parameter server) and then calls
 :meth:`Optimizer.apply_dense`, the local update. Outside any scope ``apply_gradients`` updates the
 variables at once::
