@@ -44,6 +44,8 @@ class ZmqRawPeer(RawPeer):
         self._ctx = zmq.Context()
         self.socket = self._ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        # A DEALER whose connection was refused has nowhere to queue: a send would block for ever.
+        self.socket.setsockopt(zmq.SNDTIMEO, 10_000)
         if token is not None:
             self.socket.plain_username, self.socket.plain_password = ZAP_USER, token
         self.socket.connect(f"tcp://{address}")

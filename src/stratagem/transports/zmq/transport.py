@@ -410,7 +410,14 @@ class ZmqTransport(Transport):
         hello, nonce = handshake.make_hello(self.task, self._cluster_id, self.secret)
         peer = _Peer(task, sock, monitor, nonce, address)
         peer.handshaking = True  # from now on only the reader uses sock, until WELCOME or REJECT
-        sock.send_multipart(wire.encode(Kind.HELLO, "", hello))
+        try:
+            # Never block here (we hold the peers' lock): a connection the peer's gate refused (a wrong
+            # token) is gone within milliseconds, and a DEALER without a connection blocks a send forever.
+            # The refusal then reaches whoever waits as the monitor's handshake failure, and anything
+            # else as the caller's own timeout, never a hang.
+            sock.send_multipart(wire.encode(Kind.HELLO, "", hello), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("%s: HELLO to %s not queued: its connection is already gone", self.task, task)
         return peer
 
     def _monitor_address(self) -> str:
