@@ -1,4 +1,4 @@
-"""The ``stratagem`` command: ``info``, ``launch``, ``k8s``, ``timeline`` (and ``bench``).
+"""The ``stratagem`` command: ``info``, ``launch``, ``k8s``, ``timeline`` (and ``bench``, ``advise``).
 
 Each subcommand's arguments and behaviour live beside the code they drive (``add_arguments`` and
 ``run`` in its module); this file only wires them together, so ``stratagem --help`` stays cheap.
@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "info": ("stratagem.plugins.report", "list the plugins, where each came from, and whether it is usable here"),
     "launch": ("stratagem.launch.launcher", "start a local cluster: one process per task, output prefixed by task"),
     "bench": ("stratagem.bench.cli", "compare strategies x transports training a model here (and `bench collectives`)"),
+    "advise": ("stratagem.advise.cli", "measure this machine, predict every strategy x transport x ps count, recommend one"),
     "timeline": ("stratagem.timeline.cli", "merge the tasks' timelines (launch --timeline) and name the straggler"),
     "k8s": ("stratagem.launch.k8s", "write Kubernetes manifests for a job (`k8s manifest`: a Kubeflow TFJob or MPIJob)"),
 }

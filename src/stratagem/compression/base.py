@@ -109,7 +109,7 @@ class Compressor:
         if not isinstance(self.config["error_feedback"], bool):
             raise ConfigurationError(f"compressor {self.name!r}: error_feedback must be True or False, "
                                      f"got {self.config['error_feedback']!r}")
-        self._check_config()
+        self.check_config()
 
     # -- class-level declarations ------------------------------------------------------------------
     @classmethod
@@ -131,7 +131,7 @@ class Compressor:
         communicator, whose core algorithms every transport carries, so they accept every transport."""
         return None
 
-    def _check_config(self) -> None:
+    def check_config(self) -> None:
         """Validate ``self.config``; raise ``ConfigurationError`` naming the option."""
 
     @property

@@ -53,7 +53,7 @@ class Fp16Compressor(Compressor):
     reduction = "custom"       # host: all-gather and sum widened; device: a float16 sum all-reduce
     device_arrays = True
 
-    def _check_config(self) -> None:
+    def check_config(self) -> None:
         check_number(f"compressor {self.name!r}", "scale", self.config["scale"], low=0, low_open=True)
 
     def encode(self, array, state: dict) -> Compressed:

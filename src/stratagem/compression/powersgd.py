@@ -46,7 +46,7 @@ class PowerSGDCompressor(Compressor):
     options = {"rank": 1, "error_feedback": True, "seed": 0}
     reduction = "custom"
 
-    def _check_config(self) -> None:
+    def check_config(self) -> None:
         owner = f"compressor {self.name!r}"
         check_number(owner, "rank", self.config["rank"], low=1, integer=True)
         check_number(owner, "seed", self.config["seed"], low=0, integer=True)

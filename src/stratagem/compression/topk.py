@@ -49,7 +49,7 @@ class TopKCompressor(Compressor):
     options = {"ratio": 0.01, "error_feedback": True}
     reduction = "gather"
 
-    def _check_config(self) -> None:
+    def check_config(self) -> None:
         check_number(f"compressor {self.name!r}", "ratio", self.config["ratio"], low=0, high=1, low_open=True)
 
     def k_for(self, size: int) -> int:

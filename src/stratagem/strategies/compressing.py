@@ -24,7 +24,7 @@ class Compressing:
     compressor = None
 
     def _choose_compressor(self) -> None:
-        """Resolve the option (from ``_check_config``, with the strategy's plugin factory)."""
+        """Resolve the option (from ``check_config``, with the strategy's plugin factory)."""
         owner = f"strategy {self.name!r}"
         self.compressor = choose_compressor(self.config["compression"], self.config["compression_options"],
                                             self._plugins, owner=owner)

@@ -143,7 +143,7 @@ class MirroredStrategy(Compressing, ElasticMirrored, Strategy):
         self._check_compressor_transport()
 
     # -- options -----------------------------------------------------------------------------------
-    def _check_config(self) -> None:
+    def check_config(self) -> None:
         config = self.config
         _check_int("bucket_bytes", config["bucket_bytes"], 1)
         self._choose_compressor()
@@ -160,12 +160,12 @@ class MirroredStrategy(Compressing, ElasticMirrored, Strategy):
         if config["commit_every"] is not None:
             _check_int("commit_every", config["commit_every"], 1)
 
-    def _communicator_options(self) -> dict[str, Any]:
+    def communicator_options(self) -> dict[str, Any]:
         return {key: self.config[key] for key in ("chunk_bytes", "small_bytes", "timeout")
                 if self.config[key] is not None}
 
     # -- variables ---------------------------------------------------------------------------------
-    def _end_scope(self, created: list, *, first: bool) -> None:
+    def on_scope_end(self, created: list, *, first: bool) -> None:
         """Check the replicas created the same variables, then give them all the chief's values."""
         if self._elastic is not None:
             self._elastic.end_scope(created, first)
@@ -193,10 +193,10 @@ class MirroredStrategy(Compressing, ElasticMirrored, Strategy):
                 variable.assign(value)
 
     # -- the sync point ----------------------------------------------------------------------------
-    def _apply_gradients(self, optimizer, pairs: list):
+    def on_apply_gradients(self, optimizer, pairs: list):
         """All-reduce the gradients (weighted mean over the replicas), then apply them on every replica."""
         self._check_open()
-        self._register_optimizer(optimizer)
+        self.on_optimizer(optimizer)
         pairs = list(pairs)
         if self.num_replicas_in_sync > 1 and pairs:
             pairs = self._average(pairs)

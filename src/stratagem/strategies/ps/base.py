@@ -40,9 +40,10 @@ Options (besides every strategy's): ``mode`` (``"async"``, ``"sync"``, ``"bounde
 ``replicas_to_aggregate``, ``total_replicas``, ``staleness`` (see :mod:`stratagem.ps.server`),
 ``placement`` (``"round_robin"`` or ``"greedy"``), ``partition_bytes`` (variables larger than this are
 split across shards; default 16 MiB; ``None`` never), ``partitioner`` (how many slices: default one per
-ps task), ``timeout`` (seconds a request to the shards may take; default the transport's),
-``checkpoint_dir`` (the chief restores the latest checkpoint found there, if any, before anyone starts),
-``pull_with_push``, ``exit_after_serving``, ``compression`` and ``compression_options``: workers push
+ps task; a slice larger than the transport's ``whole_buffer_bytes`` is further cut into row slices on
+the same shard, see :mod:`stratagem.ps.placement`), ``timeout`` (seconds a request to the shards may
+take; default the transport's), ``checkpoint_dir`` (the chief restores the latest checkpoint found
+there, if any, before anyone starts), ``pull_with_push``, ``exit_after_serving``, ``compression`` and ``compression_options``: workers push
 compressed dense gradients (each piece compressed on its own, its error-feedback residual kept on the
 worker) and the ps tasks decompress them before applying (:mod:`stratagem.ps.compressed`); every
 task, the ps tasks included, must be started with the same compression. Row gradients
@@ -110,7 +111,7 @@ class PSStrategyBase(Compressing, Strategy):
     (:meth:`_pushers`) and what a non-ps task does."""
 
     name = "ps_base"
-    #: ``IndexedSlices`` gradients reach ``_apply_gradients`` as they are: pushed as rows.
+    #: ``IndexedSlices`` gradients reach ``on_apply_gradients`` as they are: pushed as rows.
     sparse_gradients = True
     options = {
         "mode": "async",
@@ -137,7 +138,7 @@ class PSStrategyBase(Compressing, Strategy):
         if self.task.job == "ps":
             self._serve()
 
-    def _check_config(self) -> None:
+    def check_config(self) -> None:
         config = self.config
         check_mode(config["mode"], config["replicas_to_aggregate"], config["total_replicas"],
                    config["staleness"], 10**9 if config["total_replicas"] is None else config["total_replicas"])
@@ -165,8 +166,10 @@ class PSStrategyBase(Compressing, Strategy):
         self._global_step = 0
         if self.task.job == "ps":
             return
+        # Pieces within what the transport delivers whole: a larger buffer costs a copy at each end.
         self._placer = Placer(len(cluster.tasks("ps")), self.config["placement"], self.config["partition_bytes"],
-                              self.config["partitioner"])
+                              self.config["partitioner"],
+                              piece_bytes=getattr(self.transport, "whole_buffer_bytes", None))
         self._client = PSClient(self.transport, timeout=self._timeout)
         # Reach every shard now: a ps task that is down fails the job here, naming it, and a shard
         # that dies later is seen as lost (its connection drops) instead of silently unreachable.
@@ -213,13 +216,13 @@ class PSStrategyBase(Compressing, Strategy):
             raise ConfigurationError(f"{self.task} is a ps task: it serves the variables and cannot {what}")
 
     # -- variables ---------------------------------------------------------------------------------
-    def _register_variable(self, variable) -> None:
+    def on_variable(self, variable) -> None:
         self._check_worker("create variables")
         try:
             dtype_name(variable.dtype)
         except ProtocolError as exc:
             raise ConfigurationError(f"variable {variable.name!r} cannot live on a ps task: {exc}") from None
-        super()._register_variable(variable)
+        super().on_variable(variable)
         pieces = self._place(variable)
         self._pieces[variable.name] = pieces
         for piece in pieces:
@@ -248,7 +251,7 @@ class PSStrategyBase(Compressing, Strategy):
                 values.setdefault(piece.ps, []).append(to_module(self._piece_value(piece, cache), np))
         return specs, values
 
-    def _end_scope(self, created: list, *, first: bool) -> None:
+    def on_scope_end(self, created: list, *, first: bool) -> None:
         if self.task.job == "ps" or not (created or first):
             return
         if self.is_chief:
@@ -414,11 +417,11 @@ class PSStrategyBase(Compressing, Strategy):
         self._client.assign(by_shard)
 
     # -- the sync point ----------------------------------------------------------------------------
-    def _apply_gradients(self, optimizer, pairs: list):
+    def on_apply_gradients(self, optimizer, pairs: list):
         """Push the gradients to the shards; the servers apply them (by the mode)."""
         self._check_worker("apply gradients")
         self._check_trains()
-        self._register_optimizer(optimizer)
+        self.on_optimizer(optimizer)
         if self._optimizer_sent is not optimizer:
             self._client.set_optimizer(optimizer.get_config())
             self._optimizer_sent = optimizer
@@ -554,7 +557,7 @@ class PSStrategyBase(Compressing, Strategy):
             raise ConfigurationError(
                 f"distribute_dataset() needs an iterable of global batches, got {type(dataset).__name__}"
             ) from None
-        return self._shards(batches, pushers.index(me), len(pushers))
+        return self.shard_batches(batches, pushers.index(me), len(pushers))
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def save(self, path, *, max_to_keep: int = DEFAULT_MAX_TO_KEEP) -> str | None:
@@ -604,7 +607,7 @@ class PSStrategyBase(Compressing, Strategy):
             self._exit_error = f"{type(exc).__name__}: {exc}"
         self.shutdown()
 
-    def _leave_with_error(self, error: str) -> None:
+    def leave_with_error(self, error: str) -> None:
         # The script ended by an exception: the shards learn why (and fail the job, naming this task)
         # rather than seeing a replica vanish, which they would take for a worker to be restarted.
         self.fail(error)
