@@ -85,6 +85,7 @@ from stratagem.core.errors import (
 )
 from stratagem.training.optimizers.rules import from_config
 from stratagem.training.sparse import IndexedSlices
+from stratagem.ps.compressed import expand_pieces
 from stratagem.ps.buffers import ReplyBuffers, takes_over
 from stratagem.ps.consistency import StalenessGate, SyncRound
 from stratagem.ps.rows import apply_row_gradient, check_real, read_rows, row_gradients
@@ -120,16 +121,19 @@ class ParameterServer:
         poll: seconds between checks for replicas that are gone.
         linger: seconds the server keeps serving after the chief said goodbye, for the replicas that
             have not (default: ``timeout``, else 60).
+        compressor: the compressor that decompresses compressed pushes (the strategies'
+            ``compression``); ``None`` refuses them.
     """
 
     def __init__(self, transport: Transport, *, timeout: float | None = None, poll: float = DEFAULT_POLL,
-                 linger: float | None = None):
+                 linger: float | None = None, compressor=None):
         if transport.task.job != "ps":
             raise ConfigurationError(f"a ParameterServer runs on a 'ps' task, not on {transport.task}")
         self.transport = transport
         self.task = transport.task
         self.cluster = transport.cluster
         self.timeout = timeout
+        self.compressor = compressor
         self.poll = poll
         self.linger = linger if linger is not None else (timeout or transport.timeout or 60.0)
         #: Every task that may talk to this server: the replicas (chief and workers).
@@ -534,9 +538,13 @@ class ParameterServer:
     def _gradients(self, meta: dict, buffers: list) -> tuple[list[str], list]:
         """A push's pieces and gradients, checked: first the dense ones (``names``, one array each),
         then the row gradients (``rows``, two arrays each: int64 rows counted from the piece's first
-        row, and their gradient), as :class:`~stratagem.training.sparse.IndexedSlices`."""
+        row, and their gradient), as :class:`~stratagem.training.sparse.IndexedSlices`. Compressed
+        dense gradients (``compression``) are decompressed first (:mod:`stratagem.ps.compressed`)."""
         names = self._names(meta.get("names") or [])
         rows = self._names(meta.get("rows") or [])
+        if meta.get("compression") is not None:
+            buffers = expand_pieces(self.compressor, self.task, meta["compression"], [self.specs[n] for n in names],
+                                    buffers)
         if len(buffers) < len(names):
             raise RequestRefused(f"push: {len(names)} name(s) but {len(buffers)} gradient(s)")
         for name, grad in zip(names, buffers):

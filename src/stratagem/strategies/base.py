@@ -128,13 +128,20 @@ class Strategy(Checkpointing):
     name: ClassVar[str] = "base"
     #: The strategy's own options and their defaults (merged with those of its base classes).
     options: ClassVar[Mapping[str, Any]] = {}
+    #: Why ``compression=`` is refused, for a strategy without that option (one ``IncompatibleError``).
+    compression_refusal: ClassVar[str] = ("it takes no compression= option (the strategies that all-reduce or "
+                                          "push gradients do: mirrored, between_graph, parameter_server)")
 
     def __init__(self, transport: "str | Transport | None" = None, *, cluster=None, task=None,
                  transport_options: Mapping[str, Any] | None = None, plugins=None, **options):
         defaults = self.option_defaults()
+        if "compression" not in defaults and {"compression", "compression_options"} & set(options):
+            raise IncompatibleError(f"strategy {self.name!r} cannot compress gradients: {self.compression_refusal}")
         reject_unknown_options(f"strategy {self.name!r}", options, [*defaults, *BASE_KEYWORDS])
         #: The strategy's options: defaults updated with what the caller passed.
         self.config: dict[str, Any] = {**defaults, **options}
+        factory = plugins if plugins is not None else default_factory()
+        self._plugins = factory     # where named plugins come from (transports; compressors: check_config)
         self.check_config()
         self._communicator = None
         self._closed = False
@@ -148,7 +155,6 @@ class Strategy(Checkpointing):
         self._step = 0                            # updates applied through _apply_gradients
         if _timeline.RECORDER is not None:
             _timeline.RECORDER.check()   # an unwritable STRATAGEM_TIMELINE fails now, not at exit
-        factory = plugins if plugins is not None else default_factory()
         transport = factory.transport_or_default(transport)   # None: STRATAGEM_TRANSPORT, else zmq
         if isinstance(transport, Transport):
             self._adopt(transport, cluster, task, transport_options)

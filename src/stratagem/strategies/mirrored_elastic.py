@@ -283,6 +283,9 @@ class ElasticTraining:
     def _reset(self, exc: WorldChangedError) -> None:
         change = self.comm.reform(self.snapshots[-1].number, lost=exc.lost, state_for=self.state_for)
         self._restore(change.commit)
+        states = getattr(self.strategy, "compression_states", None)
+        if states is not None:   # residuals of the steps rolled back must not be sent twice: start afresh
+            states.clear()
         self.last_reset = change
         for callback in list(self.callbacks):
             callback(change)

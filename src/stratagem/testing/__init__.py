@@ -1,4 +1,6 @@
-"""Test support that third-party plugins can reuse: world factories and the transport contract suite.
+"""Test support that third-party plugins can reuse: world factories, the transport contract suite, and
+the compressor contract suite (:mod:`stratagem.testing.compressor_contract`:
+``run_compressor_contract("mycompressor")``).
 
     from stratagem.testing.contract import TransportContract
 

@@ -146,6 +146,9 @@ class InGraphStrategy(Strategy):
     """
 
     name = "in_graph"
+    compression_refusal = ("the replicas hand their gradients to the client, which merges them: there is no "
+                           "all-reduce or push to compress. Use 'mirrored' (a compressed all-reduce) or "
+                           "'between_graph'/'parameter_server' (compressed pushes to the ps tasks)")
     options = {
         "devices": None,
         "on_replica_failure": "raise",

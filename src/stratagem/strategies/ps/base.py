@@ -43,7 +43,11 @@ split across shards; default 16 MiB; ``None`` never), ``partitioner`` (how many 
 ps task; a slice larger than the transport's ``whole_buffer_bytes`` is further cut into row slices on
 the same shard, see :mod:`stratagem.ps.placement`), ``timeout`` (seconds a request to the shards may
 take; default the transport's), ``checkpoint_dir`` (the chief restores the latest checkpoint found
-there, if any, before anyone starts), ``pull_with_push``, ``exit_after_serving``.
+there, if any, before anyone starts), ``pull_with_push``, ``exit_after_serving``, ``compression`` and ``compression_options``: workers push
+compressed dense gradients (each piece compressed on its own, its error-feedback residual kept on the
+worker) and the ps tasks decompress them before applying (:mod:`stratagem.ps.compressed`); every
+task, the ps tasks included, must be started with the same compression. Row gradients
+(``IndexedSlices``) are pushed as they are.
 """
 
 from __future__ import annotations
@@ -61,7 +65,10 @@ from stratagem.ps.protocol import check_mode, describe_spec, piece_spec, same_sp
 from stratagem.ps.rows import fetch_rows, split_gradient
 from stratagem.ps.server import ParameterServer
 from stratagem.training.sparse import IndexedSlices
+from stratagem.compression.base import FLOAT_DTYPES
+from stratagem.ps.compressed import compress_pieces
 from stratagem.strategies.base import Strategy
+from stratagem.strategies.compressing import Compressing
 from stratagem.strategies.checkpoints import DEFAULT_MAX_TO_KEEP
 from stratagem.strategies.ps.cache import adoptable, write_into
 from stratagem.training.variables import VariableStore, array_module, to_module
@@ -99,7 +106,7 @@ class RemoteStore(VariableStore):
         self._owner._assign(self.name, array)
 
 
-class PSStrategyBase(Strategy):
+class PSStrategyBase(Compressing, Strategy):
     """Variables on the ps tasks (see the module doc). Subclasses say which tasks push gradients
     (:meth:`_pushers`) and what a non-ps task does."""
 
@@ -122,6 +129,7 @@ class PSStrategyBase(Strategy):
 
     def __init__(self, transport=None, **kwargs):
         super().__init__(transport, **kwargs)
+        self._check_compressor_transport()
         try:
             self._setup()
         except BaseException:
@@ -141,6 +149,7 @@ class PSStrategyBase(Strategy):
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):
             raise ConfigurationError(f"timeout must be a number of seconds > 0 (or None), got {timeout!r}")
+        self._choose_compressor()
 
     def _setup(self) -> None:
         cluster = self.cluster
@@ -193,7 +202,7 @@ class PSStrategyBase(Strategy):
     # -- ps tasks ----------------------------------------------------------------------------------
     def _serve(self) -> None:
         try:
-            stats = ParameterServer(self.transport, timeout=self.config["timeout"]).serve()
+            stats = ParameterServer(self.transport, timeout=self.config["timeout"], compressor=self.compressor).serve()
         finally:
             self.shutdown()
         #: On a ps task (``exit_after_serving=False``): the server's counters when it stopped.
@@ -436,6 +445,7 @@ class PSStrategyBase(Strategy):
                 names, arrays = by_shard.setdefault(piece.ps, ([], []))
                 names.append(piece.name)
                 arrays.append(self._piece_value(piece, grad))
+        compression = self._compress(by_shard) if self.compressor is not None else None
         if recorder is not None:
             recorder.add("pack", "pack", started, recorder.now(), {"shards": len(by_shard) + len(rows)})
         if self._stale and self.consistency["mode"] == "sync":
@@ -449,7 +459,8 @@ class PSStrategyBase(Strategy):
                 skip.setdefault(piece.ps, []).append(piece.name)
         try:
             replies = self._client.push(by_shard, versions=self._versions, weight=self._push_weight(), pull=pull,
-                                        on_reply=self._absorb_one if pull else None, rows=rows, skip=skip)
+                                        on_reply=self._absorb_one if pull else None, rows=rows, skip=skip,
+                                        compression=compression)
         except BaseException:
             self._mark_stale()   # some parts of the replies may be copied in already: read afresh
             raise
@@ -466,6 +477,17 @@ class PSStrategyBase(Strategy):
             self.last_clock = (clock, replies[0].meta.get("min_clock"))
         optimizer.iterations = self._global_step
         return self.last_push
+
+    def _compress(self, by_shard: dict) -> dict[int, dict]:
+        """Replace each shard's dense gradients in ``by_shard`` by their compressed payloads, in place;
+        return each shard's ``compression`` metadata. Each piece has its own error-feedback state."""
+        wire = {}
+        for index, (names, arrays) in by_shard.items():
+            states = {name: self.compression_states.get(name, grad.shape, grad.dtype)
+                      for name, grad in zip(names, arrays) if grad.dtype in FLOAT_DTYPES}
+            wire[index], payload = compress_pieces(self.compressor, states, names, arrays)
+            by_shard[index] = (names, payload)
+        return wire
 
     def reduce_gradients(self, grads_and_vars) -> list:
         """Refused: on parameter servers the gradients are reduced and applied on the ps tasks."""
