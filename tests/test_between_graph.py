@@ -379,12 +379,14 @@ def read(out: Path, name: str):
 
 
 def test_every_reply_holds_one_version_over_zmq(tmp_path):
-    """16 MB of values per reply: parts, streamed as updated, double-buffered while the other worker's
-    push updates them (tests/scripts/ps_versions.py)."""
+    """22 MB of values per reply: parts, streamed as updated, written over the pushed gradients while
+    the other worker's reply may still be sending the previous values; a 6 MB variable held as two
+    pieces, so that every buffer travels whole (tests/scripts/ps_versions.py)."""
     result, log = run_job([SCRIPTS / "ps_versions.py", tmp_path, 25], ps=1, workers=2)
     assert result.ok, log
     workers = [read(tmp_path, f"worker_{i}") for i in range(2)]
     assert [w["wrong"] for w in workers] == [[], []]
+    assert workers[0]["pieces"]["big"] == ["big/part_0", "big/part_1"] and workers[0]["pieces"]["v0"] == ["v0"]
     for w in workers:
         assert w["seen"] == sorted(set(w["seen"]))                 # each push adds at least one step
     assert max(w["seen"][-1] for w in workers) == 50                # every push applied once

@@ -214,6 +214,34 @@ def test_third_party_strategy_runs_a_step_over_third_party_transport(example_plu
     assert "strategy 'solo' cannot run over transport 'zmq'" in out["incompatible"]
 
 
+def test_third_party_compressor_is_listed_and_compresses_a_mirrored_all_reduce(example_plugin, tmp_path):
+    sign = _row(_info_json(tmp_path), "compressor", "sign")
+    assert sign is not None and sign["source"] == PLUGIN_SOURCE and sign["usable"], sign
+    proc = _python("""
+        import json, threading, numpy as np, stratagem
+        from stratagem.core.cluster import ClusterSpec
+        from stratagem.transports.local import LocalFabric
+        cluster, fabric, out = ClusterSpec({"worker": ["local:0", "local:1"]}), LocalFabric(), {}
+        def replica(i):
+            s = stratagem.strategy("mirrored", transport="local", cluster=cluster, task=f"worker:{i}",
+                                   transport_options={"fabric": fabric, "timeout": 30}, compression="sign")
+            with s.scope():
+                w = stratagem.Variable(np.zeros(4, np.float32), name="w")
+                opt = stratagem.optimizers.SGD(learning_rate=1.0)
+            opt.apply_gradients([(np.array([1.0, -3.0, 2.0, 2.0], np.float32) * (i + 1), w)])
+            out[i] = [type(s.compressor).__module__, w.value.tolist()]
+            s.shutdown()
+        threads = [threading.Thread(target=replica, args=(i,)) for i in range(2)]
+        [t.start() for t in threads]; [t.join(60) for t in threads]
+        print(json.dumps(out))
+    """, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # each replica sends the signs of its share of the mean gradient and their mean magnitude (1, then 2):
+    # the sum is 3 x the signs
+    assert out["0"] == out["1"] == ["stratagem_example_plugin.sign", [-3.0, 3.0, -3.0, -3.0]]
+
+
 def test_autoload_disabled_hides_third_party_plugin(example_plugin, tmp_path):
     data = _info_json(tmp_path, **{DISABLE_AUTOLOAD_ENV: "1"})
     assert data["autoload"] is False

@@ -94,6 +94,24 @@ def test_greedy_by_bytes_keeps_loads_within_the_largest_piece():
     assert max(split.loads) / (sum(split.loads) / 4) < 1.3
 
 
+def test_pieces_larger_than_the_transport_delivers_whole_are_cut_on_their_shard():
+    placer = Placer(2, "round_robin", partition_bytes=2000, piece_bytes=500)
+    cut = placer.place("w", (10, 30), "float32")              # 1200 bytes, not partitioned: one shard
+    assert [(p.name, p.ps, p.part, p.parts, p.lo, p.hi, p.nbytes) for p in cut] == [
+        ("w/part_0", 0, 0, 3, 0, 4, 480), ("w/part_1", 0, 1, 3, 4, 7, 360), ("w/part_2", 0, 2, 3, 7, 10, 360)]
+    split = placer.place("emb", (20, 30), "float32")          # 2400 bytes: partitioned, then each slice cut
+    assert [(p.ps, p.lo, p.hi) for p in split] == [(1, 0, 4), (1, 4, 7), (1, 7, 10), (0, 10, 14), (0, 14, 17),
+                                                  (0, 17, 20)]
+    assert [p.part for p in split] == list(range(6)) and {p.parts for p in split} == {6}
+    assert max(p.nbytes for p in cut + split) <= 500 and placer.loads == [1200 + 1200, 1200]
+    assert [p.name for p in placer.place("small", (4, 30), "float32")] == ["small"]     # 480 bytes: whole
+    assert len(placer.place("wide", (2, 1000), "float32")) == 2                       # a row over: one each
+    with device("/job:ps/task:1"):
+        assert {p.ps for p in placer.place("pinned", (10, 30), "float32")} == {1}
+    with pytest.raises(ConfigurationError, match="piece_bytes must be an integer >= 1"):
+        Placer(2, piece_bytes=0)
+
+
 def test_partitioning_rules_and_setters():
     placer = Placer(3, "round_robin", partition_bytes=1000)
     pieces = placer.place("emb", (10, 30), "float32")        # 1200 bytes > 1000: one slice per ps task
@@ -487,11 +505,10 @@ class _Unfinished(SendHandle):
         self.finished = True
 
 
-def test_a_reply_still_being_sent_keeps_its_version(service):
-    svc = service(ps=1)
-    svc.init(ASYNC, optimizer=SGD1)
-    server, client = svc.servers[0], svc.clients[0]
-    sends = []                                       # (handle, the arrays the reply sends, by reference)
+def _unfinished_replies(server) -> list:
+    """Make every reply of ``server`` look unfinished until a test says otherwise; returns the list of
+    ``(handle, the arrays the reply sends, by reference)``, one per reply."""
+    sends = []
     deliver = server.transport.send_async
 
     def unfinished_send(dst, tag, msg, timeout=None):
@@ -499,6 +516,16 @@ def test_a_reply_still_being_sent_keeps_its_version(service):
         sends.append((_Unfinished(), list(msg.buffers)))
         return sends[-1][0]
     server.transport.send_async = unfinished_send
+    return sends
+
+
+def test_a_reply_still_being_sent_keeps_its_version(service):
+    # TorchSGD's rule (an _update in place) may not write over the gradient: the server updates its
+    # own arrays, into a spare while a reply reads the current one.
+    svc = service(ps=1)
+    svc.init(ASYNC, optimizer=stratagem.optimizers.TorchSGD(learning_rate=1.0).get_config())
+    server, client = svc.servers[0], svc.clients[0]
+    sends = _unfinished_replies(server)
 
     def push():
         return client.push({0: (["w0"], [np.ones(4, np.float32)])}, pull=True)[0].buffers[0][0]
@@ -517,6 +544,24 @@ def test_a_reply_still_being_sent_keeps_its_version(service):
         handle.finished = True
     current = server.values["w0"]
     assert push() == -5.0 and server.values["w0"] is current    # nothing reads it: in place
+
+
+def test_an_update_over_the_received_gradient_leaves_sent_versions_alone(service):
+    # SGD writes its result over the pushed gradient, which becomes the piece's array: every version
+    # a reply sent stays as it was, without a spare array and without waiting for any reply.
+    svc = service(ps=1)
+    svc.init(ASYNC, optimizer=SGD1)
+    server, client = svc.servers[0], svc.clients[0]
+    sends = _unfinished_replies(server)
+    arrays = []
+    for step in range(1, 5):
+        got = client.push({0: (["w0"], [np.full(4, 0.5, np.float32)])}, pull=True)[0].buffers[0]
+        assert got.tolist() == [-0.5 * step] * 4
+        arrays.append(server.values["w0"])
+    assert [a.tolist() for _, (a,) in sends] == [[-0.5 * step] * 4 for step in range(1, 5)]
+    assert [sent is held for (_, (sent,)), held in zip(sends, arrays)] == [True] * 4   # sent by reference
+    assert len({id(a) for a in arrays}) == 4 and server.replies.allocated == 0
+    assert not any(handle.finished for handle, _ in sends)                            # nothing waited
 
 
 def test_mode_options_are_checked():

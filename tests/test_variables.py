@@ -33,7 +33,7 @@ class FakeStrategy:
         self.variables: list[Variable] = []
         self.refuse = refuse
 
-    def _register_variable(self, var):
+    def on_variable(self, var):
         if var.name == self.refuse:
             raise ConfigurationError(f"refusing {var.name}")
         self.variables.append(var)
@@ -288,8 +288,8 @@ class RemoteStore(VariableStore):
 
 
 class ShardingStrategy(FakeStrategy):
-    def _register_variable(self, var):
-        super()._register_variable(var)
+    def on_variable(self, var):
+        super().on_variable(var)
         var._set_store(RemoteStore(var.value))
 
 

@@ -51,7 +51,7 @@ __all__ = [
     "AuthenticationError", "ClusterResolver", "ClusterSpec", "CollectiveMismatchError",
     "CommunicationError", "ConfigurationError", "IncompatibleError", "PeerLostError", "PluginError",
     "ProtocolError", "StratagemError", "TaskId", "TransportClosed", "TransportTimeout", "WorldChangedError",
-    "communicator", "strategy", "transport", "plugin_manager", "__version__", "optimizers", "ray",
+    "communicator", "compressor", "strategy", "transport", "plugin_manager", "__version__", "optimizers", "ray",
     *_LAZY,
 ]
 
@@ -147,13 +147,15 @@ def strategy(name: str, transport: str | None = None, **options):
       ``commit_every``.
     - ``"between_graph"``: variables on ``ps`` tasks; each worker runs its own loop. ``mode``
       (``"async"``, ``"sync"``, ``"bounded"``), ``replicas_to_aggregate``, ``total_replicas``,
-      ``staleness``, ``placement``, ``partition_bytes``, ``checkpoint_dir``, ``timeout``.
+      ``staleness``, ``placement``, ``partition_bytes``, ``checkpoint_dir``, ``compression`` (of the
+      pushes), ``timeout``.
     - ``"parameter_server"``: variables on ``ps`` tasks; the chief schedules step functions on the
       workers. The options of ``between_graph``, plus ``functions`` (how functions travel).
     - ``"in_graph"``: the chief splits each batch over its devices and the workers. ``devices``,
       ``on_replica_failure``, ``functions``, ``timeout``.
 
-    Every strategy also takes ``cluster=``, ``task=`` (default: the environment's),
+    ``compression`` is a compressor's name with ``compression_options={...}``, or one made by
+    :func:`compressor` (see there). Every strategy also takes ``cluster=``, ``task=`` (default: the environment's),
     ``transport_options={...}`` and ``plugins=`` (where transports come from).
 
     >>> import numpy as np, stratagem
@@ -172,6 +174,33 @@ def strategy(name: str, transport: str | None = None, **options):
     from stratagem.plugins.manager import plugin_manager as _pm
 
     return _pm().create_strategy(name, transport=transport, **options)
+
+
+def compressor(name: str, **options):
+    """A gradient compressor: the plugin ``name`` with ``options``, for a strategy's ``compression=``.
+
+    Built in (``stratagem info`` lists every registered one): ``"fp16"`` and ``"bf16"`` (16-bit
+    gradients, half the bytes; ``scale`` for fp16), ``"topk"`` (the ``ratio`` largest entries of each
+    gradient, default 0.01) and ``"powersgd"`` (rank-``rank`` factors, default 1); each also takes
+    ``error_feedback`` (on for topk and powersgd: what is not sent is added to the next step). An
+    unknown name or option is an error listing the known ones.
+
+    >>> import numpy as np, stratagem
+    >>> topk = stratagem.compressor("topk", ratio=0.5)
+    >>> state = topk.init_state((4,), np.float32)
+    >>> topk.decompress(topk.compress(np.array([1.0, -4.0, 0.5, 2.0], np.float32), state))
+    array([ 0., -4.,  0.,  2.], dtype=float32)
+    >>> strategy = stratagem.strategy("mirrored", transport="local", compression=topk,
+    ...     transport_options=stratagem.plugin_manager().transport_class("local").world_options())
+    >>> strategy.compressor is topk
+    True
+    >>> strategy.shutdown()
+
+    See :mod:`stratagem.compression.base` for the contract a compressor of your own implements.
+    """
+    from stratagem.plugins.manager import plugin_manager as _pm
+
+    return _pm().create_compressor(name, **options)
 
 
 def plugin_manager():

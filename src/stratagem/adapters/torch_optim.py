@@ -142,7 +142,7 @@ class DistributedOptimizer:
                 self._rule = from_config(self._rule_config)
         else:
             self._state = TorchOptimizerState(optimizer, named)
-            strategy._register_optimizer(self._state)   # strategy.save/restore keep its state
+            strategy.on_optimizer(self._state)   # strategy.save/restore keep its state
 
     @property
     def variables(self) -> dict:

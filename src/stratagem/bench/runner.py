@@ -63,7 +63,7 @@ class Outcome:
     def as_dict(self) -> dict:
         c = self.combination
         record = {"label": c.label, "strategy": c.strategy.name, "mode": c.strategy.mode,
-                  "transport": c.transport, "status": self.status, "reason": self.reason,
+                  "transport": c.transport, "compression": c.compression, "status": self.status, "reason": self.reason,
                   "cluster": c.cluster.as_dict() if c.cluster else None, "seconds": round(self.seconds, 3)}
         record.update(self.figures)
         if self.output_tail:
@@ -130,6 +130,7 @@ def run_combination(combination: Combination, settings: RunSettings,
     with tempfile.TemporaryDirectory(prefix="stratagem-bench-") as out:
         spec = {"strategy": combination.strategy.name, "mode": combination.strategy.mode,
                 "options": combination.strategy.options(), "transport": combination.transport,
+                "compression": combination.compression,
                 "model": settings.model, "steps": settings.steps, "seed": settings.seed,
                 # Blocking calls wait as long as the whole job may: a hang is stopped by --timeout and
                 # reported as one (a dead peer is still an error at once, whatever the timeout).

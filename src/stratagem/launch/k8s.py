@@ -35,7 +35,7 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from stratagem.core.errors import ConfigurationError
-from stratagem.launch.launcher import job_secret
+from stratagem.launch.job import job_secret
 
 API_VERSION = "kubeflow.org/v1"
 #: The port every TFJob task listens on: the operator's default, named as it expects.

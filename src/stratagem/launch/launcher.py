@@ -54,41 +54,44 @@ The same from Python (``stratagem bench`` and the tests use it)::
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import secrets
-import shutil
-import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass
 from typing import Mapping, Sequence, TextIO
 
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import ConfigurationError
 from stratagem.core.ports import format_address, reserve_ports
+from stratagem.launch.job import (
+    DEFAULT_GRACE,
+    DEFAULT_PS_GRACE,
+    check_options,
+    check_transport,
+    job_env,
+    job_secret,
+    task_env,
+)
 from stratagem.launch.restarts import RESTARTS_ENV, Restarts
+from stratagem.launch.supervisor import (
+    EXIT_OK,
+    EXIT_SIGNALLED,
+    EXIT_TASK_FAILED,
+    EXIT_TIMEOUT,
+    LaunchResult,
+    RunningTask,
+    SignalTrap,
+    TaskResult,
+    kill_and_reap,
+    run_to_end,
+    start_task,
+)
 from stratagem.launch.task_output import COLORS, OutputPump, PipeReader, Sink, task_prefix
 
-#: Seconds between SIGTERM and SIGKILL when the launcher stops tasks.
-DEFAULT_GRACE = 5.0
-#: Seconds ps tasks may keep serving after every worker has finished, before they are stopped.
-DEFAULT_PS_GRACE = 30.0
-#: Jobs whose tasks only serve the others; they may outlive the workers (see ``--ps-grace``).
-SERVING_JOBS = ("ps",)
+#: The names this module has always offered (the results of launch(), its exit codes, its defaults).
+__all__ = ["launch", "LaunchResult", "TaskResult", "EXIT_OK", "EXIT_TASK_FAILED", "EXIT_USAGE", "EXIT_TIMEOUT",
+           "EXIT_SIGNALLED", "DEFAULT_GRACE", "DEFAULT_PS_GRACE", "add_arguments", "run", "main"]
 
-EXIT_OK = 0
-EXIT_TASK_FAILED = 1
 EXIT_USAGE = 2
-EXIT_TIMEOUT = 124  # as coreutils' timeout(1)
-#: The launcher's exit code when a signal stopped it: 128 + the signal, as a shell reports it.
-EXIT_SIGNALLED = {signal.SIGINT: 128 + signal.SIGINT, signal.SIGTERM: 128 + signal.SIGTERM}
-
-_POLL_INTERVAL = 0.05  # how often exits, deadlines and signals are checked when no output arrives
-_DRAIN_SECONDS = 1.0  # how long to wait for the last output once every task has exited
 _EPILOG = """\
 example:
   stratagem launch --worker 2 --ps 1 -- python train.py --epochs 3
@@ -106,160 +109,6 @@ failed, 2 usage error, 124 --timeout expired, 130/143 interrupted by SIGINT/SIGT
 """
 
 
-# -- results ---------------------------------------------------------------------------------------
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-@dataclass(frozen=True)
-class TaskResult:
-    """How one task ended: ``returncode`` is the exit code, or ``-N`` if signal N killed it."""
-
-    task: TaskId
-    pid: int
-    returncode: int
-    #: True if the launcher signalled the task (to stop it) while it was still running.
-    stopped_by_launcher: bool = False
-    #: How many times ``--restart-workers`` started the task again (this is the last process's result).
-    restarts: int = 0
-    #: True if the task failed and ``--restart-workers`` let the job go on without it.
-    tolerated: bool = False
-
-    @property
-    def signal_name(self) -> str | None:
-        """``"SIGKILL"`` and the like if a signal ended the task, else None."""
-        return _signal_name(-self.returncode) if self.returncode < 0 else None
-
-    @property
-    def status(self) -> str:
-        """``exit 3``, ``SIGKILL``, or ``stopped by launcher (SIGTERM)``."""
-        ended = self.signal_name or f"exit {self.returncode}"
-        status = f"stopped by launcher ({ended})" if self.stopped_by_launcher else ended
-        if self.tolerated:
-            status += " (left dead: --restart-workers)"
-        if self.restarts:
-            status += f" (restarted {self.restarts}x)"
-        return status
-
-
-@dataclass(frozen=True)
-class LaunchResult:
-    """The outcome of :func:`launch`: every task's result and the launcher's own exit code."""
-
-    cluster: ClusterSpec
-    tasks: tuple[TaskResult, ...]
-    #: 0 success, 1 a task failed, 124 timed out, 130/143 stopped by SIGINT/SIGTERM.
-    exit_code: int
-    #: One line saying why the job ended (``worker:1 exited with code 3``).
-    reason: str
-    duration: float
-    #: The task whose failure stopped the job, if one did.
-    failed_task: TaskId | None = None
-    timed_out: bool = False
-    #: The signal (SIGINT, SIGTERM) that stopped the launcher, if one did.
-    interrupted_by: int | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == EXIT_OK
-
-    @property
-    def returncodes(self) -> dict[str, int]:
-        """``{"worker:0": 0, "ps:0": -15, ...}``: each task's exit code (``-N``: killed by signal N)."""
-        return {r.task.short: r.returncode for r in self.tasks}
-
-    def summary(self) -> str:
-        """The text the launcher prints to stderr: one line, plus a per-task table unless all was clean."""
-        verdict = "" if self.ok else "FAILED: "
-        head = f"stratagem launch: {verdict}{self.reason} ({self.duration:.1f}s)"
-        if self.ok and not any(r.stopped_by_launcher or r.restarts or r.tolerated for r in self.tasks):
-            return head
-        rows = [("task", "pid", "status")] + [
-            (r.task.short, str(r.pid), r.status + ("  <- first failure" if r.task == self.failed_task else ""))
-            for r in self.tasks
-        ]
-        widths = [max(len(row[i]) for row in rows) for i in range(2)]
-        table = [f"  {t:<{widths[0]}}  {p:>{widths[1]}}  {s}" for t, p, s in rows]
-        return "\n".join([head, *table])
-
-
-# -- processes -------------------------------------------------------------------------------------
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    """Signal a task's whole process group; a group that is already gone is fine."""
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-class _RunningTask:
-    """A started task: its process (the leader of its own process group) and whether we stopped it."""
-
-    def __init__(self, task: TaskId, process: subprocess.Popen):
-        self.task = task
-        self.process = process
-        self.stopped_by_launcher = False
-        self.restarts = 0        # --restart-workers: how many times this task was started again
-        self.tolerated = False   # --restart-workers: it failed and the job goes on without it
-
-    @property
-    def running(self) -> bool:
-        return self.process.returncode is None
-
-    def poll(self) -> int | None:
-        """Reap the process if it has exited; then kill what it left behind in its group."""
-        if not self.running:
-            return self.process.returncode
-        code = self.process.poll()
-        if code is not None:
-            # The task is over. Its group may still hold processes it started (daemons, a forked
-            # data loader); they must not outlive it. Signalled now, while the group id cannot
-            # yet have been reused by an unrelated process.
-            _signal_group(self.process.pid, signal.SIGKILL)
-        return code
-
-    def send(self, sig: int) -> None:
-        """Signal the task's group if the task is still running, and remember that we stopped it."""
-        if self.poll() is None:
-            self.stopped_by_launcher = True
-            _signal_group(self.process.pid, sig)
-
-    def result(self) -> TaskResult:
-        return TaskResult(self.task, self.process.pid, self.process.returncode, self.stopped_by_launcher,
-                          self.restarts, self.tolerated)
-
-
-#: Run between the fork and the task's own program: ask for SIGKILL when the launcher dies, make
-#: sure it has not died already, then exec the task. A tiny Python program (``-S``: no site import)
-#: instead of a ``preexec_fn``, because a ``preexec_fn`` makes subprocess use fork() and run Python
-#: code in the child, where libraries with fork handlers (gRPC's event engine) abort the child.
-_DEATHSIG_SHIM = (
-    "import ctypes, os, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    os._exit(1)  # the launcher died before prctl took effect\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
-)
-
-
-def _die_with_launcher(command: Sequence[str]) -> list[str]:
-    """``command``, started so that it gets SIGKILL when the launcher dies (Linux only).
-
-    ``PR_SET_PDEATHSIG`` fires when the *thread* that started the child exits; :func:`launch` waits
-    for its tasks in that same thread, so that is the launcher's lifetime. It survives ``exec``.
-    """
-    if not sys.platform.startswith("linux"):
-        return list(command)
-    return [sys.executable, "-S", "-c", _DEATHSIG_SHIM, str(os.getpid()), *command]
-
-
 def _plan_cluster(workers: int, ps: int, chief: bool, host: str) -> tuple[ClusterSpec, dict[TaskId, socket.socket]]:
     """The cluster to launch, and for each task the socket holding its port until it starts."""
     counts = {"chief": 1 if chief else 0, "worker": workers, "ps": ps}
@@ -270,203 +119,6 @@ def _plan_cluster(workers: int, ps: int, chief: bool, host: str) -> tuple[Cluste
                            for job, socks in jobs.items()})
     holders = {TaskId(job, i): sock for job, socks in jobs.items() for i, sock in enumerate(socks)}
     return cluster, holders
-
-
-def _task_env(base: Mapping[str, str], cluster: ClusterSpec, task: TaskId, secret: str,
-              transport: str | None) -> dict[str, str]:
-    env = dict(base)
-    env["STRATAGEM_CONFIG"] = json.dumps(
-        {"cluster": cluster.as_dict(), "task": {"type": task.job, "index": task.index}}
-    )
-    env["STRATAGEM_SECRET"] = secret
-    if transport:
-        env["STRATAGEM_TRANSPORT"] = transport
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def _start_task(task: TaskId, command: Sequence[str], env: dict[str, str],
-                cwd: str | None = None) -> subprocess.Popen:
-    try:
-        return subprocess.Popen(
-            _die_with_launcher(command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, cwd=cwd,
-        )
-    except OSError as exc:
-        raise ConfigurationError(
-            f"cannot start {task.short}: {command[0]!r} failed to run ({exc}); check the command after '--'"
-        ) from None
-
-
-# -- signals ---------------------------------------------------------------------------------------
-
-
-class _SignalTrap:
-    """Records SIGINT/SIGTERM sent to the launcher instead of dying, for the duration of a launch.
-
-    Handlers can only be installed from the main thread; elsewhere this records nothing (signals
-    go to the main thread anyway) and the caller's own handling applies.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.received: list[int] = []
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> "_SignalTrap":
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._record)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _record(self, signum, frame) -> None:
-        self.received.append(signum)
-
-
-# -- supervision -----------------------------------------------------------------------------------
-
-
-@dataclass
-class _Outcome:
-    """Why supervision ended, before the tasks are stopped."""
-
-    reason: str
-    exit_code: int
-    failed_task: TaskId | None = None
-    timed_out: bool = False
-    interrupted_by: int | None = None
-
-
-def _failure(tasks: list[_RunningTask]) -> _Outcome | None:
-    """The first task that failed on its own (non-zero exit or killed by a signal we did not send)."""
-    for t in tasks:
-        code = t.poll()
-        if code and not t.stopped_by_launcher and not t.tolerated:
-            how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
-            return _Outcome(f"{t.task.short} {how}; stopped the other tasks", EXIT_TASK_FAILED, t.task)
-    return None
-
-
-def _supervise(tasks: list[_RunningTask], pump: OutputPump, trap: _SignalTrap, *,
-               timeout: float | None, ps_grace: float, started: float,
-               restarts: Restarts | None = None) -> _Outcome:
-    """Watch the running job until it is over or must be stopped; say why."""
-    deadline = started + timeout if timeout is not None else None
-    ps_deadline = None
-    while True:
-        pump.pump(_POLL_INTERVAL)
-        if restarts is not None:
-            restarts.handle(tasks)   # may replace a dead worker in ``tasks`` by its new process
-        drivers = [t for t in tasks if t.task.job not in SERVING_JOBS]
-        now = time.monotonic()
-        if trap.received:
-            sig = trap.received[0]
-            return _Outcome(f"interrupted by {_signal_name(sig)}; stopped every task",
-                            EXIT_SIGNALLED[sig], interrupted_by=sig)
-        # Which tasks are over, looked at before their exit codes: a task that exits between the two
-        # looks is then seen failing, never counted as finished without its code being checked.
-        over = {id(t) for t in tasks if t.poll() is not None}
-        failure = _failure(tasks)
-        if failure:
-            return failure
-        if len(over) == len(tasks):
-            what = f"all {len(tasks)} tasks" if len(tasks) > 1 else "the task"
-            left = [t.task.short for t in tasks if t.tolerated]
-            if left:
-                what = f"every task but {', '.join(left)} (left dead: --restart-workers)"
-            return _Outcome(f"{what} finished successfully", EXIT_OK)
-        if all(id(t) in over for t in drivers):
-            # Only serving tasks are left; they get a grace period to notice and exit.
-            if ps_deadline is None:
-                ps_deadline = now + ps_grace
-            if now >= ps_deadline or (deadline is not None and now >= deadline):
-                left = ", ".join(t.task.short for t in tasks if t.running)
-                return _Outcome(f"every worker task succeeded; stopped {left}, still serving after the "
-                                f"{ps_grace:g}s ps grace period (not a failure)", EXIT_OK)
-        elif deadline is not None and now >= deadline:
-            return _Outcome(f"timed out after {timeout:g}s (--timeout); stopped every task",
-                            EXIT_TIMEOUT, timed_out=True)
-
-
-def _stop(tasks: list[_RunningTask], pump: OutputPump, trap: _SignalTrap, grace: float) -> None:
-    """SIGTERM every running task's group; SIGKILL what is left after ``grace`` seconds.
-
-    A signal to the launcher during the grace period (a second Ctrl-C) skips the rest of it.
-    """
-    signals_before = len(trap.received)
-    for t in tasks:
-        t.send(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while any(t.poll() is None for t in tasks):
-        if time.monotonic() >= deadline or len(trap.received) > signals_before:
-            break
-        pump.pump(_POLL_INTERVAL)
-    _kill_and_reap(tasks)
-
-
-def _kill_and_reap(tasks: list[_RunningTask]) -> None:
-    """SIGKILL whatever still runs and wait for every process, so none is left a zombie or orphan."""
-    for t in tasks:
-        t.send(signal.SIGKILL)  # the whole group: the task and anything it started
-    for t in tasks:
-        t.process.wait()
-
-
-def _check_options(command: Sequence[str], workers: int, ps: int, chief: bool, secret: str | None,
-                   timeout: float | None, grace: float, ps_grace: float, path: str | None,
-                   check_program: bool = True) -> None:
-    if not command:
-        raise ConfigurationError(
-            "no command to launch: put it after '--', e.g. stratagem launch --worker 2 -- python train.py"
-        )
-    for name, value in (("workers", workers), ("ps", ps)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ConfigurationError(f"{name} must be an integer >= 0, got {value!r}")
-    if workers + (1 if chief else 0) == 0:
-        raise ConfigurationError("nothing would compute: give at least one worker (--worker N) or --chief")
-    if secret is not None and not secret:
-        raise ConfigurationError("the secret is empty: give a non-empty --secret, or leave it out to get a random one")
-    if timeout is not None and not timeout > 0:
-        raise ConfigurationError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-    for name, value in (("grace", grace), ("ps_grace", ps_grace)):
-        if not value >= 0:
-            raise ConfigurationError(f"{name} must be a number of seconds >= 0, got {value!r}")
-    if check_program and shutil.which(command[0], path=path) is None:
-        raise ConfigurationError(
-            f"cannot find the program {command[0]!r} to launch: check the command after '--' "
-            f"(is it installed and on PATH?)"
-        )
-
-
-def job_secret(secret: str | None, env: Mapping[str, str]) -> str:
-    """The cluster secret of a job (``launch`` and ``launch --mpi`` alike): ``secret`` if given, else
-    ``STRATAGEM_SECRET`` of ``env``, else a fresh random one, so a launched job is authenticated."""
-    return secret or env.get("STRATAGEM_SECRET") or secrets.token_hex(32)
-
-
-def check_transport(transport: str | None) -> None:
-    """Refuse a ``--transport`` that names no registered transport (with a did-you-mean) or one whose
-    libraries are missing here (with the install hint): a usage error before any task starts, rather
-    than every task failing the same way. Looks modules up; imports no plugin."""
-    if transport is None:
-        return
-    from stratagem.plugins.manager import plugin_manager
-    from stratagem.core.errors import PluginError
-
-    manager = plugin_manager()
-    try:
-        why = manager.usable("transport", transport)
-    except PluginError as exc:
-        raise ConfigurationError(f"--transport: {exc}") from None
-    if why is not None:
-        hint = manager.spec("transport", transport).install_hint
-        raise ConfigurationError(f"--transport {transport}: not usable here: {why}"
-                                 + (f"; install it with: {hint}" if hint else ""))
 
 
 def launch(
@@ -496,13 +148,8 @@ def launch(
     (``interrupted_by``) rather than raised: a caller running several jobs should check it.
     ``restart_workers``: see ``--restart-workers`` in the module doc (None: a failed task stops the job).
     """
-    base_env = dict(os.environ)
-    for key, value in (env or {}).items():
-        if value is None:
-            base_env.pop(key, None)
-        else:
-            base_env[key] = value
-    _check_options(command, workers, ps, chief, secret, timeout, grace, ps_grace, base_env.get("PATH"))
+    base_env = job_env(env)
+    check_options(command, workers, ps, chief, secret, timeout, grace, ps_grace, base_env.get("PATH"))
     if restart_workers is not None and (isinstance(restart_workers, bool) or not isinstance(restart_workers, int)
                                         or restart_workers < 0):
         raise ConfigurationError(f"restart_workers must be an integer >= 0, got {restart_workers!r}")
@@ -512,48 +159,37 @@ def launch(
     err = Sink(error_output if error_output is not None else sys.stderr)
 
     cluster, port_holders = _plan_cluster(workers, ps, chief, host)
-    tasks: list[_RunningTask] = []
+    tasks: list[RunningTask] = []
     pump = OutputPump()
     started = time.monotonic()
     colors = {task: COLORS[i % len(COLORS)] for i, task in enumerate(cluster.tasks())}
 
-    def start(task: TaskId, restarts: int = 0) -> _RunningTask:
-        env = _task_env(base_env, cluster, task, secret, transport)
+    def start(task: TaskId, restarts: int = 0) -> RunningTask:
+        env = task_env(base_env, cluster, task, secret, transport)
         if restarts:
             env[RESTARTS_ENV] = str(restarts)
-        process = _start_task(task, command, env)
+        process = start_task(task, command, env)
         pump.add(process.stdout, PipeReader(task_prefix(task, colors[task], out.stream), out))
         pump.add(process.stderr, PipeReader(task_prefix(task, colors[task], err.stream), err))
-        return _RunningTask(task, process)
+        return RunningTask(task, process)
 
     restarts = None if restart_workers is None else Restarts(restart_workers, cluster, start,
                                                              lambda line: err.write(line + "\n"))
     try:
-        with _SignalTrap() as trap:
+        with SignalTrap() as trap:
             for task in cluster.tasks():
                 port_holders.pop(task).close()  # free the port as late as possible: see core.ports
                 tasks.append(start(task))
-            outcome = _supervise(tasks, pump, trap, timeout=timeout, ps_grace=ps_grace, started=started,
-                                 restarts=restarts)
-            _stop(tasks, pump, trap, grace)
-            pump.drain(_DRAIN_SECONDS, _POLL_INTERVAL)
+            outcome = run_to_end(tasks, pump, trap, timeout=timeout, ps_grace=ps_grace, grace=grace,
+                                 started=started, restarts=restarts)
     finally:
         # Every path, including errors and KeyboardInterrupt from a caller's handler: nothing survives.
-        _kill_and_reap(tasks)
+        kill_and_reap(tasks)
         pump.close()
         for sock in port_holders.values():
             sock.close()
 
-    result = LaunchResult(
-        cluster=cluster,
-        tasks=tuple(t.result() for t in tasks),
-        exit_code=outcome.exit_code,
-        reason=outcome.reason,
-        duration=time.monotonic() - started,
-        failed_task=outcome.failed_task,
-        timed_out=outcome.timed_out,
-        interrupted_by=outcome.interrupted_by,
-    )
+    result = LaunchResult.of(outcome, cluster, tasks, started)
     err.write(result.summary() + "\n")
     return result
 

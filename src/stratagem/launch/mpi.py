@@ -35,6 +35,18 @@ from typing import Mapping, Sequence, TextIO
 
 from stratagem.core.cluster import ClusterResolver, TaskId
 from stratagem.core.errors import ConfigurationError
+from stratagem.launch.job import DEFAULT_GRACE, check_options, check_transport, job_env, job_secret
+from stratagem.launch.supervisor import (
+    EXIT_OK,
+    LaunchResult,
+    RunningTask,
+    SignalTrap,
+    describe_signal,
+    kill_and_reap,
+    run_to_end,
+    start_task,
+)
+from stratagem.launch.task_output import COLORS, OutputPump, PipeReader, Sink, task_prefix
 
 #: ``sh -c`` script run by ``unshare``: bring loopback up, then become the command.
 _NETNS_SCRIPT = 'ip link set lo up 2>/dev/null || exit 97; exec "$@"'
@@ -195,8 +207,6 @@ class _WatchedSink:
     """A task_output Sink that notes (in ``seen``) whether the launcher said :data:`LAUNCHER_FLAKE`."""
 
     def __init__(self, stream: TextIO, seen: list):
-        from stratagem.launch.task_output import Sink
-
         self._sink, self.stream, self._seen = Sink(stream), stream, seen
 
     def write(self, text: str) -> None:
@@ -258,8 +268,6 @@ def stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
 
 def _rank_reader(tasks: list[TaskId], stream: TextIO, sink, color_of):
     """A PipeReader that turns Open MPI's ``[1,R]<stdout>: `` tags into ``[worker:R] `` prefixes."""
-    from stratagem.launch.task_output import PipeReader, task_prefix
-
     prefixes = [task_prefix(t, color_of(i), stream) for i, t in enumerate(tasks)]
 
     class RankReader(PipeReader):
@@ -283,26 +291,18 @@ def launch_mpi(command: Sequence[str], workers: int = 1, ps: int = 0, chief: boo
 
     Each rank finds its task through ``ClusterResolver.from_env()``: rank 0 is ``worker:0`` (the
     chief), ``STRATAGEM_NUM_PS=PS`` makes the last PS ranks ``ps`` tasks. ``STRATAGEM_TRANSPORT`` is
-    ``transport`` (default ``mpi``); ``STRATAGEM_SECRET`` is chosen as by :func:`~.launcher.launch`
-    (``secret``, else the environment's, else a fresh random one); ``STRATAGEM_CONFIG`` and
+    ``transport`` (default ``mpi``); ``STRATAGEM_SECRET`` is chosen as for every launch
+    (:func:`~stratagem.launch.job.job_secret`: ``secret``, else the environment's, else a fresh random one); ``STRATAGEM_CONFIG`` and
     ``TF_CONFIG`` are removed so that the MPI world decides. ``ulfm`` (default: when available) lets the survivors of a rank's death raise
     ``PeerLostError`` instead of being stopped with the whole job. Returns a ``LaunchResult``
     with one entry, ``mpiexec:0``.
     """
-    from stratagem.launch import launcher as L
-    from stratagem.launch.task_output import COLORS, OutputPump
-
     if chief:
         raise ConfigurationError("--chief does not apply to --mpi: MPI rank 0 is worker:0, the chief")
-    base_env = dict(os.environ)
-    for key, value in (env or {}).items():
-        if value is None:
-            base_env.pop(key, None)
-        else:
-            base_env[key] = value
-    grace = L.DEFAULT_GRACE if grace is None else grace
-    L._check_options(command, workers, ps, False, secret, timeout, grace, 0.0, base_env.get("PATH"))
-    L.check_transport(transport)
+    base_env = job_env(env)
+    grace = DEFAULT_GRACE if grace is None else grace
+    check_options(command, workers, ps, False, secret, timeout, grace, 0.0, base_env.get("PATH"))
+    check_transport(transport)
     if workers < 1:
         raise ConfigurationError("an MPI job needs at least one worker (--worker N): rank 0 is worker:0")
     n = workers + ps
@@ -316,7 +316,7 @@ def launch_mpi(command: Sequence[str], workers: int = 1, ps: int = 0, chief: boo
     for key in ("STRATAGEM_CONFIG", "TF_CONFIG"):
         base_env.pop(key, None)
     base_env.update(STRATAGEM_NUM_PS=str(ps), STRATAGEM_TRANSPORT=transport or "mpi", PYTHONUNBUFFERED="1",
-                    STRATAGEM_SECRET=L.job_secret(secret, base_env))
+                    STRATAGEM_SECRET=job_secret(secret, base_env))
     cluster = ClusterResolver.from_mpi(0, n, num_ps=ps).cluster
     job_task = TaskId("mpiexec", 0)
     started = time.monotonic()
@@ -328,35 +328,32 @@ def launch_mpi(command: Sequence[str], workers: int = 1, ps: int = 0, chief: boo
         pump = OutputPump()
         running: list = []
         try:
-            with L._SignalTrap() as trap:
-                process = L._start_task(job_task, cmd, base_env)
-                running.append(L._RunningTask(job_task, process))
+            with SignalTrap() as trap:
+                process = start_task(job_task, cmd, base_env)
+                running.append(RunningTask(job_task, process))
                 tasks = cluster.tasks()
                 color = lambda i: COLORS[i % len(COLORS)]  # noqa: E731
                 pump.add(process.stdout, _rank_reader(tasks, out.stream, out, color))
                 pump.add(process.stderr, _rank_reader(tasks, err.stream, err, color))
-                outcome = L._supervise(running, pump, trap, timeout=timeout, ps_grace=0.0, started=started)
-                L._stop(running, pump, trap, grace)
-                pump.drain(L._DRAIN_SECONDS, L._POLL_INTERVAL)
+                outcome = run_to_end(running, pump, trap, timeout=timeout, ps_grace=0.0, grace=grace,
+                                     started=started)
         finally:
-            L._kill_and_reap(running)
+            kill_and_reap(running)
             for r in running:
                 kill_session(r.process.pid)  # ranks prterun left behind
             pump.close()
-        if (outcome.exit_code == L.EXIT_OK or not failed_to_start or outcome.timed_out
+        if (outcome.exit_code == EXIT_OK or not failed_to_start or outcome.timed_out
                 or outcome.interrupted_by or attempt == LAUNCHER_RETRIES):
             break
         err.write("stratagem launch: mpiexec failed to start (an intermittent failure of Open MPI's "
                   "launcher, before any rank ran); starting the job again\n")
     code = running[0].process.returncode
     reason = outcome.reason
-    if outcome.exit_code == L.EXIT_OK:
+    if outcome.exit_code == EXIT_OK:
         reason = f"all {n} MPI ranks finished successfully"
     elif outcome.failed_task is not None:
-        how = f"was killed by {L._signal_name(-code)}" if code < 0 else f"exited with code {code}"
+        how = f"was killed by {describe_signal(-code)}" if code < 0 else f"exited with code {code}"
         reason = f"the MPI job failed: mpiexec {how} (the exit status of a failed rank; its output is above)"
-    result = L.LaunchResult(cluster=cluster, tasks=tuple(r.result() for r in running), exit_code=outcome.exit_code,
-                            reason=reason, duration=time.monotonic() - started, failed_task=outcome.failed_task,
-                            timed_out=outcome.timed_out, interrupted_by=outcome.interrupted_by)
+    result = LaunchResult.of(outcome, cluster, running, started, reason=reason)
     err.write(result.summary() + "\n")
     return result

@@ -51,9 +51,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, TextIO
 
-from stratagem.launch import launcher as L
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import ConfigurationError
+from stratagem.launch.job import DEFAULT_GRACE, DEFAULT_PS_GRACE, check_options, check_transport, job_secret, task_env
+from stratagem.launch.supervisor import POLL_INTERVAL, LaunchResult, SignalTrap, TaskResult, run_to_end
 from stratagem.launch.task_output import COLORS, PipeReader, Sink, task_prefix
 
 #: Seconds to wait for the cluster to place every task's bundle.
@@ -70,8 +71,8 @@ _INSTALL_HINT = "pip install 'stratagem[ray]'"
 
 
 @dataclass(frozen=True)
-class RayResult(L.LaunchResult):
-    """A :class:`~stratagem.launch.launcher.LaunchResult`, plus the Ray node each task ran on
+class RayResult(LaunchResult):
+    """A :class:`~stratagem.launch.supervisor.LaunchResult`, plus the Ray node each task ran on
     (``{"worker:0": node id, ...}``; its address is in ``cluster``) and, for a function, what it
     returned (``{"worker:0": value, ...}``, tasks that exited 0)."""
 
@@ -152,8 +153,8 @@ def _connect(address: str | None, cpus_needed: float = 1.0):
 
 
 class _RayTask:
-    """One task's actor, with the interface of the launcher's ``_RunningTask`` (``poll``, ``send``,
-    ``running``, ``result``, ``process.wait``): the launcher's ``_supervise`` and ``_stop`` drive it.
+    """One task's actor, with the interface of :class:`~stratagem.launch.supervisor.RunningTask` (``poll``,
+    ``send``, ``running``, ``result``, ``process.wait``): the launch supervisor drives it.
     Exit statuses are those the last :meth:`_RayPump.pump` fetched."""
 
     def __init__(self, task: TaskId, actor, pump: "_RayPump"):
@@ -163,11 +164,13 @@ class _RayTask:
         self.returncode: int | None = None
         self.ended = False  # the task has exited and its output has all arrived (or its actor is lost)
         self.stopped_by_launcher = False
+        self.restarts = 0          # (--restart-workers is for the local launcher only)
+        self.tolerated = False
         self._pump = pump
 
     @property
     def process(self) -> "_RayTask":
-        return self  # the launcher reaps ``task.process.wait()``
+        return self  # the supervisor reaps ``task.process.wait()``
 
     @property
     def running(self) -> bool:
@@ -191,13 +194,13 @@ class _RayTask:
     def wait(self) -> int:
         deadline = time.monotonic() + _REAP_SECONDS
         while self.returncode is None and time.monotonic() < deadline:
-            self._pump.pump(L._POLL_INTERVAL)
+            self._pump.pump(POLL_INTERVAL)
         if self.returncode is None:
             self._pump.lose(self, f"did not exit {_REAP_SECONDS:g}s after SIGKILL")
         return self.returncode
 
-    def result(self) -> L.TaskResult:
-        return L.TaskResult(self.task, self.pid, self.returncode, self.stopped_by_launcher)
+    def result(self) -> TaskResult:
+        return TaskResult(self.task, self.pid, self.returncode, self.stopped_by_launcher)
 
 
 class _RayPump:
@@ -257,7 +260,7 @@ class _RayPump:
         if not arrived:
             time.sleep(max(0.0, timeout - (time.monotonic() - started)))
 
-    def drain(self, seconds: float, poll_interval: float = L._POLL_INTERVAL) -> None:
+    def drain(self, seconds: float, poll_interval: float = POLL_INTERVAL) -> None:
         deadline = time.monotonic() + seconds
         while any(not t.ended for t in self.tasks) and time.monotonic() < deadline:
             self.pump(poll_interval)
@@ -306,14 +309,14 @@ def _run(command: Sequence[str] | None, function: Callable[[], Any] | None, *, s
          timeout: float | None, output: TextIO | None, error_output: TextIO | None, address: str | None,
          spread: bool, cpus_per_task: float, grace: float, ps_grace: float, placement_timeout: float,
          runtime_env: Mapping[str, Any] | None) -> RayResult:
-    L._check_options(list(command) if command is not None else ["<function>"], workers, ps, chief, secret,
+    check_options(list(command) if command is not None else ["<function>"], workers, ps, chief, secret,
                      timeout, grace, ps_grace, None, check_program=False)
     if not (isinstance(cpus_per_task, (int, float)) and cpus_per_task > 0):
         raise ConfigurationError(f"cpus_per_task must be a number of CPUs > 0, got {cpus_per_task!r}")
     if not placement_timeout > 0:
         raise ConfigurationError(f"placement_timeout must be a number of seconds > 0, got {placement_timeout!r}")
-    L.check_transport(transport)
-    secret = L.job_secret(secret, os.environ)
+    check_transport(transport)
+    secret = job_secret(secret, os.environ)
     payload = None
     if function is not None:
         import cloudpickle
@@ -350,12 +353,12 @@ def _run(command: Sequence[str] | None, function: Callable[[], Any] | None, *, s
         cwd = os.getcwd()
         running = [_RayTask(task, actor, pump) for task, actor in zip(tasks_ids, actors)]
         started = time.monotonic()
-        with L._SignalTrap() as trap:
+        with SignalTrap() as trap:
             starts = []
             for i, t in enumerate(running):
-                task_env = L._task_env({}, cluster, t.task, secret, transport)
-                task_env.update(env or {})
-                starts.append(t.actor.start.remote(list(command or ()), task_env, cwd=cwd, function=payload,
+                variables = task_env({}, cluster, t.task, secret, transport)
+                variables.update(env or {})
+                starts.append(t.actor.start.remote(list(command or ()), variables, cwd=cwd, function=payload,
                                                    script=script))
                 pump.add(t, COLORS[i % len(COLORS)])
             try:
@@ -363,9 +366,8 @@ def _run(command: Sequence[str] | None, function: Callable[[], Any] | None, *, s
                     t.pid = pid
             except ray.exceptions.RayError as exc:
                 raise _remote_error(ray, exc, "a task could not start") from None
-            outcome = L._supervise(running, pump, trap, timeout=timeout, ps_grace=ps_grace, started=started)
-            L._stop(running, pump, trap, grace)
-            pump.drain(L._DRAIN_SECONDS, L._POLL_INTERVAL)
+            outcome = run_to_end(running, pump, trap, timeout=timeout, ps_grace=ps_grace, grace=grace,
+                                 started=started)
         values = {}
         if function is not None:
             import cloudpickle
@@ -375,12 +377,8 @@ def _run(command: Sequence[str] | None, function: Callable[[], Any] | None, *, s
                     data = ray.get(t.actor.value.remote(), timeout=CALL_TIMEOUT)
                     if data is not None:
                         values[t.task.short] = cloudpickle.loads(data)  # from our own actor, through Ray
-        result = RayResult(
-            cluster=cluster, tasks=tuple(t.result() for t in running), exit_code=outcome.exit_code,
-            reason=outcome.reason, duration=time.monotonic() - started, failed_task=outcome.failed_task,
-            timed_out=outcome.timed_out, interrupted_by=outcome.interrupted_by,
-            nodes={t.short: node for t, node in zip(tasks_ids, nodes)}, values=values,
-        )
+        result = RayResult.of(outcome, cluster, running, started,
+                              nodes={t.short: node for t, node in zip(tasks_ids, nodes)}, values=values)
     finally:
         _clean_up(ray, actors, None if started_ray else group, err)  # our own instance: shutdown removes it
         if started_ray:
@@ -429,7 +427,7 @@ def run(script_or_fn: "str | os.PathLike | Sequence[str] | Callable[[], Any]", w
         address: str | None = None, spread: bool = False, cpus_per_task: float = 1.0,
         secret: str | None = None, env: Mapping[str, str | None] | None = None,
         timeout: float | None = None, output: TextIO | None = None, error_output: TextIO | None = None,
-        grace: float = L.DEFAULT_GRACE, ps_grace: float = L.DEFAULT_PS_GRACE,
+        grace: float = DEFAULT_GRACE, ps_grace: float = DEFAULT_PS_GRACE,
         placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT,
         runtime_env: Mapping[str, Any] | None = None) -> RayResult:
     """Run a stratagem job on Ray, one actor per task; see the module doc.
@@ -466,7 +464,7 @@ def run(script_or_fn: "str | os.PathLike | Sequence[str] | Callable[[], Any]", w
 def launch_ray(command: Sequence[str], workers: int = 1, ps: int = 0, chief: bool = False,
                transport: str | None = None, secret: str | None = None, timeout: float | None = None, *,
                address: str | None = None, spread: bool = False, cpus_per_task: float = 1.0,
-               grace: float = L.DEFAULT_GRACE, ps_grace: float = L.DEFAULT_PS_GRACE,
+               grace: float = DEFAULT_GRACE, ps_grace: float = DEFAULT_PS_GRACE,
                placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT, output: TextIO | None = None,
                error_output: TextIO | None = None) -> RayResult:
     """``stratagem launch --ray ADDRESS``: ``command`` once per task, each in a Ray actor's child process."""

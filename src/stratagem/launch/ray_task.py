@@ -2,7 +2,7 @@
 
 The actor holds a port on its node until the task starts (:meth:`TaskRunner.reserve`), then runs the
 task as a child process exactly as ``stratagem launch`` starts one (its own process group, killed
-with the actor, see :func:`stratagem.launch.launcher._start_task`), and hands the child's output and
+with the actor, see :func:`stratagem.launch.supervisor.start_task`), and hands the child's output and
 exit status to the driver when asked (:meth:`TaskRunner.poll`): the driver prefixes and prints the
 lines and supervises the job with the launcher's own loop.
 
@@ -97,7 +97,7 @@ class TaskRunner:
         Python; ``function``: a cloudpickled callable run by this module instead) in this actor's
         environment updated by ``env`` (a value of None removes a variable), in ``cwd`` if this node
         has that folder. Returns the child's pid."""
-        from stratagem.launch.launcher import _start_task
+        from stratagem.launch.supervisor import start_task
 
         child_env = dict(os.environ)
         for key, value in env.items():
@@ -119,7 +119,7 @@ class TaskRunner:
         if self._holder is not None:
             self._holder.close()  # free the port as late as possible: see core.ports
             self._holder = None
-        self._process = _start_task(self.task, list(command), child_env, cwd=cwd)
+        self._process = start_task(self.task, list(command), child_env, cwd=cwd)
         self._out = _PipeCollector(self._process.stdout)
         self._err = _PipeCollector(self._process.stderr)
         return self._process.pid

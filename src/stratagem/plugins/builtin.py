@@ -1,4 +1,4 @@
-"""The built-in strategies and transports, registered through the same hooks as third-party plugins.
+"""The built-in strategies, transports and compressors, registered through the same hooks as third-party plugins.
 
 Targets are lazy import paths, so listing the built-ins imports none of their modules.
 
@@ -6,6 +6,8 @@ Targets are lazy import paths, so listing the built-ins imports none of their mo
     ['local', 'zmq', 'grpc', 'mpi', 'nccl', 'shm']
     >>> [spec.name for spec in stratagem_add_strategies()]
     ['mirrored', 'between_graph', 'parameter_server', 'in_graph']
+    >>> [spec.name for spec in stratagem_add_compressors()]
+    ['fp16', 'bf16', 'topk', 'powersgd']
 """
 
 from __future__ import annotations
@@ -66,5 +68,27 @@ def stratagem_add_strategies() -> list[PluginSpec]:
         PluginSpec(
             "in_graph", "stratagem.strategies.in_graph.strategy:InGraphStrategy", "strategy",
             description="one client splits each batch over its devices and the worker tasks; synchronous",
+        ),
+    ]
+
+
+@hookimpl
+def stratagem_add_compressors() -> list[PluginSpec]:
+    return [
+        PluginSpec(
+            "fp16", "stratagem.compression.casts:Fp16Compressor", "compressor",
+            description="gradients as float16: half the bytes (values beyond 65504 become inf)",
+        ),
+        PluginSpec(
+            "bf16", "stratagem.compression.casts:Bf16Compressor", "compressor",
+            description="gradients as bfloat16 bits (round to nearest even): half the bytes, float32's range",
+        ),
+        PluginSpec(
+            "topk", "stratagem.compression.topk:TopKCompressor", "compressor",
+            description="the largest ratio of each gradient's entries (indices + values), with error feedback",
+        ),
+        PluginSpec(
+            "powersgd", "stratagem.compression.powersgd:PowerSGDCompressor", "compressor",
+            description="rank-r factors P, Q of each matrix gradient, warm-started, with error feedback",
         ),
     ]

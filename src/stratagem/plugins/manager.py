@@ -1,4 +1,4 @@
-"""The plugin registry: which strategies and transports exist, where each came from, and creating them.
+"""The plugin registry: which strategies, transports and compressors exist, where each came from, and creating them.
 
 :func:`plugin_manager` is the process's registry, built on first use: the built-ins
 (:mod:`stratagem.plugins.builtin`) plus every plugin declared in the entry-point group ``stratagem``,
@@ -47,7 +47,8 @@ BUILTIN_SOURCE = "builtin"
 #: The pluggy name the built-in plugin module is registered under.
 BUILTIN_PLUGIN_NAME = "stratagem.builtin"
 
-_HOOKS = {"transport": "stratagem_add_transports", "strategy": "stratagem_add_strategies"}
+_HOOKS = {"transport": "stratagem_add_transports", "strategy": "stratagem_add_strategies",
+          "compressor": "stratagem_add_compressors"}
 
 
 class PluginInfo(NamedTuple):
@@ -97,13 +98,17 @@ def _base_class(kind: str) -> type:
         from stratagem.core.transport import Transport
 
         return Transport
+    if kind == "compressor":
+        from stratagem.compression.base import Compressor
+
+        return Compressor
     from stratagem.strategies.base import Strategy
 
     return Strategy
 
 
 class PluginManager:
-    """A registry of strategy and transport plugins, on top of a :class:`pluggy.PluginManager`.
+    """A registry of strategy, transport and compressor plugins, on top of a :class:`pluggy.PluginManager`.
 
     Args:
         autoload: load third-party plugins from the entry-point group ``stratagem``. Default: yes,
@@ -166,7 +171,7 @@ class PluginManager:
         return registered
 
     def unregister(self, name: str) -> None:
-        """Remove the plugin registered as ``name`` (its strategies and transports disappear)."""
+        """Remove the plugin registered as ``name`` (its strategies, transports and compressors disappear)."""
         if self.hooks.get_plugin(name) is None:
             raise PluginError(f"no plugin registered as {name!r}; registered: {', '.join(self.sources())}")
         self.hooks.unregister(name=name)
@@ -226,7 +231,7 @@ class PluginManager:
         message = f"plugin {name!r} of {source} failed to load: {reason}"
         self.load_errors[(name, source)] = _LoadError(name, source, target, message)
         warnings.warn(
-            f"stratagem: {message}. Its strategies and transports are unavailable; fix or uninstall it, "
+            f"stratagem: {message}. Its plugins are unavailable; fix or uninstall it, "
             f"or set {DISABLE_AUTOLOAD_ENV}=1 to use the built-in plugins only",
             RuntimeWarning, stacklevel=4,
         )
@@ -285,7 +290,8 @@ class PluginManager:
         return list(specs)
 
     def names(self, kind: str) -> list[str]:
-        """The names of every registered plugin of ``kind`` (``"transport"`` or ``"strategy"``), sorted."""
+        """The names of every registered plugin of ``kind`` (``"transport"``, ``"strategy"`` or
+        ``"compressor"``), sorted."""
         return sorted(self._catalog_of(kind))
 
     def _catalog_of(self, kind: str) -> dict[str, _Entry]:
@@ -299,8 +305,8 @@ class PluginManager:
             return entries[name]
         known = sorted(entries)
         message = f"unknown {kind} {name!r}; known: {', '.join(known) or 'none'}"
-        other = next(k for k in KINDS if k != kind)
-        if isinstance(name, str) and name in self._collect()[other]:
+        other = next((k for k in KINDS if k != kind and isinstance(name, str) and name in self._collect()[k]), None)
+        if other is not None:
             message += f" ({name!r} is a {other}, not a {kind})"
         elif isinstance(name, str):
             close = difflib.get_close_matches(name, known, n=1)
@@ -346,6 +352,10 @@ class PluginManager:
     def strategy_class(self, name: str) -> type:
         """The strategy class registered as ``name`` (see :meth:`plugin_class`)."""
         return self.plugin_class("strategy", name)
+
+    def compressor_class(self, name: str) -> type:
+        """The compressor class registered as ``name`` (see :meth:`plugin_class`)."""
+        return self.plugin_class("compressor", name)
 
     def _load(self, entry: _Entry) -> tuple[type | None, str | None]:
         spec = entry.spec
@@ -456,6 +466,26 @@ class PluginManager:
             options["secret"] = secret
         cls.check_usable()
         return cls(cluster, task, **options)
+
+    def create_compressor(self, name: str, **options):
+        """A new compressor ``name`` with ``options``. An unknown name is a ``PluginError`` listing the
+        registered compressors; an option it does not take, a ``ConfigurationError`` listing those it does.
+
+        >>> pm = PluginManager(autoload=False)
+        >>> pm.create_compressor("topk", ratio=0.05).config
+        {'error_feedback': True, 'ratio': 0.05}
+        >>> pm.create_compressor("top_k")
+        Traceback (most recent call last):
+        ...
+        stratagem.core.errors.PluginError: unknown compressor 'top_k'; known: bf16, fp16, powersgd, topk (did you mean 'topk'?)
+        >>> pm.create_compressor("topk", rank=4)
+        Traceback (most recent call last):
+        ...
+        stratagem.core.errors.ConfigurationError: compressor 'topk' does not accept option(s) 'rank'; it accepts: error_feedback, ratio
+        """
+        cls = self.compressor_class(name)
+        cls.check_usable()
+        return cls(**options)
 
     def transport_or_default(self, transport=None):
         """``transport`` if the caller named one (a name or a ``Transport``), else the environment's choice.

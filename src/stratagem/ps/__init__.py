@@ -6,9 +6,9 @@ The service is split by job:
   explicit ``stratagem.device("/job:ps/task:1")``) and partitions large ones;
 - :mod:`.protocol` is the protocol: operations, piece descriptions, errors;
 - :mod:`.server` is what a ps task runs: :class:`~stratagem.ps.server.ParameterServer` (server-side
-  optimizer per shard, a global step, versions) and :func:`~stratagem.ps.server.serve`, with the
-  bookkeeping of the ``sync`` and ``bounded`` consistency modes in :mod:`.consistency`, pushes waiting
-  on them in :mod:`.pushes`, row updates in :mod:`.rows` and double-buffered replies in :mod:`.buffers`;
+  optimizer per shard, a global step, versions; it takes the pushes and acknowledges them), with the
+  bookkeeping of the ``sync`` and ``bounded`` consistency modes in :mod:`.consistency`, row updates in
+  :mod:`.rows` and double-buffered replies in :mod:`.buffers`;
 - :mod:`.client` is what workers use: :class:`~stratagem.ps.client.PSClient`, requests batched per
   shard and sent to all shards concurrently.
 

@@ -1,6 +1,10 @@
 """Double buffering of a parameter server's values: replies are sent from the values themselves,
 without a copy and without waiting, and an update never writes into an array a reply still reads.
 
+The common case needs none of it: an update written over the received gradient (:func:`takes_over`)
+makes that buffer the piece's array and only reads the old one. What follows is for the rest
+(assignments, checkpoint loads, row updates, rules that cannot write over their gradient).
+
 A reply hands the transport the piece arrays by reference (``send_async``); ZeroMQ may read them for
 milliseconds after the call returns (40 MB take ~10 ms on loopback). Waiting for that before the next
 request held the server idle, and copying the values into the reply cost a full extra pass over the
@@ -48,6 +52,16 @@ log = logging.getLogger(__name__)
 #: the steady state of any number of workers that each wait for their reply before pushing again;
 #: the third lets a reply to a slow reader overlap the next two updates.
 MAX_VERSIONS = 3
+
+
+def takes_over(grad, value, optimizer) -> bool:
+    """True when a push's gradient buffer may receive the update and become the piece's array: a
+    writable, aligned, C-contiguous numpy array of the value's shape and dtype (received, so this
+    task's own: the transport contract), and an optimizer whose rule may write over the gradient
+    (``writes_over_gradient``). Then nothing the update writes is read by an unfinished reply."""
+    return (type(grad) is np.ndarray and type(value) is np.ndarray and grad.dtype == value.dtype
+            and grad.shape == value.shape and grad.flags.writeable and grad.flags.c_contiguous
+            and grad.flags.aligned and optimizer.writes_over_gradient)
 
 
 class ReplyBuffers:

@@ -225,13 +225,15 @@ class PSClient:
              weight: float = 1.0, pull: bool = False, all_shards: bool = True,
              on_reply: Callable[[int, Message], None] | None = None,
              rows: Mapping[int, tuple[list, list, list]] | None = None,
-             skip: Mapping[int, list] | None = None) -> dict[int, Message]:
+             skip: Mapping[int, list] | None = None,
+             compression: Mapping[int, dict] | None = None) -> dict[int, Message]:
         """Push ``{shard: (piece names, gradients)}``; with ``all_shards`` every shard gets a push (empty
         where there are no gradients), so every shard counts the step. ``pull`` asks each shard to
         return its values with the acknowledgement, except the pieces ``skip`` names
         (``{shard: [piece names]}``). ``rows`` adds row gradients, ``{shard: (piece names, [int64
-        rows counted from each piece's first row], [their gradient rows])}``. Counts the
-        acknowledgements in ``acks``."""
+        rows counted from each piece's first row], [their gradient rows])}``. ``compression``
+        (``{shard: metadata}``, :mod:`stratagem.ps.compressed`) says a shard's gradients are compressed
+        payloads. Counts the acknowledgements in ``acks``."""
         rows = rows or {}
         shards = range(self.num_shards) if all_shards else sorted(set(grads) | set(rows))
         requests = {}
@@ -246,6 +248,8 @@ class PSClient:
                     arrays += [index, value]
             if skip and skip.get(i):
                 meta["skip"] = list(skip[i])
+            if compression and i in compression:
+                meta["compression"] = compression[i]
             if versions is not None:
                 meta["version"] = int(versions.get(i, 0))
             requests[i] = Message(meta, arrays)

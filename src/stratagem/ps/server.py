@@ -6,8 +6,7 @@ counter: the number of updates applied on this shard (``ps:0``'s is the job's *g
 answers requests (:mod:`stratagem.ps.protocol`) one at a time, from one thread, so every update
 is atomic; the shards of a job serve in parallel, one process each.
 
-How a push is applied depends on the job's mode (the push handling lives in
-:mod:`stratagem.ps.pushes`):
+How a push is applied depends on the job's mode:
 
 - ``async``: at once, and acknowledged at once.
 - ``sync``: the gradients for the shard's current step are summed (weighted by each replica's share of
@@ -19,9 +18,12 @@ How a push is applied depends on the job's mode (the push handling lives in
   *clock*) and holds the acknowledgement of a replica more than ``s`` pushes ahead of the slowest
   active one, until the slowest catches up.
 
-Replies carry the values by reference and are not waited for: an update that finds a piece's array
-still being sent writes the new version into another array of the piece
-(:mod:`stratagem.ps.buffers`), so a reply carries one version of every piece, never a torn mix.
+Replies carry the values by reference and are not waited for. An update is written over the pushed
+gradient, which becomes the piece's array, when the optimizer's rule allows it (SGD, Adam, Adagrad:
+:func:`~stratagem.ps.buffers.takes_over`), so the array a reply sends is never written again;
+otherwise an update that finds a piece's array still being sent writes the new version into another
+array of the piece (:mod:`stratagem.ps.buffers`). Either way a reply carries one version of
+every piece, never a torn mix.
 
 Embedding tables move by rows (:mod:`stratagem.ps.rows`): ``pull_rows`` answers just the asked
 rows (new arrays, gathered), a push may carry row gradients (int64 rows of a piece and their gradient
@@ -82,10 +84,11 @@ from stratagem.core.errors import (
     TransportTimeout,
 )
 from stratagem.training.optimizers.rules import from_config
-from stratagem.ps.buffers import ReplyBuffers
-from stratagem.ps.pushes import PushHandling
+from stratagem.training.sparse import IndexedSlices
+from stratagem.ps.compressed import expand_pieces
+from stratagem.ps.buffers import ReplyBuffers, takes_over
 from stratagem.ps.consistency import StalenessGate, SyncRound
-from stratagem.ps.rows import read_rows
+from stratagem.ps.rows import apply_row_gradient, check_real, read_rows, row_gradients
 from stratagem.ps.protocol import (
     APPLIED,
     DROPPED,
@@ -109,7 +112,7 @@ log = logging.getLogger(__name__)
 DEFAULT_POLL = 0.1
 
 
-class ParameterServer(PushHandling):
+class ParameterServer:
     """Serve this ps task's pieces of the variables until the job ends (see the module doc).
 
     Args:
@@ -118,16 +121,19 @@ class ParameterServer(PushHandling):
         poll: seconds between checks for replicas that are gone.
         linger: seconds the server keeps serving after the chief said goodbye, for the replicas that
             have not (default: ``timeout``, else 60).
+        compressor: the compressor that decompresses compressed pushes (the strategies'
+            ``compression``); ``None`` refuses them.
     """
 
     def __init__(self, transport: Transport, *, timeout: float | None = None, poll: float = DEFAULT_POLL,
-                 linger: float | None = None):
+                 linger: float | None = None, compressor=None):
         if transport.task.job != "ps":
             raise ConfigurationError(f"a ParameterServer runs on a 'ps' task, not on {transport.task}")
         self.transport = transport
         self.task = transport.task
         self.cluster = transport.cluster
         self.timeout = timeout
+        self.compressor = compressor
         self.poll = poll
         self.linger = linger if linger is not None else (timeout or transport.timeout or 60.0)
         #: Every task that may talk to this server: the replicas (chief and workers).
@@ -487,6 +493,193 @@ class ParameterServer(PushHandling):
                 "by_replica": {k: dict(v) for k, v in self.by_replica.items()},
                 "clocks": dict(self._gate.clocks) if self._gate else {},
                 "max_gap": self._gate.max_gap if self._gate else 0, "pieces": list(self.specs)}
+
+    # -- pushes: checks, the consistency modes, the update, the acknowledgements ---------------------
+    def _op_push(self, src, request_id, meta, buffers):
+        who = task_key(src)
+        if who not in self.members:          # an evaluator (or a ps task) never trains
+            raise RequestRefused(f"{src} is not a replica ('chief' or 'worker' task): it may read the "
+                                 f"variables but not push gradients")
+        if self.config is None:
+            raise RequestRefused(f"{self.task} has no variables yet: the chief must create them first")
+        if self.optimizer is None:
+            raise RequestRefused(f"{self.task} has no optimizer: send the optimizer's config first")
+        names, buffers = self._gradients(meta, buffers)
+        pull = self._wanted(meta)            # None: no values back; else the pieces to leave out
+        self._idle.discard(who)
+        self.counters["pushes"] += 1
+        self.by_replica[who]["pushes"] += 1
+        if self.stopping:
+            return self._count(who, STOPPED, pull)
+        mode = self.config["mode"]
+        if mode == "sync":
+            version = meta.get("version")
+            if not isinstance(version, int) or version < self.step:
+                return self._count(who, DROPPED, pull)
+            if version > self.step:
+                raise RequestRefused(f"push for step {version}, but {self.task} is at step {self.step}")
+            weight = float(meta.get("weight", 1.0))
+            self._round.add(who, names, buffers, weight, (src, request_id, pull))
+            self._maybe_finish_round()
+            return None  # answered when the round completes
+        if mode == "async" and pull is not None and len(set(names)) == len(names):
+            self._apply_streaming(src, request_id, who, names, buffers, pull)
+            return None  # answered part by part
+        self._apply(names, buffers)
+        self.counters["updates"] += 1
+        if mode == "bounded" and self.config.get("clock") == task_key(self.task):
+            if self._gate is None:
+                self._gate = StalenessGate(self.config["staleness"])
+            self._gate.pushed(who, (src, request_id, pull))
+            self._release_held()
+            return None
+        return self._count(who, APPLIED, pull)
+
+    def _gradients(self, meta: dict, buffers: list) -> tuple[list[str], list]:
+        """A push's pieces and gradients, checked: first the dense ones (``names``, one array each),
+        then the row gradients (``rows``, two arrays each: int64 rows counted from the piece's first
+        row, and their gradient), as :class:`~stratagem.training.sparse.IndexedSlices`. Compressed
+        dense gradients (``compression``) are decompressed first (:mod:`stratagem.ps.compressed`)."""
+        names = self._names(meta.get("names") or [])
+        rows = self._names(meta.get("rows") or [])
+        if meta.get("compression") is not None:
+            buffers = expand_pieces(self.compressor, self.task, meta["compression"], [self.specs[n] for n in names],
+                                    buffers)
+        if len(buffers) < len(names):
+            raise RequestRefused(f"push: {len(names)} name(s) but {len(buffers)} gradient(s)")
+        for name, grad in zip(names, buffers):
+            self._check_value(self.specs[name], grad, "the gradient")
+            check_real(name, grad)
+        sparse = row_gradients(rows, [piece_shape(self.specs[n]) for n in rows], buffers[len(names):])
+        return names + rows, list(buffers[:len(names)]) + sparse
+
+    def _wanted(self, meta: dict) -> frozenset | None:
+        """What a push's reply carries: ``None``, no values (``pull`` false); else the pieces *not* to
+        send (``skip``: the tables the requester reads only by rows)."""
+        if not meta.get("pull"):
+            return None
+        skip = meta.get("skip") or []
+        if not isinstance(skip, list) or not all(isinstance(n, str) for n in skip):
+            raise RequestRefused(f"push: skip must be a list of piece names, got {skip!r}")
+        return frozenset(skip)
+
+    def _reply_pieces(self, want: frozenset | None) -> list[str]:
+        return [] if want is None else [n for n in self.specs if n not in want]
+
+    def _count(self, who: str, status: str, pull: frozenset | None, extra: dict | None = None):
+        """Count an acknowledgement; its reply. ``pull``: what the reply carries (:meth:`_wanted`)."""
+        self.counters[status] += 1
+        self.by_replica[who][status] += 1
+        names = self._reply_pieces(pull) if status != STOPPED else []
+        return ({"status": status, "names": names, **(extra or {}), **self._status()},
+                [self.values[n] for n in names])
+
+    def _apply(self, names: list[str], grads: list) -> None:
+        """One optimizer step over ``names`` (no names: the step still counts, as for every shard)."""
+        recorder = _timeline.RECORDER
+        started = recorder.now() if recorder is not None else 0
+        self.optimizer.iterations += 1
+        for name, grad in zip(names, grads):
+            self._update(name, grad)
+        self.step += 1
+        if recorder is not None:
+            recorder.add("optimizer", "optimizer", started, recorder.now(), {"pieces": len(names)})
+
+    def _update(self, name: str, grad) -> None:
+        if isinstance(grad, IndexedSlices):   # rows: see ps_rows (exact rules in place, others densified)
+            apply_row_gradient(self.optimizer, name, grad, self._replace, self._update)
+            return
+        optimizer = self.optimizer
+        if takes_over(grad, self.values[name], optimizer):
+            # The new values are written over the received gradient, which becomes the piece's
+            # array: the old one is only read (a reply may still be sending it), no spare is written
+            # (a quarter less memory traffic than updating into one), nothing waits.
+            optimizer.update_array(name, self.values[name], grad, out=grad)
+            self.values[name] = grad
+            return
+        self._replace(name, lambda old, target: optimizer.update_array(
+            name, old, grad, out=None if target is old else target))
+
+    def _apply_streaming(self, src: TaskId, request_id, who: str, names: list[str], grads: list,
+                         want: frozenset) -> None:
+        """An ``async`` push that asks for the values back: :meth:`_apply`, with the reply sent in
+        parts, each as soon as its pieces are updated, so that the update of the next part overlaps
+        the transfer of this one. No other request is handled in between, so every part carries the
+        values of this step, as one reply would. Pieces the reply leaves out (``want``) are updated
+        first."""
+        recorder = _timeline.RECORDER
+        started = recorder.now() if recorder is not None else 0
+        pieces = self._reply_pieces(want)
+        grad_of = dict(zip(names, grads))
+        groups = [[pieces[i] for i in group] for group in split_parts([self.values[n].nbytes for n in pieces])]
+        self.optimizer.iterations += 1
+        sent = set(pieces)
+        for name, grad in grad_of.items():
+            if name not in sent:
+                self._update(name, grad)
+        sending = True
+        for k, group in enumerate(groups):
+            for name in group:
+                if name in grad_of:
+                    self._update(name, grad_of[name])
+            if sending and k < len(groups) - 1:
+                # A requester that is gone gets no more parts; the update still completes.
+                sending = self._send_part(src, {"id": request_id, "names": group, "part": k, "parts": len(groups)},
+                                          [self.values[n] for n in group])
+        self.step += 1
+        self.counters["updates"] += 1
+        if recorder is not None:
+            recorder.add("optimizer", "optimizer (reply streamed)", started, recorder.now(), {"pieces": len(names)})
+        reply_meta, _ = self._count(who, APPLIED, None)
+        if sending:
+            last = {"names": groups[-1], "part": len(groups) - 1, "parts": len(groups)}
+            self._send_part(src, {"id": request_id, "ok": True, **reply_meta, **last},
+                            [self.values[n] for n in groups[-1]])
+
+    # -- sync rounds
+    def _maybe_finish_round(self) -> None:
+        round_ = self._round
+        if not round_.count:
+            return
+        needed = min(self.config["replicas_to_aggregate"], max(1, len(self._active_pushers())))
+        if round_.count < needed:
+            return
+        self._round = SyncRound()
+        names, grads = round_.mean()
+        self._apply(names, grads)
+        self.counters["updates"] += 1
+        for (src, request_id, pull), who in round_.waiters:
+            reply_meta, values = self._count(who, APPLIED, pull)
+            self._send(src, {"id": request_id, "ok": True, **reply_meta}, values)
+
+    # -- the staleness bound (bounded)
+    def _release_held(self) -> None:
+        if self._gate is None or not self._gate.held:
+            return
+        for (src, request_id, pull), who, clock, floor in self._gate.releasable(self._active_pushers()):
+            reply_meta, values = self._count(who, APPLIED, pull, {"clock": clock, "min_clock": floor})
+            self._send(src, {"id": request_id, "ok": True, **reply_meta}, values)
+
+    def _fail_waiters(self, error: str) -> None:
+        """The job failed: every push still waiting (held by the staleness bound, or in a pending sync
+        round, whose gradients are discarded) gets ``error`` instead of its acknowledgement."""
+        waiting = [waiter for waiter, *_ in self._gate.release_all()] if self._gate is not None else []
+        round_, self._round = self._round, SyncRound()
+        waiting += [waiter for waiter, _ in round_.waiters]
+        for src, request_id, _ in waiting:
+            self._send(src, {"id": request_id, "error": error, "error_type": "RemoteError"})
+
+    def _stop_waiters(self) -> None:
+        """On stop: held bounded replies go out (their pushes were applied); a pending sync round is
+        discarded (its pushes were not)."""
+        if self._gate is not None:
+            for (src, request_id, pull), who, clock in self._gate.release_all():
+                reply_meta, values = self._count(who, APPLIED, pull, {"clock": clock})
+                self._send(src, {"id": request_id, "ok": True, **reply_meta}, values)
+        round_, self._round = self._round, SyncRound()
+        for (src, request_id, pull), who in round_.waiters:
+            reply_meta, values = self._count(who, STOPPED, pull)
+            self._send(src, {"id": request_id, "ok": True, **reply_meta}, values)
 
 
 def _settings(config: dict) -> dict[str, Any]:

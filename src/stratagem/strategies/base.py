@@ -98,25 +98,51 @@ class Strategy(Checkpointing):
             values are the defaults. Others are refused with the list of known ones. The resolved
             values are in ``self.config``.
 
-    Subclasses set ``name``, ``options``, override ``supports`` to refuse transports they cannot run
-    over, ``_check_config`` to validate their options, and the hooks that make variables theirs:
-    ``_register_variable`` (called by every ``Variable`` created in ``scope()``), ``_end_scope``
-    (called when the outermost ``scope()`` block ends), ``_apply_gradients`` (the sync point of
-    ``optimizer.apply_gradients``), and, when they need to, ``_scope`` and ``run``.
+    **Writing a strategy** (the extension API; README: "Writing a plugin"). A subclass sets the class
+    attributes ``name`` and ``options`` (its own options and their defaults) and overrides what it needs
+    of these hooks, each called by the base at one point and nowhere else:
+
+    - ``supports(transport_class)`` (classmethod): ``None``, or why this strategy cannot run over that
+      transport (one ``IncompatibleError`` names both, before anything is created);
+    - ``check_config()``: validate ``self.config`` (raise ``ConfigurationError``);
+    - ``on_variable(variable)``: every ``stratagem.Variable`` created inside ``scope()``;
+    - ``on_scope_end(created, first=...)``: the outermost ``scope()`` block ended, with the variables it
+      created (``first``: the first such block), e.g. to make the replicas agree on them;
+    - ``on_optimizer(optimizer)``: an optimizer created in the scope, or first applied;
+    - ``on_apply_gradients(optimizer, pairs)``: the sync point of ``optimizer.apply_gradients``: reduce
+      and apply ``[(gradient, variable), ...]`` as the strategy does;
+    - ``shard_batches(batches, rank, size)``: this replica's part of each global batch
+      (``distribute_dataset``);
+    - ``communicator_options()``: options of the replicas' communicator (``chunk_bytes``...);
+    - ``scope_context()``: a context manager entered by ``scope()`` around the user's block;
+    - ``run(fn, args, kwargs)`` when a step must run elsewhere (``in_graph``, ``parameter_server``);
+    - ``leave_with_error(error)``: the script is ending with an uncaught error: tell the peers
+      (the base closes the transport), and ``shutdown()`` for the normal end.
+
+    Subclasses use ``self.config``, ``self.transport``, ``self.cluster``, ``self.task`` and the
+    replicas' communicator (created on first use). ``stratagem.testing.strategy_contract`` is the
+    conformance suite a new strategy should pass.
     """
 
     #: The strategy's registered short name.
     name: ClassVar[str] = "base"
     #: The strategy's own options and their defaults (merged with those of its base classes).
     options: ClassVar[Mapping[str, Any]] = {}
+    #: Why ``compression=`` is refused, for a strategy without that option (one ``IncompatibleError``).
+    compression_refusal: ClassVar[str] = ("it takes no compression= option (the strategies that all-reduce or "
+                                          "push gradients do: mirrored, between_graph, parameter_server)")
 
     def __init__(self, transport: "str | Transport | None" = None, *, cluster=None, task=None,
                  transport_options: Mapping[str, Any] | None = None, plugins=None, **options):
         defaults = self.option_defaults()
+        if "compression" not in defaults and {"compression", "compression_options"} & set(options):
+            raise IncompatibleError(f"strategy {self.name!r} cannot compress gradients: {self.compression_refusal}")
         reject_unknown_options(f"strategy {self.name!r}", options, [*defaults, *BASE_KEYWORDS])
         #: The strategy's options: defaults updated with what the caller passed.
         self.config: dict[str, Any] = {**defaults, **options}
-        self._check_config()
+        factory = plugins if plugins is not None else default_factory()
+        self._plugins = factory     # where named plugins come from (transports; compressors: check_config)
+        self.check_config()
         self._communicator = None
         self._closed = False
         self._variables: dict[str, Any] = {}      # name -> Variable, in creation order
@@ -129,7 +155,6 @@ class Strategy(Checkpointing):
         self._step = 0                            # updates applied through _apply_gradients
         if _timeline.RECORDER is not None:
             _timeline.RECORDER.check()   # an unwritable STRATAGEM_TIMELINE fails now, not at exit
-        factory = plugins if plugins is not None else default_factory()
         transport = factory.transport_or_default(transport)   # None: STRATAGEM_TRANSPORT, else zmq
         if isinstance(transport, Transport):
             self._adopt(transport, cluster, task, transport_options)
@@ -182,7 +207,7 @@ class Strategy(Checkpointing):
             merged.update(klass.__dict__.get("options", {}))
         return merged
 
-    def _check_config(self) -> None:
+    def check_config(self) -> None:
         """Validate ``self.config`` (the options) before any transport exists; raise ``ConfigurationError``."""
 
     @classmethod
@@ -260,7 +285,7 @@ class Strategy(Checkpointing):
         outermost = self._scope_depth == 0
         self._scope_depth += 1
         try:
-            with strategy_scope(self), self._scope():
+            with strategy_scope(self), self.scope_context():
                 yield self
         finally:
             self._scope_depth -= 1
@@ -268,17 +293,17 @@ class Strategy(Checkpointing):
             created, self._unsynced = self._unsynced, []
             first = self._scopes_ended == 0
             self._scopes_ended += 1
-            self._end_scope(created, first=first)
+            self.on_scope_end(created, first=first)
 
-    def _scope(self):
+    def scope_context(self):
         """The context ``scope()`` enters; a subclass's hook (the base's does nothing)."""
         return contextlib.nullcontext()
 
-    def _end_scope(self, created: list, *, first: bool) -> None:
+    def on_scope_end(self, created: list, *, first: bool) -> None:
         """Hook: the outermost ``scope()`` block ended without an error, having created the variables
         ``created`` (``first``: it is the first block to end). The base does nothing."""
 
-    def _register_variable(self, variable) -> None:
+    def on_variable(self, variable) -> None:
         """Hook called by ``Variable(...)`` inside ``scope()``: record ``variable`` as this strategy's.
 
         Names are unique per strategy. Subclasses may extend it to decide where the variable lives
@@ -295,7 +320,7 @@ class Strategy(Checkpointing):
         self._variables[name] = variable
         self._unsynced.append(variable)
 
-    def _register_optimizer(self, optimizer) -> None:
+    def on_optimizer(self, optimizer) -> None:
         """Record ``optimizer`` as one of this strategy's, so that ``save``/``restore`` include its state.
 
         An optimizer created in ``scope()`` may call it; every optimizer is also recorded at its first
@@ -308,7 +333,7 @@ class Strategy(Checkpointing):
             state, self._pending_optimizer_state = self._pending_optimizer_state, None
             optimizer.load_state_dict(state)
 
-    def _apply_gradients(self, optimizer, pairs: list):
+    def on_apply_gradients(self, optimizer, pairs: list):
         """The sync point of ``optimizer.apply_gradients``; ``pairs`` is a list of ``(grad, Variable)``.
 
         The base applies them locally (``optimizer.apply_dense``); ``mirrored`` all-reduces them
@@ -316,7 +341,7 @@ class Strategy(Checkpointing):
         """
         self._check_open()
         self._check_trains()
-        self._register_optimizer(optimizer)
+        self.on_optimizer(optimizer)
         result = optimizer.apply_dense(pairs)
         self._step += 1
         return result
@@ -393,9 +418,9 @@ class Strategy(Checkpointing):
                 f"distribute_dataset() needs an iterable of global batches (a list, a generator...), "
                 f"got {type(dataset).__name__}"
             ) from None
-        return self._shards(batches, rank, size)
+        return self.shard_batches(batches, rank, size)
 
-    def _shards(self, batches: Iterator, rank: int, size: int) -> Iterator:
+    def shard_batches(self, batches: Iterator, rank: int, size: int) -> Iterator:
         for index, batch in enumerate(batches):
             shard, rows, total = shard_batch(batch, rank, size, what=f"global batch {index}")
             self._batch_share = rows / total if total else 1.0 / size
@@ -480,10 +505,10 @@ class Strategy(Checkpointing):
             from stratagem.collectives.communicator import Communicator
 
             self._communicator = Communicator(self._transport, name=f"strategy.{self.name}",
-                                              **self._communicator_options())
+                                              **self.communicator_options())
         return self._communicator
 
-    def _communicator_options(self) -> dict[str, Any]:
+    def communicator_options(self) -> dict[str, Any]:
         """Keyword arguments for the replicas' Communicator (``timeout``, ``chunk_bytes``...); base: none."""
         return {}
 
@@ -538,9 +563,9 @@ class Strategy(Checkpointing):
         if error is None:
             self.shutdown()
         else:
-            self._leave_with_error(error)
+            self.leave_with_error(error)
 
-    def _leave_with_error(self, error: str) -> None:
+    def leave_with_error(self, error: str) -> None:
         """Leave after this task failed with ``error``: peers must learn at once that this task is gone
         rather than wait for it, so an owned transport ends as after a failure (with its goodbye; the
         mpi transport also ends the process). Unlike ``shutdown()`` nothing is said to peers as if

@@ -125,7 +125,7 @@ class ElasticTraining:
         if self.comm is None:
             s = self.strategy
             comm = ElasticCommunicator(s.transport, s.cluster.replicas(), name=f"strategy.{s.name}",
-                                       coordinator=s.cluster.chief, **s._communicator_options())
+                                       coordinator=s.cluster.chief, **s.communicator_options())
             s._communicator = comm            # shutdown() closes it
             admission = comm.join()
             self.comm = comm
@@ -283,6 +283,9 @@ class ElasticTraining:
     def _reset(self, exc: WorldChangedError) -> None:
         change = self.comm.reform(self.snapshots[-1].number, lost=exc.lost, state_for=self.state_for)
         self._restore(change.commit)
+        states = getattr(self.strategy, "compression_states", None)
+        if states is not None:   # residuals of the steps rolled back must not be sent twice: start afresh
+            states.clear()
         self.last_reset = change
         for callback in list(self.callbacks):
             callback(change)
@@ -381,14 +384,14 @@ class ElasticMirrored:
             return self._elastic.communicator()
         return super()._comm()
 
-    def _shards(self, batches, rank, size):
+    def shard_batches(self, batches, rank, size):
         if self._elastic is not None:
             return self._elastic.shards(batches)
-        return super()._shards(batches, rank, size)
+        return super().shard_batches(batches, rank, size)
 
-    def _register_optimizer(self, optimizer) -> None:
+    def on_optimizer(self, optimizer) -> None:
         known = len(self._optimizers)
-        super()._register_optimizer(optimizer)
+        super().on_optimizer(optimizer)
         if self._elastic is not None and len(self._optimizers) > known:
             self._elastic.registered(optimizer)
 

@@ -266,6 +266,20 @@ class TransportContract:
             with pytest.raises(PeerLostError, match="closed"):
                 b.recv(a.task, "tail", timeout=CALL_TIMEOUT)
 
+    def test_close_and_abort_end_a_transport_once(self):
+        with self.world(2) as (a, b):
+            a.send(b.task, "hi", Message())
+            b.recv(a.task, "hi", timeout=CALL_TIMEOUT)
+            a.abort()
+            a.close()  # after abort(): nothing more to do (no goodbye either)
+            a.abort()
+            with pytest.raises(TransportClosed):
+                a.send(b.task, "hi", Message())
+            with pytest.raises(PeerLostError):
+                b.recv(a.task, "hi", timeout=CALL_TIMEOUT)
+            b.close()
+            b.close()
+
     def test_sigkilled_peer_process_raises_peer_lost(self):
         if self.transport_class().in_process:
             pytest.skip(f"the {self.transport} transport keeps every endpoint in one process")

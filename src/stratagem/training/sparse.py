@@ -3,7 +3,7 @@
 A step that reads a few rows of a table (``var.gather(ids)``) has a gradient that is zero everywhere
 else. :class:`IndexedSlices` carries just those rows, as TensorFlow's type of the same name does, so
 that a strategy that can move rows may move only rows (it says so with ``sparse_gradients = True``
-and gets the merged slices in ``_apply_gradients``). The parameter-server strategies do: they pull
+and gets the merged slices in ``on_apply_gradients``). The parameter-server strategies do: they pull
 only the rows a step gathers and push only the rows of its gradient, and the servers update only
 those rows where that is exactly the dense update (:mod:`stratagem.ps.rows`). The other
 built-in strategies turn them into the dense gradient first (:func:`densify`), as TensorFlow's

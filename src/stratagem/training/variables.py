@@ -1,7 +1,7 @@
 """Variables: named, mutable arrays that a strategy can mirror, shard or hold (README: "Training with a strategy").
 
 A :class:`Variable` is created by the user; inside ``strategy.scope()`` it is handed to that strategy
-(``strategy._register_variable(var)``), which decides what it is: a local replica kept identical on
+(``strategy.on_variable(var)``), which decides what it is: a local replica kept identical on
 every worker (``mirrored``), or later a shard on a parameter server. Outside any scope it is a plain
 local variable::
 
@@ -61,7 +61,7 @@ def strategy_scope(strategy) -> Iterator[Any]:
     Scopes nest; leaving one restores the strategy that was current before it, even on an error.
 
     >>> class Toy:
-    ...     def _register_variable(self, var):
+    ...     def on_variable(self, var):
     ...         pass
     >>> toy = Toy()
     >>> with strategy_scope(toy):
@@ -300,7 +300,7 @@ class Variable:
         self._store: VariableStore = LocalStore(value)
         if strategy is not None:
             try:
-                strategy._register_variable(self)
+                strategy.on_variable(self)
             except BaseException:
                 names.release(self._name)
                 raise
@@ -359,7 +359,7 @@ class Variable:
         return self._store
 
     def _set_store(self, store: VariableStore) -> None:
-        """For strategies (in ``_register_variable``): keep the value in ``store`` from now on."""
+        """For strategies (in ``on_variable``): keep the value in ``store`` from now on."""
         if not isinstance(store, VariableStore):
             raise ConfigurationError(f"a variable's store must be a VariableStore, not {type(store).__name__}")
         self._store = store

@@ -47,13 +47,12 @@ import numpy as np
 
 from stratagem.core import wire
 from stratagem.core.errors import ProtocolError
+from stratagem.core.handshake import CONTROL_LIMITS  # noqa: F401 - the handshake's limits, used with the Reassembler
 from stratagem.core.wire import HEADER_SIZE, Frame, Kind, Limits
 
 #: The most bytes of a frame's head that ride with the first piece of a large buffer (see :func:`chunks`);
 #: the receive limit (``grpc_config.MAX_RECEIVE_BYTES``) leaves room for them above the largest chunk.
 HEAD_ROOM = 16 << 10
-#: Limits for the frames of the handshake and the other control frames: no buffers, a small envelope.
-CONTROL_LIMITS = Limits(max_envelope_bytes=64 << 10, max_payload_bytes=0, max_buffers=0)
 #: Buffers up to this size are allocated whole when their first byte arrives; larger ones grow as
 #: their bytes arrive (see the module docstring).
 WHOLE_BYTES = 32 << 20

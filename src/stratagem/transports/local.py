@@ -96,20 +96,16 @@ class LocalTransport(Transport):
         return {"fabric": LocalFabric()}
 
     def start(self) -> None:
+        if self._closed:
+            raise TransportClosed(f"{self.task}: a closed transport cannot be started again")
         if self._mailbox is None:
             self._mailbox = self.fabric.join(self.task)
             self._mailbox.traffic = self.traffic
 
-    def close(self) -> None:
-        self._leave(f"{self.task} closed its transport")
-
-    def abort(self) -> None:
-        self._leave(f"{self.task} died")
-
-    def _leave(self, reason: str) -> None:
+    def _shutdown(self, graceful: bool) -> None:
         if self._mailbox is not None:
             self._mailbox = None
-            self.fabric.leave(self.task, reason)
+            self.fabric.leave(self.task, f"{self.task} closed its transport" if graceful else f"{self.task} died")
 
     def _box(self) -> Mailbox:
         if self._mailbox is None:

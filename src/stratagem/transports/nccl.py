@@ -129,7 +129,6 @@ class NcclTransport(Transport):
         self._streams: dict[tuple, object] = {}
         self._lock = threading.RLock()
         self._started = False
-        self._closed = False
 
     @classmethod
     def check_usable(cls) -> None:
@@ -174,24 +173,15 @@ class NcclTransport(Transport):
             self.control.start()
             self._started = True
 
-    def close(self) -> None:
-        self._shutdown(abort=False)
-
-    def abort(self) -> None:
-        self._shutdown(abort=True)
-
-    def _shutdown(self, abort: bool) -> None:
+    def _shutdown(self, graceful: bool) -> None:
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
             comms, self._comms = list(self._comms.values()), {}
         for comm in comms:
             try:
-                comm.abort() if abort else comm.destroy()
+                comm.destroy() if graceful else comm.abort()
             except Exception:
                 pass
-        self.control.abort() if abort else self.control.close()
+        self.control.close() if graceful else self.control.abort()
 
     def _require_started(self) -> None:
         if not self._started or self._closed:

@@ -314,7 +314,7 @@ class Client:
                                                      f"{variable.shape}")
                         acc += gather(grads[name], target) * acc.dtype.type(weight)
                 pairs.append((acc, variable))
-            strategy._register_optimizer(optimizer)
+            strategy.on_optimizer(optimizer)
             optimizer.apply_dense(pairs)
             strategy._step += 1
 

@@ -109,11 +109,11 @@ class _PickledScope:
     def __init__(self, server: "ReplicaServer"):
         self._server = server
 
-    def _register_variable(self, variable) -> None:
+    def on_variable(self, variable) -> None:
         pass
 
-    def _apply_gradients(self, optimizer, pairs):
-        return self._server.strategy._apply_gradients(optimizer, pairs)
+    def on_apply_gradients(self, optimizer, pairs):
+        return self._server.strategy.on_apply_gradients(optimizer, pairs)
 
 
 class ReplicaServer:
@@ -125,7 +125,7 @@ class ReplicaServer:
         self.client = strategy.cluster.chief
         self.resolver = FunctionResolver(strategy, serving_context)
         self._held: dict[str, HeldValue] = {}
-        self._scope = _PickledScope(self)
+        self.scope_context = _PickledScope(self)
         self._stand_in_vars: dict[str, Variable] = {}
         self._stand_in_opts: dict[int, Any] = {}
 
@@ -156,7 +156,7 @@ class ReplicaServer:
         variable = self._stand_in_vars.get(name)
         if variable is None:
             held = self.held(name)
-            with strategy_scope(self._scope):
+            with strategy_scope(self.scope_context):
                 variable = Variable(held.array, name=name)
             variable._set_store(held)
             self._stand_in_vars[name] = variable
@@ -165,7 +165,7 @@ class ReplicaServer:
     def pickled_optimizer(self, key, config):
         optimizer = self._stand_in_opts.get(key)
         if optimizer is None:
-            with strategy_scope(self._scope):
+            with strategy_scope(self.scope_context):
                 optimizer = self._stand_in_opts[key] = from_config(config)
         return optimizer
 

@@ -146,6 +146,9 @@ class InGraphStrategy(Strategy):
     """
 
     name = "in_graph"
+    compression_refusal = ("the replicas hand their gradients to the client, which merges them: there is no "
+                           "all-reduce or push to compress. Use 'mirrored' (a compressed all-reduce) or "
+                           "'between_graph'/'parameter_server' (compressed pushes to the ps tasks)")
     options = {
         "devices": None,
         "on_replica_failure": "raise",
@@ -190,7 +193,7 @@ class InGraphStrategy(Strategy):
             raise
 
     # -- options -----------------------------------------------------------------------------------
-    def _check_config(self) -> None:
+    def check_config(self) -> None:
         config = self.config
         parse_devices(config["devices"])
         if config["on_replica_failure"] not in FAILURE_POLICIES:
@@ -254,8 +257,8 @@ class InGraphStrategy(Strategy):
         return dict(self._client.lost) if self._client else {}
 
     # -- variables ---------------------------------------------------------------------------------------
-    def _register_variable(self, variable) -> None:
-        super()._register_variable(variable)
+    def on_variable(self, variable) -> None:
+        super().on_variable(variable)
         if self._role == "client":
             variable._set_store(ClientStore(variable.name, variable.store.read(), self._changed))
         elif self._server is not None:
@@ -264,7 +267,7 @@ class InGraphStrategy(Strategy):
     def _changed(self, name: str) -> int:
         return next(self._versions)
 
-    def _apply_gradients(self, optimizer, pairs: list):
+    def on_apply_gradients(self, optimizer, pairs: list):
         context = CURRENT_STEP.get()
         if context is not None:
             context.record(optimizer, pairs)   # applied by the client once every replica is done
@@ -272,7 +275,7 @@ class InGraphStrategy(Strategy):
         if self._role != "client":
             raise ConfigurationError("under in_graph, apply_gradients() runs inside a step function, which "
                                      "the client runs through strategy.run()")
-        return super()._apply_gradients(optimizer, pairs)
+        return super().on_apply_gradients(optimizer, pairs)
 
     def fingerprint(self) -> str:
         with self._quiet_reads():

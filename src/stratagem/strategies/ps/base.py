@@ -40,9 +40,14 @@ Options (besides every strategy's): ``mode`` (``"async"``, ``"sync"``, ``"bounde
 ``replicas_to_aggregate``, ``total_replicas``, ``staleness`` (see :mod:`stratagem.ps.server`),
 ``placement`` (``"round_robin"`` or ``"greedy"``), ``partition_bytes`` (variables larger than this are
 split across shards; default 16 MiB; ``None`` never), ``partitioner`` (how many slices: default one per
-ps task), ``timeout`` (seconds a request to the shards may take; default the transport's),
-``checkpoint_dir`` (the chief restores the latest checkpoint found there, if any, before anyone starts),
-``pull_with_push``, ``exit_after_serving``.
+ps task; a slice larger than the transport's ``whole_buffer_bytes`` is further cut into row slices on
+the same shard, see :mod:`stratagem.ps.placement`), ``timeout`` (seconds a request to the shards may
+take; default the transport's), ``checkpoint_dir`` (the chief restores the latest checkpoint found
+there, if any, before anyone starts), ``pull_with_push``, ``exit_after_serving``, ``compression`` and ``compression_options``: workers push
+compressed dense gradients (each piece compressed on its own, its error-feedback residual kept on the
+worker) and the ps tasks decompress them before applying (:mod:`stratagem.ps.compressed`); every
+task, the ps tasks included, must be started with the same compression. Row gradients
+(``IndexedSlices``) are pushed as they are.
 """
 
 from __future__ import annotations
@@ -60,7 +65,10 @@ from stratagem.ps.protocol import check_mode, describe_spec, piece_spec, same_sp
 from stratagem.ps.rows import fetch_rows, split_gradient
 from stratagem.ps.server import ParameterServer
 from stratagem.training.sparse import IndexedSlices
+from stratagem.compression.base import FLOAT_DTYPES
+from stratagem.ps.compressed import compress_pieces
 from stratagem.strategies.base import Strategy
+from stratagem.strategies.compressing import Compressing
 from stratagem.strategies.checkpoints import DEFAULT_MAX_TO_KEEP
 from stratagem.strategies.ps.cache import adoptable, write_into
 from stratagem.training.variables import VariableStore, array_module, to_module
@@ -98,12 +106,12 @@ class RemoteStore(VariableStore):
         self._owner._assign(self.name, array)
 
 
-class PSStrategyBase(Strategy):
+class PSStrategyBase(Compressing, Strategy):
     """Variables on the ps tasks (see the module doc). Subclasses say which tasks push gradients
     (:meth:`_pushers`) and what a non-ps task does."""
 
     name = "ps_base"
-    #: ``IndexedSlices`` gradients reach ``_apply_gradients`` as they are: pushed as rows.
+    #: ``IndexedSlices`` gradients reach ``on_apply_gradients`` as they are: pushed as rows.
     sparse_gradients = True
     options = {
         "mode": "async",
@@ -121,6 +129,7 @@ class PSStrategyBase(Strategy):
 
     def __init__(self, transport=None, **kwargs):
         super().__init__(transport, **kwargs)
+        self._check_compressor_transport()
         try:
             self._setup()
         except BaseException:
@@ -129,7 +138,7 @@ class PSStrategyBase(Strategy):
         if self.task.job == "ps":
             self._serve()
 
-    def _check_config(self) -> None:
+    def check_config(self) -> None:
         config = self.config
         check_mode(config["mode"], config["replicas_to_aggregate"], config["total_replicas"],
                    config["staleness"], 10**9 if config["total_replicas"] is None else config["total_replicas"])
@@ -140,6 +149,7 @@ class PSStrategyBase(Strategy):
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):
             raise ConfigurationError(f"timeout must be a number of seconds > 0 (or None), got {timeout!r}")
+        self._choose_compressor()
 
     def _setup(self) -> None:
         cluster = self.cluster
@@ -156,8 +166,10 @@ class PSStrategyBase(Strategy):
         self._global_step = 0
         if self.task.job == "ps":
             return
+        # Pieces within what the transport delivers whole: a larger buffer costs a copy at each end.
         self._placer = Placer(len(cluster.tasks("ps")), self.config["placement"], self.config["partition_bytes"],
-                              self.config["partitioner"])
+                              self.config["partitioner"],
+                              piece_bytes=getattr(self.transport, "whole_buffer_bytes", None))
         self._client = PSClient(self.transport, timeout=self._timeout)
         # Reach every shard now: a ps task that is down fails the job here, naming it, and a shard
         # that dies later is seen as lost (its connection drops) instead of silently unreachable.
@@ -190,7 +202,7 @@ class PSStrategyBase(Strategy):
     # -- ps tasks ----------------------------------------------------------------------------------
     def _serve(self) -> None:
         try:
-            stats = ParameterServer(self.transport, timeout=self.config["timeout"]).serve()
+            stats = ParameterServer(self.transport, timeout=self.config["timeout"], compressor=self.compressor).serve()
         finally:
             self.shutdown()
         #: On a ps task (``exit_after_serving=False``): the server's counters when it stopped.
@@ -204,13 +216,13 @@ class PSStrategyBase(Strategy):
             raise ConfigurationError(f"{self.task} is a ps task: it serves the variables and cannot {what}")
 
     # -- variables ---------------------------------------------------------------------------------
-    def _register_variable(self, variable) -> None:
+    def on_variable(self, variable) -> None:
         self._check_worker("create variables")
         try:
             dtype_name(variable.dtype)
         except ProtocolError as exc:
             raise ConfigurationError(f"variable {variable.name!r} cannot live on a ps task: {exc}") from None
-        super()._register_variable(variable)
+        super().on_variable(variable)
         pieces = self._place(variable)
         self._pieces[variable.name] = pieces
         for piece in pieces:
@@ -239,7 +251,7 @@ class PSStrategyBase(Strategy):
                 values.setdefault(piece.ps, []).append(to_module(self._piece_value(piece, cache), np))
         return specs, values
 
-    def _end_scope(self, created: list, *, first: bool) -> None:
+    def on_scope_end(self, created: list, *, first: bool) -> None:
         if self.task.job == "ps" or not (created or first):
             return
         if self.is_chief:
@@ -405,11 +417,11 @@ class PSStrategyBase(Strategy):
         self._client.assign(by_shard)
 
     # -- the sync point ----------------------------------------------------------------------------
-    def _apply_gradients(self, optimizer, pairs: list):
+    def on_apply_gradients(self, optimizer, pairs: list):
         """Push the gradients to the shards; the servers apply them (by the mode)."""
         self._check_worker("apply gradients")
         self._check_trains()
-        self._register_optimizer(optimizer)
+        self.on_optimizer(optimizer)
         if self._optimizer_sent is not optimizer:
             self._client.set_optimizer(optimizer.get_config())
             self._optimizer_sent = optimizer
@@ -433,6 +445,7 @@ class PSStrategyBase(Strategy):
                 names, arrays = by_shard.setdefault(piece.ps, ([], []))
                 names.append(piece.name)
                 arrays.append(self._piece_value(piece, grad))
+        compression = self._compress(by_shard) if self.compressor is not None else None
         if recorder is not None:
             recorder.add("pack", "pack", started, recorder.now(), {"shards": len(by_shard) + len(rows)})
         if self._stale and self.consistency["mode"] == "sync":
@@ -446,7 +459,8 @@ class PSStrategyBase(Strategy):
                 skip.setdefault(piece.ps, []).append(piece.name)
         try:
             replies = self._client.push(by_shard, versions=self._versions, weight=self._push_weight(), pull=pull,
-                                        on_reply=self._absorb_one if pull else None, rows=rows, skip=skip)
+                                        on_reply=self._absorb_one if pull else None, rows=rows, skip=skip,
+                                        compression=compression)
         except BaseException:
             self._mark_stale()   # some parts of the replies may be copied in already: read afresh
             raise
@@ -463,6 +477,17 @@ class PSStrategyBase(Strategy):
             self.last_clock = (clock, replies[0].meta.get("min_clock"))
         optimizer.iterations = self._global_step
         return self.last_push
+
+    def _compress(self, by_shard: dict) -> dict[int, dict]:
+        """Replace each shard's dense gradients in ``by_shard`` by their compressed payloads, in place;
+        return each shard's ``compression`` metadata. Each piece has its own error-feedback state."""
+        wire = {}
+        for index, (names, arrays) in by_shard.items():
+            states = {name: self.compression_states.get(name, grad.shape, grad.dtype)
+                      for name, grad in zip(names, arrays) if grad.dtype in FLOAT_DTYPES}
+            wire[index], payload = compress_pieces(self.compressor, states, names, arrays)
+            by_shard[index] = (names, payload)
+        return wire
 
     def reduce_gradients(self, grads_and_vars) -> list:
         """Refused: on parameter servers the gradients are reduced and applied on the ps tasks."""
@@ -532,7 +557,7 @@ class PSStrategyBase(Strategy):
             raise ConfigurationError(
                 f"distribute_dataset() needs an iterable of global batches, got {type(dataset).__name__}"
             ) from None
-        return self._shards(batches, pushers.index(me), len(pushers))
+        return self.shard_batches(batches, pushers.index(me), len(pushers))
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def save(self, path, *, max_to_keep: int = DEFAULT_MAX_TO_KEEP) -> str | None:
@@ -582,7 +607,7 @@ class PSStrategyBase(Strategy):
             self._exit_error = f"{type(exc).__name__}: {exc}"
         self.shutdown()
 
-    def _leave_with_error(self, error: str) -> None:
+    def leave_with_error(self, error: str) -> None:
         # The script ended by an exception: the shards learn why (and fail the job, naming this task)
         # rather than seeing a replica vanish, which they would take for a worker to be restarted.
         self.fail(error)

@@ -106,8 +106,8 @@ class ParameterServerStrategy(PSStrategyBase):
         elif not self.is_evaluator:          # an evaluator runs its own script, reading the variables
             self._serve_closures()
 
-    def _check_config(self) -> None:
-        super()._check_config()
+    def check_config(self) -> None:
+        super().check_config()
         if self.config["functions"] not in FUNCTIONS:
             raise ConfigurationError(f"functions must be one of {', '.join(map(repr, FUNCTIONS))}, "
                                      f"got {self.config['functions']!r}")
@@ -258,16 +258,16 @@ class ParameterServerStrategy(PSStrategyBase):
             return False            # the workers update the variables: the coordinator reads them fresh every time
         return super()._fresh(name)
 
-    def _leave_with_error(self, error: str) -> None:
+    def leave_with_error(self, error: str) -> None:
         if getattr(self, "_coordinator", None) is None or self._closed:
-            super()._leave_with_error(error)
+            super().leave_with_error(error)
             return
         # The coordinator failed: the shards learn why, and the workers must not take the end for
         # a normal one (which tells them to exit 0): they see the coordinator gone, naming it.
         self._exit_error = error
         self._say_goodbye()
         # Past PSStrategyBase's override, whose shutdown() would tell the workers to exit normally.
-        super(PSStrategyBase, self)._leave_with_error(error)
+        super(PSStrategyBase, self).leave_with_error(error)
 
     def shutdown(self) -> None:
         """On the coordinator: cancel what is queued, tell the workers to exit; then leave the shards."""

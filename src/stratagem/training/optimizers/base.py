@@ -3,7 +3,7 @@ precision, and how a rule is run (whole arrays, chunks, out of place). The rules
 Adam and Adagrad, are in :mod:`stratagem.training.optimizers.rules`.
 
 An optimizer created inside ``strategy.scope()`` belongs to that strategy: ``apply_gradients`` hands
-the gradients to the strategy (``strategy._apply_gradients(self, pairs)``), which synchronises the
+the gradients to the strategy (``strategy.on_apply_gradients(self, pairs)``), which synchronises the
 replicas (all-reduce for ``mirrored``, a push for a parameter server) and then calls
 :meth:`Optimizer.apply_dense`, the local update. Outside any scope ``apply_gradients`` updates the
 variables at once.
@@ -118,6 +118,11 @@ class Optimizer:
     #: Bytes of a variable from which an elementwise update runs in chunks (``None``: the default,
     #: :data:`~stratagem.training.optimizers.chunks.CHUNK_FROM_BYTES`; rules of many passes set less).
     chunk_from_bytes: ClassVar[int | None] = None
+    #: True when the class's own ``_update_into`` writes each element of ``w`` only after its last
+    #: read of that element of ``g`` (the rule's last operation writes ``w``): then the result may be
+    #: written over the gradient (``update_array(name, value, grad, out=grad)``, no copy of it). Not
+    #: inherited by a subclass that brings its own rule (see :func:`_writes_over_gradient`).
+    result_written_last: ClassVar[bool] = False
 
     def __init__(self, learning_rate: float):
         self.learning_rate = learning_rate
@@ -161,16 +166,16 @@ class Optimizer:
         Gradients that are ``None`` are skipped; the others may be numpy or cupy arrays, torch tensors
         (converted with ``.detach().cpu().numpy()``, torch is not imported) or anything ``np.asarray``
         takes, and must have their variable's shape. Under a strategy this is the replicas' sync point
-        (``strategy._apply_gradients``); otherwise the variables are updated here (``apply_dense``).
+        (``strategy.on_apply_gradients``); otherwise the variables are updated here (``apply_dense``).
         """
         pairs = self._normalise(grads_and_vars)
         if self.strategy is not None:
             recorder = _timeline.RECORDER
             if recorder is None:
-                self.strategy._apply_gradients(self, pairs)
+                self.strategy.on_apply_gradients(self, pairs)
             else:
                 with recorder.span("sync", "apply_gradients", {"gradients": len(pairs)}):
-                    self.strategy._apply_gradients(self, pairs)
+                    self.strategy.on_apply_gradients(self, pairs)
         else:
             self.apply_dense(pairs)
         return self.iterations
@@ -310,7 +315,8 @@ class Optimizer:
         increment it first (``apply_dense`` does). With ``out`` (an array of ``value``'s shape, dtype
         and module) the new value is written there and ``value`` is left as it was; the slots are
         updated either way. A parameter server uses it to update into a second buffer while the
-        first is still being sent.
+        first is still being sent, or into the received gradient itself (``out=grad``: without a
+        copy of the gradient when the rule allows it, see ``result_written_last``).
 
         >>> import numpy as np
         >>> from stratagem.training.optimizers.rules import SGD, Adam, Adagrad
@@ -345,7 +351,9 @@ class Optimizer:
                 f"update_array(out=) of {name!r} must be a separate array of the variable's shape "
                 f"{tuple(value.shape)}, dtype {dtype} and module {xp.__name__}"
             )
-        if xp.may_share_memory(grad, value) or (out is not value and xp.may_share_memory(grad, out)):
+        over_grad = out is grad and self.writes_over_gradient
+        if xp.may_share_memory(grad, value) or (out is not value and not over_grad
+                                                 and xp.may_share_memory(grad, out)):
             grad = grad.copy()  # the update must not change the gradient while reading it
         work_dtype = compute_dtype(dtype)
         slots = self._slots_for(name, xp, tuple(value.shape), work_dtype)
@@ -360,6 +368,13 @@ class Optimizer:
         w = value.astype(work_dtype)
         update_into(xp, w, w, g, slots, self.iterations)
         xp.copyto(out, w, casting="unsafe")
+
+    @property
+    def writes_over_gradient(self) -> bool:
+        """True when ``update_array(name, value, grad, out=grad)`` writes the result over the
+        gradient without copying it first (the rule writes each element last: see
+        ``result_written_last``)."""
+        return _writes_over_gradient(type(self))
 
     @property
     def sparse_exact(self) -> bool:
@@ -518,6 +533,26 @@ class Optimizer:
         config = self.get_config()
         config.pop("name")
         return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in config.items())})"
+
+
+@functools.lru_cache(maxsize=None)
+def _writes_over_gradient(cls: type) -> bool:
+    """True when ``cls``'s update may write its result over the gradient: the class that provides its
+    rule (as :func:`_rule_of` finds it) defines ``_update_into`` itself and says
+    ``result_written_last = True``. The generic ``_update_into`` copies ``src`` into ``w`` before the
+    rule reads ``g``, so a rule given as ``_update`` never qualifies.
+
+    >>> from stratagem.training.optimizers.rules import SGD, Adam
+    >>> class Clipped(SGD):
+    ...     def _update(self, xp, w, g, slots, t):
+    ...         super()._update(xp, w, g / max(1.0, float(np.linalg.norm(g))), slots, t)
+    >>> _writes_over_gradient(SGD), _writes_over_gradient(Adam), _writes_over_gradient(Clipped)
+    (True, True, False)
+    """
+    for klass in cls.__mro__:
+        if "_update_into" in vars(klass) or "_update" in vars(klass):
+            return "_update_into" in vars(klass) and bool(vars(klass).get("result_written_last", False))
+    return False
 
 
 @functools.lru_cache(maxsize=None)

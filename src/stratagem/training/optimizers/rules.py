@@ -1,7 +1,7 @@
 """Optimizers: the Keras/TF update rules, written once over the array module (numpy or cupy).
 
 An optimizer created inside ``strategy.scope()`` belongs to that strategy: ``apply_gradients`` hands
-the gradients to the strategy (``strategy._apply_gradients(self, pairs)``), which synchronises the
+the gradients to the strategy (``strategy.on_apply_gradients(self, pairs)``), which synchronises the
 replicas (all-reduce for ``mirrored``, a push for a parameter server) and then calls
 :meth:`Optimizer.apply_dense`, the local update. Outside any scope ``apply_gradients`` updates the
 variables at once::
@@ -75,6 +75,7 @@ class SGD(Optimizer):
 
     name = "SGD"
     elementwise = True
+    result_written_last = True     # _update_into reads g first, writes w last
 
     def __init__(self, learning_rate: float = 0.01, momentum: float = 0.0, nesterov: bool = False):
         super().__init__(learning_rate)
@@ -99,13 +100,19 @@ class SGD(Optimizer):
 
     def _update_into(self, xp, src, w, g, slots, t):
         # The same ufuncs, in the same order and dtypes, as ``scaled = lr * g; w -= scaled`` etc.
-        # over whole arrays (bit-for-bit), with the temporaries from ``scratch``.
+        # over whole arrays (bit-for-bit), with the temporaries from ``scratch``. Written over the
+        # gradient (``update_array(out=grad)``: then w is g), w itself holds ``lr * g``: one pass
+        # over the memory less.
+        over_gradient = w is g or xp.may_share_memory(w, g)
         if self.momentum == 0:
-            scaled, = scratch(xp, g, 1)
+            scaled = w if over_gradient else scratch(xp, g, 1)[0]
             xp.multiply(g, self.learning_rate, out=scaled)    # lr * g
             xp.subtract(src, scaled, out=w)
             return
-        scaled, step = scratch(xp, g, 2) if self.nesterov else (*scratch(xp, g, 1), None)
+        if over_gradient:
+            scaled, step = w, (scratch(xp, g, 1)[0] if self.nesterov else None)
+        else:
+            scaled, step = scratch(xp, g, 2) if self.nesterov else (*scratch(xp, g, 1), None)
         xp.multiply(g, self.learning_rate, out=scaled)
         v = slots["momentum"]
         v *= self.momentum
@@ -136,6 +143,7 @@ class Adam(Optimizer):
 
     name = "Adam"
     elementwise = True
+    result_written_last = True
     chunk_from_bytes = 1 << 20     # ten passes over the arrays: chunks pay from the smallest size
 
     def __init__(self, learning_rate: float = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
@@ -189,6 +197,7 @@ class Adagrad(Optimizer):
 
     name = "Adagrad"
     elementwise = True
+    result_written_last = True
     chunk_from_bytes = 1 << 20     # seven passes over the arrays: chunks pay from the smallest size
 
     def __init__(self, learning_rate: float = 0.001, initial_accumulator_value: float = 0.1,

@@ -1,7 +1,8 @@
 """Per-stream state of the ``grpc`` transport (:mod:`stratagem.transports.grpc.transport`).
 
 :class:`Outgoing` is our stream to a peer: the queue of frames its request generator sends, the
-handshake's progress and what failed it. :class:`Incoming` is a peer's stream into our server.
+handshake's progress and what failed it. :class:`Incoming` is a peer's stream into our server
+(its handshake is :mod:`stratagem.core.acceptor`'s).
 :class:`LazySend` is the handle of a large send, done once gRPC's request thread has cut the last
 chunk out of the caller's arrays. Nothing here imports grpc.
 """
@@ -120,24 +121,16 @@ class Outgoing:
 
 
 class Incoming:
-    """One stream into our server: who it is from and how far its handshake got."""
+    """One stream into our server: its requests, the responses queued for it, and its handshake
+    (``hs``, a :class:`~stratagem.core.acceptor.Connection`: who it is from and how far it got)."""
 
     def __init__(self, requests, context):
         self.requests, self.context = requests, context
         self.out: queue.SimpleQueue = queue.SimpleQueue()   # response messages; None ends the stream
         self.peer = context.peer()
-        self.task: TaskId | None = None
-        self.nonce_c = b""
-        self.nonce_s = b""
-        self.accepted = False
-        self.refused = False
-        self.goodbye = False
-        self.epoch = 0
+        self.hs = None
         self.ended = threading.Event()
         self.timer: threading.Timer | None = None  # cuts off a stream whose handshake takes too long
-
-    def describe(self) -> str:
-        return f"{self.task} ({self.peer})" if self.task else f"connection {self.peer}"
 
 
 class Abort:

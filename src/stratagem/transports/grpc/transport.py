@@ -114,6 +114,7 @@ import time
 import grpc
 
 from stratagem.core import handshake, ports, wire
+from stratagem.core.acceptor import Acceptor
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import (
     AuthenticationError,
@@ -136,9 +137,10 @@ from stratagem.transports.grpc.config import (
     load_tls,
     server_options,
 )
-from stratagem.transports.grpc.acceptor import Acceptor
-from stratagem.transports.framing import CONTROL_LIMITS, Reassembler, chunks, frame_bytes
-from stratagem.transports.grpc.streams import END, Eager, Incoming, LazySend, Outgoing, fresh
+from stratagem.core.handshake import CONTROL_LIMITS
+from stratagem.transports.framing import Reassembler, chunks, frame_bytes
+from stratagem.transports.grpc.acceptor import GrpcAcceptor
+from stratagem.transports.grpc.streams import END, Eager, LazySend, Outgoing, fresh
 from stratagem.transports.grpc.threads import DaemonExecutor, close_in_background
 
 log = logging.getLogger(__name__)
@@ -147,7 +149,7 @@ _LOSS_GRACE = 0.2          # seconds between a broken outgoing stream and declar
 _BUSY_RETRY = 0.05         # first pause before opening a stream again when the acceptor had no room
 
 
-class GrpcTransport(Acceptor, Transport):
+class GrpcTransport(Transport):
     """gRPC transport (see the module docstring for the design).
 
     Options:
@@ -171,7 +173,7 @@ class GrpcTransport(Acceptor, Transport):
     """
 
     name = "grpc"
-    elastic = True   # a restarted peer is re-accepted (see the acceptor's _admit)
+    elastic = True   # a restarted peer is re-accepted (core/acceptor.py: an Admitted again)
 
     def __init__(self, cluster, task, *, bind_host: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None,
@@ -179,14 +181,7 @@ class GrpcTransport(Acceptor, Transport):
                  handshake_timeout: float = 30.0, linger: float = 1.0, max_workers: int | None = None,
                  **common):
         super().__init__(cluster, task, **common)
-        address = self.cluster.address(self.task)
-        if address is None:
-            raise ConfigurationError(
-                f"{self.task} has no network address (the cluster came from an MPI or Slurm world): use "
-                f"transport='mpi' under mpiexec, set STRATAGEM_PORT under srun (each task listens on its "
-                f"node at STRATAGEM_PORT + SLURM_LOCALID), or give addresses through STRATAGEM_CONFIG/TF_CONFIG"
-            )
-        host, _, port = address.rpartition(":")
+        host, _, port = self._own_address().rpartition(":")
         self._host, self._port = host.strip("[]"), int(port)
         self._bind_host = ports.bind_host(self._host, bind_host)
         if not 1 <= int(chunk_bytes) <= MAX_MESSAGE_BYTES:
@@ -204,19 +199,18 @@ class GrpcTransport(Acceptor, Transport):
         self._tls_server_name = tls_server_name
         self._cluster_id = self.cluster.cluster_id
         self._mailbox = Mailbox(self.task, traffic=self.traffic)
-        self._lock = threading.RLock()            # peers, incoming streams, epochs
+        self._lock = threading.RLock()            # peers, and the acceptor's streams and epochs
         self._peers: dict[TaskId, Outgoing] = {}
-        self._incoming: dict[TaskId, Incoming] = {}
-        self._streams: set[Incoming] = set()
-        self._handshaking: dict[Incoming, None] = {}  # streams in their handshake, oldest first
-        self._epochs: dict[TaskId, int] = {}
-        self._stats_lock = threading.Lock()
+        #: The streams other tasks open to this one: the handshake, then data into the mailbox.
+        self._acceptor = GrpcAcceptor(
+            Acceptor(self.task, self.cluster, self.secret, limits=self.limits, slots=self._max_workers),
+            self._mailbox, lock=self._lock, handshake_timeout=self._handshake_timeout,
+            take_peer=self._take_peer, retire=self._retire, declare_lost=self._declare_lost)
         self._server: grpc.Server | None = None
-        self._closed = False
         self.address: str | None = None
         #: Counters a test or an operator can read: frames and streams refused, streams cut off in their
         #: handshake to make room for newer ones, data frames received.
-        self.stats = {"rejected_frames": 0, "cut_off_handshakes": 0, "data_frames": 0}
+        self.stats = self._acceptor.stats
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -225,7 +219,7 @@ class GrpcTransport(Acceptor, Transport):
         if self._closed:
             raise TransportClosed(f"{self.task}: a closed transport cannot be started again")
         handler = grpc.method_handlers_generic_handler(SERVICE, {
-            METHOD: grpc.stream_stream_rpc_method_handler(self._serve_stream),  # raw bytes both ways
+            METHOD: grpc.stream_stream_rpc_method_handler(self._acceptor.serve_stream),  # raw bytes both ways
         })
         pool = DaemonExecutor(f"stratagem-grpc-{self.task.short}")  # never holds the interpreter at exit
         server = grpc.server(pool, handlers=[handler], options=server_options(self.peer_timeout),
@@ -252,20 +246,11 @@ class GrpcTransport(Acceptor, Transport):
         self._server, self._pool, self._port = server, pool, port
         self.address = f"{self._host}:{port}"
 
-    def close(self) -> None:
-        self._shutdown(graceful=True)
-
-    def abort(self) -> None:
-        self._shutdown(graceful=False)
-
     def _shutdown(self, graceful: bool) -> None:
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
             peers = list(self._peers.values())
             self._peers.clear()
-            streams = list(self._streams)
+            streams = self._acceptor.shut()
         if self._server is None:
             self._mailbox.close("closed before it started")
             return
@@ -283,7 +268,7 @@ class GrpcTransport(Acceptor, Transport):
                     peer.finished.wait(max(0.0, deadline - time.monotonic()))
             goodbye = frame_bytes(wire.encode(Kind.GOODBYE, ""))
             for conn in streams:
-                if conn.accepted:
+                if conn.hs.accepted:
                     conn.out.put(goodbye)
                 conn.out.put(None)
         for peer in peers:
@@ -372,27 +357,20 @@ class GrpcTransport(Acceptor, Transport):
 
     # -- outgoing streams --------------------------------------------------------------------------
     def _ensure_peer(self, task: TaskId) -> Outgoing:
-        peer = self._peers.get(task)
-        if peer is not None:
-            return peer
-        with self._lock:
-            peer = self._peers.get(task)
-            if peer is not None:
-                return peer
-            if self._closed:
-                raise TransportClosed(f"{self.task}: transport closed")
-            address = self.cluster.address(task)
-            if address is None:
-                raise ConfigurationError(f"{task} has no network address in the cluster spec")
-            hello, nonce = handshake.make_hello(self.task, self._cluster_id, self.secret)
-            peer = Outgoing(task, address, nonce)
-            peer.queue.put(Eager(frame_bytes(wire.encode(Kind.HELLO, "", hello))))
-            peer.channel = self._channel(address)
-            stream = peer.channel.stream_stream(FULL_METHOD)  # no (de)serializers: raw bytes
-            peer.call = stream(self._requests(peer), wait_for_ready=True)
-            self._peers[task] = peer
-        threading.Thread(target=self._read_responses, args=(peer,), daemon=True,
-                         name=f"stratagem-grpc-{self.task.short}-to-{task.short}").start()
+        peer, new = self._connection(self._peers, self._lock, task, self._connect)
+        if new:
+            threading.Thread(target=self._read_responses, args=(peer,), daemon=True,
+                             name=f"stratagem-grpc-{self.task.short}-to-{task.short}").start()
+        return peer
+
+    def _connect(self, task: TaskId, address: str) -> Outgoing:
+        """A stream to ``task`` at ``address``, its HELLO queued (under the lock)."""
+        hello, nonce = handshake.make_hello(self.task, self._cluster_id, self.secret)
+        peer = Outgoing(task, address, nonce)
+        peer.queue.put(Eager(frame_bytes(wire.encode(Kind.HELLO, "", hello))))
+        peer.channel = self._channel(address)
+        stream = peer.channel.stream_stream(FULL_METHOD)  # no (de)serializers: raw bytes
+        peer.call = stream(self._requests(peer), wait_for_ready=True)
         return peer
 
     def _channel(self, address: str) -> grpc.Channel:
@@ -509,7 +487,7 @@ class GrpcTransport(Acceptor, Transport):
                 # The next send opens a new stream. A peer that refused us stays until a send has
                 # raised the reason (see _drop_refused).
                 del self._peers[peer.task]
-            epoch = self._epochs.get(peer.task, 0)
+            epoch = self._acceptor.epoch(peer.task)
         if self._closed or not current:
             peer.fail(TransportClosed(f"{self.task}: transport closed") if self._closed else None)
             return
@@ -528,6 +506,10 @@ class GrpcTransport(Acceptor, Transport):
         if peer.welcomed:
             self._schedule_loss(peer.task, reason, epoch, time.monotonic() + self.peer_timeout)
 
+    def _take_peer(self, task: TaskId) -> Outgoing | None:
+        with self._lock:
+            return self._peers.pop(task, None)
+
     def _retire(self, peer: Outgoing) -> None:
         peer.cancel()
         if peer.channel is not None:
@@ -541,10 +523,10 @@ class GrpcTransport(Acceptor, Transport):
 
     def _settle_loss(self, task: TaskId, reason: str, epoch: int, latest: float) -> None:
         with self._lock:
-            if self._closed or self._epochs.get(task, 0) != epoch:
+            if self._closed or self._acceptor.epoch(task) != epoch:
                 return  # closed, or a new incarnation of the task connected since
-            conn = self._incoming.get(task)
-        if conn is not None and not conn.ended.is_set() and time.monotonic() < latest:
+            receiving = self._acceptor.receiving(task)
+        if receiving and time.monotonic() < latest:
             # What it sent may still be arriving on its own stream to us: wait for that to end.
             self._schedule_loss(task, reason, epoch, latest)
             return
@@ -552,7 +534,7 @@ class GrpcTransport(Acceptor, Transport):
 
     def _declare_lost(self, task: TaskId, reason: str, epoch: int | None = None) -> None:
         with self._lock:
-            if self._closed or (epoch is not None and self._epochs.get(task, 0) != epoch):
+            if self._closed or (epoch is not None and self._acceptor.epoch(task) != epoch):
                 return
             self._mailbox.mark_lost(task, reason)
             peer = self._peers.pop(task, None)

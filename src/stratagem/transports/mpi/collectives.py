@@ -351,7 +351,7 @@ class MpiCollectives:
         """``with``, around one collective: polling MPI holds the reader role (and hears heartbeats
         while it polls); blocking calls arm the guard that the background reader watches."""
         if not self.blocking:
-            return self.t.reading(session.timeout)
+            return self.t.progress.reading(session.timeout)
         guarded = sc.guarded
         if guarded is None:
             guarded = sc.guarded = _Guarded(self, session, sc, call)
@@ -386,7 +386,7 @@ class MpiCollectives:
             comm.Set_errhandler(self.MPI.ERRORS_RETURN)
         self.t.own(comm)
         peers = [m for m in session.members if m != self.t.task]
-        sc = self._comms[session] = _SessionComm(comm, peers, self.t.guards, self.MPI)
+        sc = self._comms[session] = _SessionComm(comm, peers, self.t.progress.guards, self.MPI)
         return sc
 
     def _agree(self, session: CollectiveSession, sc: _SessionComm, call: _Call, flag, on_poll) -> int:
@@ -453,9 +453,9 @@ class MpiCollectives:
         try:
             getattr(sc.comm, name)(*args)
         except self.MPI.Exception as exc:
-            self.t.abandon([], args)  # MPI may not be done with the buffers of a failed call
+            self.t.progress.abandon([], args)  # MPI may not be done with the buffers of a failed call
             guard = sc.guard
-            error = guard.error or self.t.blocking_failure(exc, guard)
+            error = guard.error or self.t.progress.blocking_failure(exc, guard)
             # A dead member fails the call for every member by itself (ULFM); the watchdog revoked
             # for the rest; revoking again is harmless and reaches members that missed it.
             self._broken(session, sc.comm, revoke=not isinstance(error, PeerLostError))
@@ -471,14 +471,14 @@ class MpiCollectives:
                 request = post()
         except self.MPI.Exception as exc:
             self._broken(session, comm)
-            raise t.translate(exc, comm, peers, what) from None
+            raise t.progress.translate(exc, comm, peers, what) from None
         try:
-            t.wait_requests([request], session.timeout, peers, what, comm=comm, on_poll=on_poll, eager=True)
+            t.progress.wait_requests([request], session.timeout, peers, what, comm=comm, on_poll=on_poll, eager=True)
         except BaseException as exc:
             # A dead member fails the call for every member by itself (ULFM); anything else (a timeout,
             # a peer that stopped answering) must be told to the others: revoke.
             self._broken(session, comm, revoke=not isinstance(exc, PeerLostError))
-            t.abandon([request], keep)
+            t.progress.abandon([request], keep)
             raise
 
     def _broken(self, session, comm, revoke: bool = True) -> None:

@@ -30,8 +30,9 @@ GIL, so that even its background reader stands still) -- Open MPI then finishes 
 when that member moves again. A call still blocked ``REVOKE_GRACE`` seconds after its revoke therefore
 aborts the MPI job (``MPI_Abort``, with the reason on stderr) rather than hang for ever.
 
-:class:`MpiProgress` is the part of :class:`~stratagem.transports.mpi.transport.MpiTransport` that does this
-(a mixin: it uses the transport's communicator, mailbox and locks).
+:class:`MpiProgress` does this for one :class:`~stratagem.transports.mpi.transport.MpiTransport`, which owns
+it and gives it what it reads (the communicator, the mailbox, the lock around MPI calls); its native
+collectives (:mod:`~stratagem.transports.mpi.collectives`) wait and take the reader role through it.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ import numpy as np
 from stratagem.core import wire
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import CommunicationError, PeerLostError, ProtocolError, TransportClosed, TransportTimeout
+from stratagem.core.mailbox import Mailbox
 from stratagem.core.transport import Message
-from stratagem.core.wire import Kind
+from stratagem.core.wire import Kind, Limits
 
 log = logging.getLogger("stratagem.transports.mpi.transport")
 
@@ -134,10 +136,82 @@ class _Backoff:
 
 
 class MpiProgress:
-    """Reading, waiting and liveness for :class:`~stratagem.transports.mpi.transport.MpiTransport` (see the module doc)."""
+    """Reading, waiting and liveness for one :class:`~stratagem.transports.mpi.transport.MpiTransport`
+    (see the module doc).
+
+    Args:
+        task: the transport's task.
+        tasks: the cluster's tasks, in rank order (rank r is ``tasks[r]``).
+        mailbox: where messages read are filed, and losses noted.
+        limits: the wire limits messages are held to.
+        peer_timeout: seconds of silence after which a peer is lost (heartbeats go 4 times as often).
+
+    The transport hands over MPI when it starts: :meth:`use` (the module and the lock around MPI
+    calls, before its first MPI call) and :meth:`begin` (the point-to-point communicator, once made).
+    """
+
+    def __init__(self, task: TaskId, tasks: list[TaskId], mailbox: Mailbox, limits: Limits, peer_timeout: float):
+        self.task = task
+        self._tasks = tasks
+        self._rank_of = {t: r for r, t in enumerate(tasks)}
+        self._mailbox = mailbox
+        self.limits = limits
+        self.peer_timeout = peer_timeout
+        self.MPI = None
+        self.mpi_lock: contextlib.AbstractContextManager = contextlib.nullcontext()
+        self._comm = None
+        self._stopping = False
+        self._reader = threading.Lock()   # whoever holds it reads the communicator
+        self._user_read_at = 0.0
+        self._wanted = 0                  # threads waiting for the reader role (collectives)
+        self._wake = threading.Event()    # set by a thread that wants the role: the background lets go
+        self._last_heard: dict[TaskId, float] = {}
+        self._next_heartbeat = 0.0
+        self._small_sends: list = []       # (request, frame) of inline sends still in flight
+        self._small_lock = threading.Lock()
+        self._abandoned: list = []         # requests given up on, with the memory MPI may still read
+        self._refused: set[TaskId] = set()  # peers that broke the protocol
+        self._heartbeats_read_at = 0.0
+        self._departed: dict[TaskId, float] = {}   # peers whose goodbye a collective heard, and when
+        self.guards: set = set()          # guarded blocking calls in progress (see Guard)
+        self._watch_drained_at = 0.0
+        self._retired_at = 0.0
+
+    # -- what the transport tells ------------------------------------------------------------------
+    def use(self, MPI, mpi_lock: contextlib.AbstractContextManager) -> None:
+        """MPI is initialised: its module, and the lock every MPI call is made under."""
+        self.MPI, self.mpi_lock = MPI, mpi_lock
+
+    def begin(self, comm) -> None:
+        """The point-to-point communicator is made: every peer counts as just heard from."""
+        self._comm = comm
+        now = time.monotonic()
+        self._last_heard = {t: now for t in self._tasks if t != self.task}
+        self._next_heartbeat = now
+
+    def track(self, request, frame) -> None:
+        """An inline send in flight (``frame``, the memory MPI reads, is kept until it completes)."""
+        with self._small_lock:
+            self._small_sends.append((request, frame))
+
+    def small_requests(self) -> list:
+        """The inline sends (and heartbeats) still in flight."""
+        with self._small_lock:
+            return [r for r, _ in self._small_sends]
+
+    def stop(self) -> None:
+        """The transport is closing: stop reading (waiting calls raise ``TransportClosed``)."""
+        self._stopping = True
+
+    def wait_stopped(self, timeout: float) -> bool:
+        """Wait until no thread reads any more; False if one still does after ``timeout`` seconds."""
+        if not self._reader.acquire(timeout=timeout):  # a recv() still reading lets go within _USER_POLL
+            return False
+        self._reader.release()
+        return True
 
     # -- waiting on MPI requests -------------------------------------------------------------------
-    def _test_all(self, requests: list, peers) -> bool:
+    def test_all(self, requests: list, peers) -> bool:
         with self.mpi_lock:
             try:
                 return self.MPI.Request.Testall(requests)
@@ -279,7 +353,7 @@ class MpiProgress:
         return failed
 
     # -- reading -----------------------------------------------------------------------------------
-    def _pump_for_waiter(self, remaining: float | None) -> bool:
+    def pump_for_waiter(self, remaining: float | None) -> bool:
         """Read for a waiting ``recv`` if no other thread is reading; False if one is."""
         if self._stopping or self._wanted:  # a collective is taking the communicator: let it
             return False
@@ -308,7 +382,8 @@ class MpiProgress:
             print(f"stratagem: {message}", file=sys.stderr, flush=True)
         self.MPI.COMM_WORLD.Abort(1)
 
-    def _read_in_background(self) -> None:
+    def read_in_background(self) -> None:
+        """The background reader's loop (its own thread, until the transport stops)."""
         while not self._stopping:
             if self.guards:  # a guarded blocking call is in progress: be its watchdog
                 self._watch_guards()

@@ -26,7 +26,7 @@ it: the contract's order per ``(src, dst, tag)`` follows. String tags travel in 
 the shared :class:`~stratagem.core.mailbox.Mailbox` files messages by ``(source, tag)``, which gives
 any-source receives and any number of concurrent tags.
 
-Progress (``mpi_progress.py``). MPI has no blocking wait with a timeout (and Open MPI's blocking
+Progress (:mod:`~stratagem.transports.mpi.progress`, an object the transport owns). MPI has no blocking wait with a timeout (and Open MPI's blocking
 calls spin a core), so every wait polls (``MPI_Improbe``, ``MPI_Test``): a short spin, then sleeps that
 back off to a millisecond. A ``recv()`` that waits reads the communicator itself; a background thread
 reads when nobody does (early messages, heartbeats, and progress for the sends in flight). This needs
@@ -148,6 +148,7 @@ class MpiSendHandle(SendHandle):
 
     def __init__(self, transport: "MpiTransport", dst: TaskId, requests: list, keep: list):
         self._transport = transport
+        self._progress = transport.progress
         self._dst = dst
         self._requests = requests
         self._keep = keep  # the memory MPI reads until the requests complete
@@ -155,23 +156,23 @@ class MpiSendHandle(SendHandle):
 
     def done(self) -> bool:
         if not self._done:
-            self._done = self._transport._test_all(self._requests, [self._dst])
+            self._done = self._progress.test_all(self._requests, [self._dst])
         return self._done
 
     def wait(self, timeout: float | None = None) -> None:
         if self._done:
             return
         try:
-            self._transport.wait_requests(self._requests, self._transport._timeout(timeout), [self._dst],
-                                          f"a send to {self._dst}")
+            self._progress.wait_requests(self._requests, self._transport._timeout(timeout), [self._dst],
+                                         f"a send to {self._dst}")
         except BaseException:
-            self._transport.abandon(self._requests, self._keep)
+            self._progress.abandon(self._requests, self._keep)
             raise
         self._done = True
         self._transport._forget(self)
 
 
-class MpiTransport(MpiProgress, Transport):
+class MpiTransport(Transport):
     """Message passing through MPI (see the module docstring for the design).
 
     Options:
@@ -211,28 +212,13 @@ class MpiTransport(MpiProgress, Transport):
         self._comm = None          # point-to-point traffic (a duplicate of the base communicator)
         self.coll_comm = None      # parent of the collectives' communicators (another duplicate)
         self._mailbox = Mailbox(self.task, traffic=self.traffic)
-        self._closed = False
-        self._stopping = False
         self.mpi_lock: contextlib.AbstractContextManager = contextlib.nullcontext()
         self._send_locks = {t: threading.Lock() for t in self._tasks}
-        self._reader = threading.Lock()   # whoever holds it reads the communicator
-        self._user_read_at = 0.0
-        self._wanted = 0                  # threads waiting for the reader role (collectives)
-        self._wake = threading.Event()    # set by a thread that wants the role: the background lets go
         self._background: threading.Thread | None = None
-        self._last_heard: dict[TaskId, float] = {}
-        self._next_heartbeat = 0.0
-        self._small_sends: list = []       # (request, frame) of inline sends still in flight
-        self._small_lock = threading.Lock()
         self._in_flight: set = set()       # large sends whose handles were not waited for yet
-        self._abandoned: list = []         # requests given up on, with the memory MPI may still read
         self._owned_comms: list = []       # communicators made for collectives (kept, never freed)
-        self._refused: set[TaskId] = set()  # peers that broke the protocol
-        self._heartbeats_read_at = 0.0
-        self._departed: dict[TaskId, float] = {}   # peers whose goodbye a collective heard, and when
-        self.guards: set = set()          # guarded blocking calls in progress (mpi_progress.Guard)
-        self._watch_drained_at = 0.0
-        self._retired_at = 0.0
+        #: Reading the communicator, waiting on requests, heartbeats and losses (see mpi/progress.py).
+        self.progress = MpiProgress(self.task, self._tasks, self._mailbox, self.limits, self.peer_timeout)
         self._collectives = None
         self.MPI = None
 
@@ -270,6 +256,7 @@ class MpiTransport(MpiProgress, Transport):
             )
         if level < MPI.THREAD_MULTIPLE:
             self.mpi_lock = threading.RLock()
+        self.progress.use(MPI, self.mpi_lock)
         self.blocking_collectives = self._choose_blocking(level >= MPI.THREAD_MULTIPLE)
         base = MPI.COMM_WORLD if self._base is None else self._base
         size, rank = base.Get_size(), base.Get_rank()
@@ -300,10 +287,8 @@ class MpiTransport(MpiProgress, Transport):
         coll = self._duplicate(base, deadline)
         self._comm = comm
         self.coll_comm = coll
-        now = time.monotonic()
-        self._last_heard = {t: now for t in self._tasks if t != self.task}
-        self._next_heartbeat = now
-        self._background = threading.Thread(target=self._read_in_background, daemon=True,
+        self.progress.begin(comm)
+        self._background = threading.Thread(target=self.progress.read_in_background, daemon=True,
                                             name=f"stratagem-mpi-{self.task.short}")
         self._background.start()
 
@@ -329,17 +314,14 @@ class MpiTransport(MpiProgress, Transport):
         with self.mpi_lock:
             comm, request = base.Idup()
         try:
-            self.wait_requests([request], None if deadline is None else max(0.0, deadline - time.monotonic()),
-                               (), "start() (MPI_Comm_idup: every rank of the MPI world must start its "
-                               "transport)", comm=base)
+            self.progress.wait_requests([request], None if deadline is None else max(0.0, deadline - time.monotonic()),
+                                        (), "start() (MPI_Comm_idup: every rank of the MPI world must start its "
+                                        "transport)", comm=base)
         except BaseException:
-            self.abandon([request], [comm])
+            self.progress.abandon([request], [comm])
             raise
         comm.Set_errhandler(self.MPI.ERRORS_RETURN)
         return comm
-
-    def close(self) -> None:
-        self._shutdown(graceful=True)
 
     def _end_at_exit(self, error) -> None:
         self.close()
@@ -357,29 +339,21 @@ class MpiTransport(MpiProgress, Transport):
                     stream.flush()
             os._exit(1)
 
-    def abort(self) -> None:
-        self._shutdown(graceful=False)
-
     def _shutdown(self, graceful: bool) -> None:
-        if self._closed:
-            return
-        self._closed = True
         if self._comm is None:
             self._mailbox.close("closed before it started")
             return
         if graceful:
             self._flush_and_say_goodbye()
-        self._stopping = True
+        self.progress.stop()
         self._mailbox.close(f"{self.task} closed its transport")  # wakes waiting recv() calls
         if self._background is not None:
             self._background.join(timeout=10)
         # The communicators are not freed: peers may still send to us (heartbeats, a goodbye), and
         # Open MPI would hand such late messages to whatever communicator reuses the freed context id.
         # MPI releases them at finalize; a process holds one transport, or a few.
-        if not self._reader.acquire(timeout=10):  # a recv() still reading lets go within _USER_POLL
+        if not self.progress.wait_stopped(timeout=10):
             log.warning("%s: a reader did not stop within 10 s of close()", self.task)
-        else:
-            self._reader.release()
 
     def _flush_and_say_goodbye(self) -> None:
         """Let the sends in flight finish (up to ``linger`` seconds), then tell every peer we leave.
@@ -397,10 +371,9 @@ class MpiTransport(MpiProgress, Transport):
             if task != self.task and task not in lost:
                 with self._send_locks[task], self.mpi_lock, contextlib.suppress(Exception):
                     requests.append(self._comm.Isend([b"g", self.MPI.BYTE], self._rank_of[task], TAG_GOODBYE))
-        with self._small_lock:
-            requests += [r for r, _ in self._small_sends]
+        requests += self.progress.small_requests()
         with contextlib.suppress(Exception):
-            self.wait_requests(requests, max(0.05, deadline - time.monotonic()), (), "the goodbye")
+            self.progress.wait_requests(requests, max(0.05, deadline - time.monotonic()), (), "the goodbye")
 
     # -- messaging ---------------------------------------------------------------------------------
     def send(self, dst, tag, msg, timeout=None) -> None:
@@ -418,8 +391,7 @@ class MpiTransport(MpiProgress, Transport):
             frame = b"".join(parts)  # one copy: the caller may reuse its arrays at once
             with self._send_locks[dst], self.mpi_lock:
                 request = self._isend(frame, peer, TAG_ENVELOPE, dst)
-            with self._small_lock:
-                self._small_sends.append((request, frame))
+            self.progress.track(request, frame)
             return COMPLETED
         requests = []
         with self._send_locks[dst], self.mpi_lock:
@@ -437,13 +409,13 @@ class MpiTransport(MpiProgress, Transport):
         try:
             return self._comm.Isend([data, self.MPI.BYTE], peer, mpi_tag)
         except self.MPI.Exception as exc:
-            raise self.translate(exc, self._comm, [dst], f"a send to {dst}") from None
+            raise self.progress.translate(exc, self._comm, [dst], f"a send to {dst}") from None
 
     def recv(self, src, tag, timeout=None) -> Message:
         self._require_started()
         if src is not None:
             src = self._check_peer(src)
-        return self._mailbox.get(src, tag, self._timeout(timeout), pump=self._pump_for_waiter)
+        return self._mailbox.get(src, tag, self._timeout(timeout), pump=self.progress.pump_for_waiter)
 
     def lost_peers(self) -> dict[TaskId, str]:
         return self._mailbox.lost()

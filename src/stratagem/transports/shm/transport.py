@@ -129,8 +129,11 @@ class _Control(ZmqTransport):
     """The embedded zmq transport, delivering into the shm transport's inbox."""
 
     def __init__(self, inbox: _Inbox, cluster, task, **options):
+        self._inbox = inbox
         super().__init__(cluster, task, **options)
-        self._mailbox = inbox
+
+    def _new_mailbox(self) -> _Inbox:
+        return self._inbox
 
 
 class _Outgoing:
@@ -247,7 +250,6 @@ class ShmTransport(Transport):
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._started = False
-        self._closed = False
 
     @classmethod
     def check_usable(cls) -> None:
@@ -274,16 +276,7 @@ class ShmTransport(Transport):
         self._thread = threading.Thread(target=self._background, name=f"stratagem-shm-{self.task.short}", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
-        self._shutdown(graceful=True)
-
-    def abort(self) -> None:
-        self._shutdown(graceful=False)
-
     def _shutdown(self, graceful: bool) -> None:
-        if self._closed:
-            return
-        self._closed = True
         if not self._started:
             self.control.close()
             self._inbox.close("closed before it started")

@@ -1,17 +1,19 @@
-"""The accepting side of the ``zmq`` transport (:mod:`stratagem.transports.zmq.transport`): messages that
-arrive at this task's ROUTER, the handshake as acceptor (HELLO, then CHALLENGE/AUTH with a cluster
-secret, then WELCOME), and refusals.
+"""The accepting side of the ``zmq`` transport (:mod:`stratagem.transports.zmq.transport`): the messages
+that arrive at this task's ROUTER, fed to the handshake's state machine
+(:mod:`stratagem.core.acceptor`), whose actions this carries out.
 
-:class:`Acceptor` is a mixin of :class:`~stratagem.transports.zmq.transport.ZmqTransport`; it uses the
-transport's mailbox, its peer tables and ``_ensure_peer`` / ``_forget_peer`` / ``_peer_gone``, and
-runs on whichever thread holds the reader lock (the only thread that touches the ROUTER).
+:class:`ZmqAcceptor` is owned by the transport and talks to it only through what it is given: the
+mailbox, the counters, and four functions (send a control frame back on a connection, forget our
+connection to a task, connect to a task to watch it, and mark a task gone). It runs on whichever
+thread holds the transport's reader lock (the only thread that touches the ROUTER).
 
 Every answer (CHALLENGE, WELCOME, REJECT) goes back on the connection the HELLO came in on, never
 to the task a HELLO *claims* to be: a forged HELLO gets its answer itself, and the task it names
 hears nothing. Data is accepted only on connections that completed the handshake. A malformed or
 unauthenticated message is dropped with a logged reason (the first few per connection, then one in
-:data:`_LOG_EVERY`) and, for a refused handshake, a REJECT with the reason; the server keeps serving
-everyone else.
+:data:`_LOG_EVERY`) and, when it ends a handshake, a REJECT with the reason; the server keeps
+serving everyone else. (A malformed frame from an admitted peer drops that frame only: ZeroMQ
+cannot end one connection of a ROUTER, and an admitted peer does not read REJECTs.)
 
 Messages on a connection into the ROUTER have one of three shapes (see the transport's docstring):
 a whole frame ``[head, buffer...]``; a stream piece ``[b"", piece]`` of a frame too large for one
@@ -22,184 +24,155 @@ no-op ``[b""]`` that ``flush`` sends.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from typing import Callable
 
-import zmq
-
-from stratagem.core import handshake, wire
+from stratagem.core import wire
+from stratagem.core.acceptor import DELIVER, Acceptor, Admitted, Connection, Dropped, GaveUp, Left, Refused, Reply
 from stratagem.core.cluster import TaskId
-from stratagem.core.errors import ConfigurationError, ProtocolError
+from stratagem.core.errors import ProtocolError
+from stratagem.core.mailbox import Mailbox
 from stratagem.core.transport import Message
 from stratagem.core.wire import Kind
-from stratagem.transports.framing import CONTROL_LIMITS, Reassembler
+from stratagem.transports.framing import Reassembler
 
 log = logging.getLogger("stratagem.transports.zmq.transport")
 
 _LOG_EVERY = 100  # after the first few, log one rejected frame in this many per connection
 
 
-@dataclass
-class Incoming:
-    """The state of one connection into our ROUTER, keyed by ZeroMQ's routing id."""
+class ZmqAcceptor:
+    """Handles the messages that arrive at the ROUTER (see the module doc).
 
-    task: TaskId
-    authenticated: bool = False
-    nonce_c: bytes = b""
-    nonce_s: bytes = b""
-    #: Reassembles frames that arrive as stream pieces (made on the first piece).
-    stream: Reassembler | None = field(default=None, repr=False)
+    Args:
+        acceptor: the handshake's state machine for this task.
+        mailbox: where DATA from admitted peers goes.
+        stats: the transport's counters (``rejected_frames``, ``data_frames``).
+        answer: ``answer(routing_id, kind, meta)`` sends a control frame back on that connection.
+        forget_peer: ``forget_peer(task)`` drops our connection to ``task`` (an older process of it).
+        watch_peer: ``watch_peer(task)`` connects to ``task``, so that we notice if it dies.
+        peer_gone: ``peer_gone(task, reason)`` marks ``task`` lost.
+        part_cap: the largest message part the ROUTER takes (for a log message).
+    """
 
+    def __init__(self, acceptor: Acceptor, mailbox: Mailbox, stats: dict, *,
+                 answer: Callable[[bytes, Kind, dict], None], forget_peer: Callable[[TaskId], None],
+                 watch_peer: Callable[[TaskId], object], peer_gone: Callable[[TaskId, str], None], part_cap: int):
+        self.acceptor, self.task, self.limits = acceptor, acceptor.task, acceptor.limits
+        self._mailbox, self.stats, self._part_cap = mailbox, stats, part_cap
+        # What the transport does for us: the ROUTER and our own connections to peers are its.
+        self._answer, self._forget_peer, self._watch_peer, self._peer_gone = answer, forget_peer, watch_peer, peer_gone
+        self._incoming: dict[bytes, Connection] = {}      # by ZeroMQ's routing id
+        self._pieces: dict[bytes, Reassembler] = {}       # frames arriving as stream pieces
+        self._rejected: dict[bytes, int] = {}
+        self._fds: dict[int, bytes] = {}                  # a connection's socket -> its routing id
 
-class Acceptor:
-    """Handles the messages that arrive at the ROUTER (mixed into ``ZmqTransport``)."""
-
-    def _on_message(self, routing_id: bytes, parts, fd: int) -> None:
+    def on_message(self, routing_id: bytes, parts, fd: int) -> None:
         """One message from the connection ``routing_id`` (socket ``fd``): route it by its shape."""
         if fd >= 0:
-            self._connection_fds[fd] = routing_id
+            self._fds[fd] = routing_id
+        conn = self._incoming.get(routing_id)
+        if conn is None:
+            conn, _ = self.acceptor.connect(routing_id.hex())  # no handshake budget: nothing is cut off
+            self._incoming[routing_id] = conn
         if len(parts[0]) == 0:
             if len(parts) == 1:
                 return  # flush()'s no-op
-            self._on_piece(routing_id, parts)
+            self._on_piece(routing_id, conn, parts)
             return
-        conn = self._incoming.get(routing_id)
-        if conn is not None and conn.stream is not None and not conn.stream.between_frames:
-            self._drop_connection_state(routing_id)
-            self._reject(routing_id, "a frame arrived in the middle of a streamed frame")
+        stream = self._pieces.get(routing_id)
+        if stream is not None and not stream.between_frames:
+            del self._pieces[routing_id]
+            self.reject(routing_id, "a frame arrived in the middle of a streamed frame")
             return
-        trusted = conn is not None and conn.authenticated
         try:
             head = parts[0].bytes
-            if not trusted and wire.read_header(head, self.limits).kind == Kind.DATA:
-                self._reject(routing_id, "data before the handshake completed (unauthenticated connection)")
-                return
-            # Before the handshake only small control frames are decoded at all.
-            frame = wire.decode_parts([head, *(p.buffer for p in parts[1:])],
-                                      self.limits if trusted else CONTROL_LIMITS)
+            if not conn.open:
+                # Before the handshake only the frames it expects are decoded at all, under its tiny limits.
+                kind = wire.read_header(head, self.limits).kind
+                if kind not in conn.expects:
+                    self._act(routing_id, conn, self.acceptor.on_frame(conn, kind, None))
+                    return
+            frame = wire.decode_parts([head, *(p.buffer for p in parts[1:])], conn.limits)
         except ProtocolError as exc:
-            self._reject(routing_id, f"malformed frame: {exc}")
+            self.reject(routing_id, f"malformed frame: {exc}")
             return
         self._on_frame(routing_id, conn, frame)
 
-    def _on_piece(self, routing_id: bytes, parts) -> None:
-        conn = self._incoming.get(routing_id)
-        if conn is None or not conn.authenticated:
-            self._reject(routing_id, "data before the handshake completed (unauthenticated connection)")
+    def _on_piece(self, routing_id: bytes, conn: Connection, parts) -> None:
+        if not conn.open:
+            self._act(routing_id, conn, self.acceptor.on_frame(conn, Kind.DATA, None))
             return
         if len(parts) != 2:
-            self._reject(routing_id, f"a stream piece in {len(parts)} parts (2 expected)")
+            self.reject(routing_id, f"a stream piece in {len(parts)} parts (2 expected)")
             return
-        if conn.stream is None:
-            conn.stream = Reassembler(self.limits, (Kind.DATA,), "in a streamed frame")
+        stream = self._pieces.get(routing_id)
+        if stream is None:
+            stream = self._pieces[routing_id] = Reassembler(self.limits, (Kind.DATA,), "in a streamed frame")
         try:
-            conn.stream.feed(parts[1].buffer, lambda frame: self._on_frame(routing_id, conn, frame))
+            stream.feed(parts[1].buffer, lambda frame: self._on_frame(routing_id, conn, frame))
         except ProtocolError as exc:
-            conn.stream = None  # the rest of that frame cannot be told from a new one
-            self._reject(routing_id, f"malformed streamed frame: {exc}")
+            self._pieces.pop(routing_id, None)  # the rest of that frame cannot be told from a new one
+            self.reject(routing_id, f"malformed streamed frame: {exc}")
 
-    def _on_frame(self, routing_id: bytes, conn: Incoming | None, frame: wire.Frame) -> None:
-        if frame.kind == Kind.DATA:
-            if conn is None or not conn.authenticated:
-                self._reject(routing_id, "data before the handshake completed (unauthenticated connection)")
-                return
+    def _on_frame(self, routing_id: bytes, conn: Connection, frame: wire.Frame) -> None:
+        if frame.kind == Kind.DATA and conn.open:
             self.stats["data_frames"] += 1
             self._mailbox.put(conn.task, frame.tag, Message(frame.meta, frame.buffers, conn.task))
-        elif frame.kind == Kind.HELLO:
-            self._on_hello(routing_id, conn, frame.meta)
-        elif frame.kind == Kind.AUTH:
-            self._on_auth(routing_id, conn, frame.meta)
-        elif frame.kind == Kind.GOODBYE:
-            if conn is not None and conn.authenticated:
-                self._drop_connection_state(routing_id)
-                self._peer_gone(conn.task, f"{conn.task} closed its transport")
-        else:  # CHALLENGE, WELCOME and REJECT answer a HELLO: they come back on our own connections
-            self._reject(routing_id, f"unexpected {frame.kind.name} frame")
-
-    def _on_hello(self, routing_id: bytes, conn: Incoming | None, meta: dict) -> None:
-        if conn is not None:
-            self._reject(routing_id, "a second HELLO on one connection")
             return
-        try:
-            task = handshake.check_hello(meta, self._cluster_id, self.secret)
-            self.cluster.check(task)
-        except (ProtocolError, ConfigurationError) as exc:
-            self._reject(routing_id, f"handshake refused: {exc}")
-            nonce = meta.get("nonce") if isinstance(meta, dict) else None
-            self._answer(routing_id, Kind.REJECT, {"task": self.task.short, "reason": str(exc), "nonce": nonce})
-            return
-        if self.secret is None:
-            self._incoming[routing_id] = Incoming(task, authenticated=True)
-            self._admit(routing_id, task)
-            return
-        challenge, nonce_s = handshake.make_challenge(self.secret, self._cluster_id, task, self.task,
-                                                      meta["nonce"])
-        self._incoming[routing_id] = Incoming(task, False, meta["nonce"], nonce_s)
-        self._answer(routing_id, Kind.CHALLENGE, challenge)
+        self._act(routing_id, conn, self.acceptor.on_frame(conn, frame.kind, frame.meta))
 
-    def _on_auth(self, routing_id: bytes, conn: Incoming | None, meta: dict) -> None:
-        if conn is None or conn.authenticated or not conn.nonce_s:
-            self._reject(routing_id, "AUTH without a pending challenge")
-            return
-        try:
-            handshake.check_auth(self.secret, self._cluster_id, conn.task, self.task, conn.nonce_c,
-                                 conn.nonce_s, meta)
-        except ProtocolError as exc:
-            del self._incoming[routing_id]
-            self._reject(routing_id, str(exc))
-            self._answer(routing_id, Kind.REJECT, {"task": self.task.short, "reason": str(exc),
-                                                   "nonce": conn.nonce_c})
-            return
-        conn.authenticated = True
-        self._admit(routing_id, conn.task)
+    def _act(self, routing_id: bytes, conn: Connection, actions: list) -> None:
+        """Carry out what the state machine decided, in order."""
+        watch = None
+        for action in actions:
+            if isinstance(action, Reply):
+                self._answer(routing_id, action.kind, action.meta)
+            elif isinstance(action, Admitted):
+                # A task admitted again is a new process: our connection to the old one, if any, must
+                # go, or it would reconnect to the new one without a handshake.
+                if action.again or self._mailbox.is_lost(action.task) is not None:
+                    self._forget_peer(action.task)
+                self._mailbox.mark_alive(action.task)
+                watch = action.task
+            elif isinstance(action, (Refused, Dropped)):
+                self.reject(routing_id, action.reason)
+            elif isinstance(action, Left):
+                self._pieces.pop(routing_id, None)
+                self._peer_gone(action.task, f"{action.task} closed its transport")
+            elif isinstance(action, GaveUp):
+                log.warning("%s: %s gave up on its connection: %s", self.task, conn.describe(), action.reason)
+            elif action is DELIVER:
+                raise AssertionError("DATA on an open connection is filed before the state machine is asked")
+        if watch is not None:
+            self._watch_peer(watch)  # connect back, so that we notice if it dies
 
-    def _admit(self, routing_id: bytes, task: TaskId) -> None:
-        """``task`` proved who it is on ``routing_id``: welcome it, and watch it from our side."""
-        # A task that connects again (an earlier connection of it was accepted too) is a new process:
-        # our connection to the old one, if any, must go, or it would reconnect to the new one
-        # without a handshake.
-        again = any(c.task == task and c.authenticated for rid, c in self._incoming.items() if rid != routing_id)
-        if again or self._mailbox.is_lost(task) is not None:
-            self._forget_peer(task)
-        self._mailbox.mark_alive(task)
-        self._answer(routing_id, Kind.WELCOME, {"task": self.task.short})
-        self._ensure_peer(task)  # connect back, so that we notice if it dies
-
-    def _answer(self, routing_id: bytes, kind: Kind, meta: dict) -> None:
-        """Send a control frame back on the connection ``routing_id`` (dropped if it is gone)."""
-        try:
-            self._router.send_multipart([routing_id, *wire.encode(kind, "", meta)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.debug("%s: could not answer %s on connection %s: %s", self.task, kind.name, routing_id.hex(), exc)
-
-    def _drop_connection_state(self, routing_id: bytes) -> None:
-        conn = self._incoming.get(routing_id)
-        if conn is not None:
-            conn.stream = None
-
-    def _connection_closed(self, fd: int) -> None:
+    def connection_closed(self, fd: int) -> None:
         """A connection into the ROUTER went away: forget what we kept for it, and say why if it
         never got anywhere (so a peer refused by ZeroMQ for an oversized part leaves a trace)."""
-        routing_id = self._connection_fds.pop(fd, None)
+        routing_id = self._fds.pop(fd, None)
         if routing_id is None:
             log.warning("%s: a connection into our ROUTER closed before it delivered a whole message: a "
                         "program that does not speak Stratagem, or a message part over %d bytes before "
                         "authentication, refused by ZeroMQ", self.task, self._part_cap)
             return
         self._rejected.pop(routing_id, None)
-        self._drop_connection_state(routing_id)  # a frame it was streaming will never be finished
+        self._pieces.pop(routing_id, None)  # a frame it was streaming will never be finished
         conn = self._incoming.get(routing_id)
-        if conn is not None and not conn.authenticated:
-            del self._incoming[routing_id]
+        if conn is None or conn.accepted:
+            return  # an admitted connection stays known: frames it sent before going may still be queued
+        self.acceptor.disconnected(conn)
+        del self._incoming[routing_id]
+        if conn.task is not None:
             log.warning("%s: connection %s (claiming to be %s) closed before completing the handshake",
                         self.task, routing_id.hex(), conn.task)
-        elif conn is None:
+        else:
             log.warning("%s: connection %s closed without a handshake", self.task, routing_id.hex())
-        # An authenticated connection stays known: frames it sent before going may still be queued.
 
-    def _reject(self, routing_id: bytes, reason: str) -> None:
+    def reject(self, routing_id: bytes, reason: str) -> None:
+        """Drop a frame from ``routing_id`` for ``reason``: count it, and log it (the first few)."""
         count = self._rejected[routing_id] = self._rejected.get(routing_id, 0) + 1
         if count <= 3 or count % _LOG_EVERY == 0:
             conn = self._incoming.get(routing_id)
-            who = str(conn.task) if conn else f"connection {routing_id.hex()}"
+            who = str(conn.task) if conn is not None and conn.task else f"connection {routing_id.hex()}"
             log.warning("%s: dropped a frame from %s (%d so far): %s", self.task, who, count, reason)
         self.stats["rejected_frames"] += 1  # counted after the log, so a test that sees it sees both

@@ -71,6 +71,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from stratagem.core import handshake, ports, wire
+from stratagem.core.acceptor import Acceptor
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import (
     AuthenticationError,
@@ -83,8 +84,8 @@ from stratagem.core.errors import (
 from stratagem.core.mailbox import Mailbox
 from stratagem.core.transport import COMPLETED, Message, SendHandle, Transport
 from stratagem.core.wire import Kind
-from stratagem.transports.framing import CONTROL_LIMITS
-from stratagem.transports.zmq.acceptor import Acceptor, Incoming
+from stratagem.core.handshake import CONTROL_LIMITS
+from stratagem.transports.zmq.acceptor import ZmqAcceptor
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ class _Peer:
 
 
 
-class ZmqTransport(Acceptor, Transport):
+class ZmqTransport(Transport):
     """ZeroMQ transport (see the module docstring for the design).
 
     Options:
@@ -142,19 +143,13 @@ class ZmqTransport(Acceptor, Transport):
     """
 
     name = "zmq"
-    elastic = True   # a restarted peer is re-accepted (see the acceptor's _admit)
+    elastic = True   # a restarted peer is re-accepted (core/acceptor.py: an Admitted again)
+    whole_buffer_bytes = PART_BYTES
 
     def __init__(self, cluster, task, *, bind_host: str | None = None, io_threads: int = 1,
                  zero_copy_bytes: int = 256 * 1024, linger: float = 1.0, **common):
         super().__init__(cluster, task, **common)
-        address = self.cluster.address(self.task)
-        if address is None:
-            raise ConfigurationError(
-                f"{self.task} has no network address (the cluster came from an MPI or Slurm world): use "
-                f"transport='mpi' under mpiexec, set STRATAGEM_PORT under srun (each task listens on its "
-                f"node at STRATAGEM_PORT + SLURM_LOCALID), or give addresses through STRATAGEM_CONFIG/TF_CONFIG"
-            )
-        host, _, port = address.rpartition(":")
+        host, _, port = self._own_address().rpartition(":")
         self._host, self._port = host, int(port)
         self._bind_host = ports.bind_host(host, bind_host)
         if io_threads < 1:
@@ -166,11 +161,9 @@ class ZmqTransport(Acceptor, Transport):
         self._cluster_id = self.cluster.cluster_id
         self._ctx: zmq.Context | None = None
         self._zap: zmq.Socket | None = None      # the ZAP handler's socket, with a secret
-        self._mailbox = Mailbox(self.task, traffic=self.traffic)
+        self._mailbox = self._new_mailbox()
         self._peers: dict[TaskId, _Peer] = {}
         self._peers_lock = threading.Lock()
-        self._incoming: dict[bytes, Incoming] = {}
-        self._rejected: dict[bytes, int] = {}
         self._new_monitors: queue.SimpleQueue = queue.SimpleQueue()
         self._control_lock = threading.Lock()
         # Whoever holds the reader lock reads the ROUTER and the monitors: a waiting recv() (so a
@@ -178,17 +171,24 @@ class ZmqTransport(Acceptor, Transport):
         self._reader = threading.Lock()
         self._monitors: dict[zmq.Socket, _Peer] = {}
         self._handshakes: dict[zmq.Socket, _Peer] = {}   # DEALERs whose answers the reader reads
-        self._connection_fds: dict[int, bytes] = {}      # a ROUTER connection's socket -> routing id
         self._poller: zmq.Poller | None = None
         self._pending_loss: dict[TaskId, tuple[float, str, _Peer]] = {}
         self._background_reading = False
         self._user_read_at = 0.0
         self._stopping = False
         self._io_thread: threading.Thread | None = None
-        self._closed = False
         self.address: str | None = None
         #: Counters a test or an operator can read: frames dropped and why.
         self.stats = {"rejected_frames": 0, "data_frames": 0}
+        #: What arrives at the ROUTER: the handshake as acceptor, then data into the mailbox.
+        self._acceptor = ZmqAcceptor(
+            Acceptor(self.task, self.cluster, self.secret, limits=self.limits), self._mailbox, self.stats,
+            answer=self._answer, forget_peer=self._forget_peer, watch_peer=self._ensure_peer,
+            peer_gone=self._peer_gone, part_cap=self._part_cap)
+
+    def _new_mailbox(self) -> Mailbox:
+        """Where received messages go (the shm transport's control transport files into its own)."""
+        return Mailbox(self.task, traffic=self.traffic)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -239,16 +239,7 @@ class ZmqTransport(Acceptor, Transport):
                                            daemon=True)
         self._io_thread.start()
 
-    def close(self) -> None:
-        self._shutdown(graceful=True)
-
-    def abort(self) -> None:
-        self._shutdown(graceful=False)
-
     def _shutdown(self, graceful: bool) -> None:
-        if self._closed:
-            return
-        self._closed = True
         if self._ctx is None:
             self._mailbox.close("closed before it started")
             return
@@ -395,38 +386,38 @@ class ZmqTransport(Acceptor, Transport):
             raise TransportClosed(f"{self.task}: the zmq transport is {'closed' if self._closed else 'not started (call start())'}")
 
     def _ensure_peer(self, task: TaskId) -> _Peer:
-        peer = self._peers.get(task)
-        if peer is not None:
-            return peer
-        with self._peers_lock:
-            peer = self._peers.get(task)
-            if peer is not None:
-                return peer
-            if self._closed:
-                raise TransportClosed(f"{self.task}: transport closed")
-            address = self.cluster.address(task)
-            if address is None:
-                raise ConfigurationError(f"{task} has no network address in the cluster spec")
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.LINGER, self._linger_ms)
-            sock.setsockopt(zmq.MAXMSGSIZE, _CONTROL_PART_BYTES)  # it only ever receives control frames
-            if self.secret:
-                sock.plain_username = ZAP_USER
-                sock.plain_password = handshake.connection_token(self.secret, self._cluster_id)
-            interval_ms, timeout_ms = heartbeat_ms(self.peer_timeout)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
-            sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.peer_timeout * 1000))
-            monitor = sock.get_monitor_socket(_MONITOR_EVENTS, self._monitor_address())
-            sock.connect(f"tcp://{address}")
-            hello, nonce = handshake.make_hello(self.task, self._cluster_id, self.secret)
-            peer = _Peer(task, sock, monitor, nonce, address)
-            peer.handshaking = True  # from now on only the reader uses sock, until WELCOME or REJECT
-            sock.send_multipart(wire.encode(Kind.HELLO, "", hello))
-            self._peers[task] = peer
-        self._new_monitors.put(peer)
-        self._poke(b"watch")
+        peer, new = self._connection(self._peers, self._peers_lock, task, self._connect)
+        if new:
+            self._new_monitors.put(peer)
+            self._poke(b"watch")
+        return peer
+
+    def _connect(self, task: TaskId, address: str) -> _Peer:
+        """A DEALER to ``task`` at ``address``, its HELLO sent (under the peers' lock)."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, self._linger_ms)
+        sock.setsockopt(zmq.MAXMSGSIZE, _CONTROL_PART_BYTES)  # it only ever receives control frames
+        if self.secret:
+            sock.plain_username = ZAP_USER
+            sock.plain_password = handshake.connection_token(self.secret, self._cluster_id)
+        interval_ms, timeout_ms = heartbeat_ms(self.peer_timeout)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.peer_timeout * 1000))
+        monitor = sock.get_monitor_socket(_MONITOR_EVENTS, self._monitor_address())
+        sock.connect(f"tcp://{address}")
+        hello, nonce = handshake.make_hello(self.task, self._cluster_id, self.secret)
+        peer = _Peer(task, sock, monitor, nonce, address)
+        peer.handshaking = True  # from now on only the reader uses sock, until WELCOME or REJECT
+        try:
+            # Never block here (we hold the peers' lock): a connection the peer's gate refused (a wrong
+            # token) is gone within milliseconds, and a DEALER without a connection blocks a send forever.
+            # The refusal then reaches whoever waits as the monitor's handshake failure, and anything
+            # else as the caller's own timeout, never a hang.
+            sock.send_multipart(wire.encode(Kind.HELLO, "", hello), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("%s: HELLO to %s not queued: its connection is already gone", self.task, task)
         return peer
 
     def _monitor_address(self) -> str:
@@ -438,6 +429,13 @@ class ZmqTransport(Acceptor, Transport):
                 self._control_out.send(command, flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+
+    def _answer(self, routing_id: bytes, kind: Kind, meta: dict) -> None:
+        """Send a control frame back on the ROUTER connection ``routing_id`` (dropped if it is gone)."""
+        try:
+            self._router.send_multipart([routing_id, *wire.encode(kind, "", meta)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("%s: could not answer %s on connection %s: %s", self.task, kind.name, routing_id.hex(), exc)
 
     def _send_control(self, peer: _Peer, kind: Kind, meta: dict) -> None:
         with peer.lock:
@@ -506,7 +504,7 @@ class ZmqTransport(Acceptor, Transport):
                 self._control_in.recv()  # "stop", "watch", "yield": each just wakes the poll
         if self._router_monitor in ready:  # first: a connection's end comes before a reuse of its fd
             while self._router_monitor.poll(0):
-                self._connection_closed(recv_monitor_message(self._router_monitor)["value"])
+                self._acceptor.connection_closed(recv_monitor_message(self._router_monitor)["value"])
         if self._zap is not None and self._zap in ready:
             self._answer_zap()
         if self._router in ready:
@@ -565,9 +563,9 @@ class ZmqTransport(Acceptor, Transport):
                 return
             routing_id = parts[0].bytes
             try:
-                self._on_message(routing_id, parts[1:], _source_fd(parts[0]))
+                self._acceptor.on_message(routing_id, parts[1:], _source_fd(parts[0]))
             except Exception as exc:  # a bad frame must never take the server down
-                self._reject(routing_id, f"error while handling a frame: {type(exc).__name__}: {exc}")
+                self._acceptor.reject(routing_id, f"error while handling a frame: {type(exc).__name__}: {exc}")
                 log.debug("frame handler error", exc_info=True)
 
     # -- our side of the handshake: the answers to our HELLOs, read by the reader -------------------
