@@ -114,9 +114,12 @@ class CollectiveSession:
         try:
             yield call
         except Exception as exc:
-            self.broken = exc
-            self._notify_peers(call, exc)
-            raise
+            error = call.last_words(exc) if isinstance(exc, PeerLostError) and not hasattr(exc, "abort_meta") else exc
+            self.broken = error
+            self._notify_peers(call, error)
+            if error is exc:
+                raise
+            raise error from exc
 
     def _notify_peers(self, call: "CollectiveCall", exc: Exception) -> None:
         """Best-effort abort notice to every other rank, so they fail now instead of at their timeout.
@@ -232,6 +235,27 @@ class CollectiveCall:
                                       f"{count} of {np.dtype(dtype) if dtype is not None else 'any dtype'}")
         return data.reshape(-1)
 
+    def last_words(self, lost: PeerLostError) -> Exception:
+        """The error to raise for a lost peer: the abort notice it queued before it went, if any.
+
+        A rank that fails a call tells the others why, then its script ends; a rank that meets its
+        departure first (a send to it fails) would otherwise blame it instead of the member it lost.
+        """
+        s = self.session
+        try:
+            task = TaskId.parse(lost.task) if isinstance(lost.task, (str, TaskId)) else None
+        except ValueError:
+            return lost
+        if task is None or task not in s.members:
+            return lost
+        while True:
+            try:
+                message = s.transport.recv(task, s.tag, timeout=0)
+            except Exception:  # noqa: BLE001 - nothing (more) left from it: its loss is the error
+                return lost
+            if "abort" in message.meta:
+                return _error_from_abort(s, message.meta)
+
     def _receive(self, src: int) -> Message:
         s = self.session
         if s.generation is None:
@@ -250,17 +274,21 @@ class CollectiveCall:
         task = s.members[src]
         deadline = None if s.timeout is None else time.monotonic() + s.timeout
         while True:
-            if s.transport.peer_losses(task) != s.losses.get(task, 0):
-                raise PeerLostError(task, f"{task} was lost while {s.who(s.rank)} waited for it in "
-                                          f"{describe(self.fp)} (a new process may have taken its place)")
+            # A lost peer's last messages (an abort notice naming the member *it* lost) are still
+            # read: they say more than its loss does. Only an empty queue turns the loss into the error.
+            lost = s.transport.peer_losses(task) != s.losses.get(task, 0)
             remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
+            if not lost and remaining is not None and remaining <= 0:
                 raise TransportTimeout(f"{s.transport.task}: no message {s.tag!r} from {task} within "
                                        f"{s.timeout:g} s (is that task running and calling the same operation?)")
+            wait = 0 if lost else WATCH_SECONDS if remaining is None else min(WATCH_SECONDS, remaining)
             try:
-                message = s.transport.recv(task, s.tag, timeout=WATCH_SECONDS if remaining is None
-                                           else min(WATCH_SECONDS, remaining))
-            except TransportTimeout:
+                message = s.transport.recv(task, s.tag, timeout=wait)
+            except (TransportTimeout, PeerLostError) as exc:
+                if lost or isinstance(exc, PeerLostError):
+                    raise PeerLostError(task, f"{task} was lost while {s.who(s.rank)} waited for it in "
+                                              f"{describe(self.fp)} (a new process may have taken its place)"
+                                        ) from None
                 continue
             fp = message.meta.get("fp")
             gen = fp.get("gen") if isinstance(fp, dict) else None
