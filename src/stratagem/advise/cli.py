@@ -43,6 +43,7 @@ From Python::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -265,6 +266,9 @@ def use_links(measured, paths: Sequence[str]):
             figures = probe.fit_transport(raw, one_group=raw.get("one_group", False))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigurationError(f"--links {path}: not a file of `stratagem advise --probe-links` ({exc})") from None
+        local = measured.transports.get(figures.name)
+        if local is not None:   # the strategies' own work per step, measured here, stays
+            figures = dataclasses.replace(figures, steps=local.steps)
         measured.transports[figures.name] = figures
         measured.skipped.pop(figures.name, None)
         measured.raw.setdefault("links_from_files", {})[figures.name] = raw

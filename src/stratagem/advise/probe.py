@@ -26,6 +26,7 @@ measurement can be refitted.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -101,9 +102,10 @@ def transport_from_dict(t: dict) -> cm.TransportFigures:
     def link(value):
         return cm.Link(**value) if value else None
     cpu = t.get("cpu") or {}
+    steps = {k: cm.StepCost(**v) for k, v in (t.get("steps") or {}).items() if v}
     return cm.TransportFigures(t["name"], link(t["allreduce"]), link(t["p2p"]), link(t.get("ps")),
                                t.get("idle_burn", 0.0), t.get("one_group", False),
-                               cpu=cm.CpuCosts(**{k: link(v) for k, v in cpu.items()}))
+                               cpu=cm.CpuCosts(**{k: link(v) for k, v in cpu.items()}), steps=cm.StepCosts(**steps))
 
 
 def host_from_dict(doc: dict) -> cm.Host:
@@ -217,9 +219,10 @@ class _Tail:
         return [lines[-1] for name, lines in self.lines.items() if name and lines]
 
 
-def run_job(spec: dict, tasks: int, transport: str, timeout: float, mpi_job: bool = False, ps: int = 0) -> dict:
-    """One job of ``tasks`` worker tasks (and ``ps`` ps tasks) running the probe task with ``spec``;
-    the first task's JSON."""
+def run_job(spec: dict, tasks: int, transport: str, timeout: float, mpi_job: bool = False, ps: int = 0,
+            chief: bool = False, script: str | None = None) -> dict:
+    """One job of ``tasks`` worker tasks (and ``ps`` ps tasks, and a ``chief`` task) running the probe
+    task with ``spec`` (``script``: a script file instead of the probe task module); the first task's JSON."""
     from stratagem.launch.launcher import launch
     from stratagem.launch.mpi import launch_mpi
 
@@ -229,14 +232,15 @@ def run_job(spec: dict, tasks: int, transport: str, timeout: float, mpi_job: boo
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         tail = _Tail()
-        command = [sys.executable, "-m", _TASK_MODULE, spec_path]
+        command = [sys.executable, script, spec_path] if script else [sys.executable, "-m", _TASK_MODULE, spec_path]
         env = {**ONE_THREAD, "PYTHONUNBUFFERED": "1"}
         if mpi_job:
-            result = launch_mpi(command, workers=tasks, ps=ps, transport=transport, env=env, timeout=timeout,
-                                output=tail, error_output=tail)
+            # (an MPI job's chief is rank 0, worker:0: one more worker)
+            result = launch_mpi(command, workers=tasks + chief, ps=ps, transport=transport, env=env,
+                                timeout=timeout, output=tail, error_output=tail)
         else:
-            result = launch(command, workers=tasks, ps=ps, transport=transport, env=env, timeout=timeout,
-                            output=tail, error_output=tail, ps_grace=10.0)
+            result = launch(command, workers=tasks, ps=ps, chief=chief, transport=transport, env=env,
+                            timeout=timeout, output=tail, error_output=tail, ps_grace=10.0)
         if result.ok and os.path.exists(spec["out"]):
             with open(spec["out"]) as f:
                 doc = json.load(f)
@@ -244,6 +248,10 @@ def run_job(spec: dict, tasks: int, transport: str, timeout: float, mpi_job: boo
             if os.path.exists(ps_cpu):
                 with open(ps_cpu) as f:
                     doc["ps_server_cpu"] = json.load(f)
+            others = sorted(n for n in os.listdir(tmp) if n.startswith("out.json.") and not n.endswith(".tmp"))
+            for name in others:                             # the other tasks' figures (steps probe)
+                with open(os.path.join(tmp, name)) as f:
+                    doc.setdefault("tasks", {})[name[len("out.json."):]] = json.load(f)
             return doc
         failed = result.failed_task.short if getattr(result, "failed_task", None) is not None else None
         lines = tail.of(failed)
@@ -374,14 +382,78 @@ def measure(settings: ProbeSettings, on_progress: Callable[[str], None] = lambda
                                "idle_probe": 0.15 if settings.quick else 0.25}, 2, name,
                               settings.timeout, mpi_job=checks[name].mpi_job, ps=1)
         links[name]["one_group"] = bool(checks[name].mpi_job and grouped)
+        links[name]["steps"] = measure_steps(settings, name, checks[name].mpi_job, on_progress)
     raw = {"model": model, "machine": machine, "links": links, "plan": plan,
            "loadavg_at_end": list(os.getloadavg())}
     return fit(raw, skipped, time.monotonic() - started)
+
+
+#: The steps probe's jobs: (strategy, mode, workers that step, ps tasks, a coordinator task). One
+#: worker for async (its step alone, the ps's queue is the model's), two for a sync round, one
+#: worker under a coordinator (its dispatch), two in_graph replicas (the client's work per replica).
+STEP_JOBS = (("between_graph", "sync", 2, 1, False), ("between_graph", "async", 1, 1, False),
+             ("parameter_server", "async", 1, 1, True), ("in_graph", None, 2, 0, False))
+_STEPS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "steps_task.py")
+
+
+def measure_steps(settings: ProbeSettings, transport: str, mpi_job: bool,
+                  on_progress: Callable[[str], None] = lambda text: None) -> list[dict]:
+    """The strategies' steps with no compute over ``transport`` (:mod:`stratagem.advise.steps_task`):
+    one job per :data:`STEP_JOBS` entry; each entry's raw figures, with its shape."""
+    out = []
+    for strategy, mode, workers, ps, coordinator in STEP_JOBS:
+        label = f"{strategy}:{mode}" if mode else strategy
+        on_progress(f"steps: {label} over {transport}")
+        spec = {"mode": "steps", "strategy": strategy, "consistency": mode, "transport": transport,
+                "model": settings.model, "seed": settings.seed, "warmup": 3, "steps": 20 if settings.quick else 40}
+        doc = run_job(spec, workers, transport, settings.timeout, mpi_job=mpi_job, ps=ps, chief=coordinator,
+                      script=_STEPS_SCRIPT)
+        doc.update(workers=workers, ps=ps)
+        out.append(doc)
+    return out
+
+
+def fit_steps(docs: Sequence[dict] | None) -> cm.StepCosts:
+    """The steps probe's figures as measured (:class:`~stratagem.advise.costmodel.StepCosts`): per
+    step, the median wall and CPU seconds beyond the compute, after the warm-up steps.
+
+    A sync round's wall is the last worker's to arrive (each step's least over the workers): the
+    others also wait for its compute, which the model charges as stragglers. A closure's dispatch is
+    the coordinator's wall per closure less the mean closure on its worker (its step and compute);
+    its CPU, the coordinator's per closure and the worker's beyond its step."""
+    found = {}
+    for doc in docs or ():
+        strategy, mode = doc["strategy"], doc.get("consistency")
+        skip = 0 if strategy == "parameter_server" else int(doc.get("warmup", 0))
+        wall, cpu = doc["wall_s"][skip:], doc["cpu_s"][skip:]
+        if strategy == "between_graph" and mode == "sync":
+            for other in (doc.get("tasks") or {}).values():
+                wall = [min(a, b) for a, b in zip(wall, other["wall_s"][skip:])]
+            found["ps_sync"] = cm.StepCost(int(doc["workers"]), _median(wall), _median(cpu))
+        elif strategy == "between_graph":
+            found["ps_async"] = cm.StepCost(int(doc["workers"]), _median(wall), _median(cpu))
+        elif strategy == "parameter_server":
+            closures = max(1, int(doc["closures"]))
+            on_worker = [w + c for w, c in zip(wall, doc["compute_s"])]
+            dispatch = max(0.0, doc["coordinator_wall_s"] / closures - sum(on_worker) / len(on_worker))
+            clock = doc.get("clock_s") or []
+            spent = [b - a for a, b in zip(clock, clock[1:])]
+            stepped = [c + k for c, k in zip(cpu, doc.get("compute_cpu_s") or [])]
+            beside = max(0.0, _median(spent) - _median(stepped)) if spent and stepped else 0.0
+            found["coordinator"] = cm.StepCost(int(doc["workers"]), _median(wall), _median(cpu), dispatch,
+                                               doc["coordinator_cpu_s"] / closures + beside)
+        elif strategy == "in_graph":
+            found["in_graph"] = cm.StepCost(int(doc.get("replicas", doc["workers"])), _median(wall), _median(cpu))
+    return cm.StepCosts(**found)
 
 
 def fit(raw: dict, skipped: dict | None = None, seconds: float = 0.0) -> Measurements:
     """The cost model's figures from the probes' raw output (``Measurements.raw``): refitting a
     saved measurement gives the same figures as when it was measured."""
     host, work = fit_machine(raw["machine"], raw["model"])
-    figures = {name: fit_transport(link, one_group=link.get("one_group", False)) for name, link in raw["links"].items()}
+    figures = {}
+    for name, link in raw["links"].items():
+        figures[name] = t = fit_transport(link, one_group=link.get("one_group", False))
+        if link.get("steps"):   # the strategies' own work, beyond what these links explain
+            figures[name] = dataclasses.replace(t, steps=cm.step_residuals(fit_steps(link["steps"]), work, t))
     return Measurements(host, work, figures, dict(skipped or {}), raw, seconds)
