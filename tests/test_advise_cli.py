@@ -70,6 +70,36 @@ def test_a_quick_run_measures_predicts_and_recommends(measured):
         assert p["tasks"] == p["workers"] + p["ps"] + (p["strategy"] == "parameter_server")
 
 
+def test_each_strategys_steps_are_measured_through_the_strategy(measured):
+    """The steps probe ran each strategy for real (a ps task, a coordinator, replicas): its step
+    less the compute costs time and CPU, and the between_graph step more than the bare exchange."""
+    from stratagem.advise import probe
+
+    doc, _, stderr = measured
+    assert "steps: between_graph:sync over zmq" in stderr
+    m = doc["measurements"]
+    raw = m["raw"]["links"]["zmq"]["steps"]
+    assert sorted((d["strategy"], d["consistency"], d["workers"], d["ps"]) for d in raw) == [
+        ("between_graph", "async", 1, 1), ("between_graph", "sync", 2, 1), ("in_graph", None, 2, 0),
+        ("parameter_server", "async", 1, 1)]
+    sync = next(d for d in raw if d["consistency"] == "sync")
+    assert list(sync["tasks"]) == ["worker-1"]                      # the other worker's steps, beside the chief's
+    assert len(sync["tasks"]["worker-1"]["wall_s"]) == len(sync["wall_s"])
+    steps = probe.fit_steps(raw)
+    for figure in (steps.ps_sync, steps.ps_async, steps.coordinator, steps.in_graph):
+        assert figure.wall_s > 0 and figure.cpu_s > 0
+    assert steps.coordinator.dispatch_s > 0 and steps.coordinator.dispatch_cpu_s > 0
+    # what the model charges: the part the links do not explain, none negative
+    charged = m["transports"]["zmq"]["steps"]
+    assert charged["ps_async"]["wall_s"] > 0
+    assert all(0 <= charged[k]["cpu_s"] <= charged[k]["wall_s"] for k in ("ps_sync", "ps_async", "coordinator", "in_graph"))
+    for p in doc["predictions"]:
+        if p["label"] == "between_graph:async" and "ps exchange" in p["parts_ms"]:
+            assert p["parts_ms"]["ps exchange"] > charged["ps_async"]["wall_s"] * 1e3
+        if p["label"] == "parameter_server:async" and "dispatch" in p["parts_ms"]:
+            assert p["parts_ms"]["dispatch"] >= charged["coordinator"]["dispatch_s"] * 1e3 * (1 - 1e-9)
+
+
 def test_the_table_shows_the_recommendation(measured):
     _, path, _ = measured
     proc = advise("--measured", str(path), "--worker", "3")
@@ -148,6 +178,8 @@ def test_links_measured_on_a_job_are_used_instead_of_local_ones(measured, tmp_pa
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["measurements"]["raw"]["links_from_files"]["zmq"]["np"] == 3
+    # the links come from the job; the strategies' own work per step, measured here, stays
+    assert doc["measurements"]["transports"]["zmq"]["steps"] == json.loads(path.read_text())["measurements"]["transports"]["zmq"]["steps"]
     text = advise("--measured", str(path), "--links", str(links)).stdout
     assert "zmq's links from --links: 3 tasks, 3 pairs timed" in text
 
