@@ -79,20 +79,27 @@ def test_each_strategys_steps_are_measured_through_the_strategy(measured):
     assert "steps: between_graph:sync over zmq" in stderr
     m = doc["measurements"]
     raw = m["raw"]["links"]["zmq"]["steps"]
-    assert sorted((d["strategy"], d["consistency"], d["workers"], d["ps"]) for d in raw) == [
-        ("between_graph", "async", 1, 1), ("between_graph", "sync", 2, 1), ("in_graph", None, 2, 0),
-        ("parameter_server", "async", 1, 1)]
-    sync = next(d for d in raw if d["consistency"] == "sync")
-    assert list(sync["tasks"]) == ["worker-1"]                      # the other worker's steps, beside the chief's
-    assert len(sync["tasks"]["worker-1"]["wall_s"]) == len(sync["wall_s"])
+    assert sorted((d["strategy"], d["consistency"] or "", d["workers"], d["ps"]) for d in raw) == [
+        ("between_graph", "async", 2, 1), ("between_graph", "sync", 2, 1), ("in_graph", "", 2, 0),
+        ("parameter_server", "async", 1, 1), ("parameter_server", "async", 2, 1)]
+    for mode in ("sync", "async"):
+        doc = next(d for d in raw if d["consistency"] == mode)
+        assert list(doc["tasks"]) == ["worker-1"]                   # the other worker's steps, beside the chief's
+        assert len(doc["tasks"]["worker-1"]["wall_s"]) == len(doc["wall_s"])
+    alone = next(d for d in raw if d["consistency"] == "async")["alone"]     # the chief's steps before the others'
+    assert len(alone["wall_s"]) == len(alone["cpu_s"]) > 0
+    crowded = next(d for d in raw if d["strategy"] == "parameter_server" and d["workers"] == 2)
+    assert {task.split(":")[0] for task in crowded["workers_of"]} == {"worker"} and len(set(crowded["workers_of"])) == 2
     steps = probe.fit_steps(raw)
-    for figure in (steps.ps_sync, steps.ps_async, steps.coordinator, steps.in_graph):
+    for figure in (steps.ps_sync, steps.ps_async, steps.ps_async_crowded, steps.coordinator,
+                   steps.coordinator_crowded, steps.in_graph):
         assert figure.wall_s > 0 and figure.cpu_s > 0
-    assert steps.coordinator.dispatch_s > 0 and steps.coordinator.dispatch_cpu_s > 0
+    for figure in (steps.coordinator, steps.coordinator_crowded):
+        assert figure.dispatch_s > 0 and figure.dispatch_cpu_s > 0
     # what the model charges: the part the links do not explain, none negative
     charged = m["transports"]["zmq"]["steps"]
     assert charged["ps_async"]["wall_s"] > 0
-    assert all(0 <= charged[k]["cpu_s"] <= charged[k]["wall_s"] for k in ("ps_sync", "ps_async", "coordinator", "in_graph"))
+    assert all(0 <= charged[k]["cpu_s"] <= charged[k]["wall_s"] for k in charged)
     for p in doc["predictions"]:
         if p["label"] == "between_graph:async" and "ps exchange" in p["parts_ms"]:
             assert p["parts_ms"]["ps exchange"] > charged["ps_async"]["wall_s"] * 1e3

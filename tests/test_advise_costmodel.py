@@ -292,3 +292,20 @@ def test_step_figures_survive_a_saved_measurement():
     t = with_steps()
     assert transport_from_dict(cm.figures_as_dict(t)) == t
     assert transport_from_dict(cm.figures_as_dict(ZMQ)) == ZMQ       # (none measured: none charged)
+
+
+def test_async_steps_grow_with_the_workers_as_measured_crowded():
+    # a second async worker at once made each step 5 ms (2.4 of it the exchange): 2.6 ms, 2 ms more than alone
+    crowded = cm.StepCosts(ps_async=MEASURED.ps_async, ps_async_crowded=cm.StepCost(2, 5.0 * MS, 1.0 * MS),
+                           coordinator=MEASURED.coordinator,
+                           coordinator_crowded=cm.StepCost(2, 4.0 * MS, 1.0 * MS, dispatch_s=2.5 * MS, dispatch_cpu_s=0.5 * MS))
+    steps = cm.step_residuals(crowded, WORK, ZMQ)
+    t = cm.TransportFigures("zmq", ZMQ.allreduce, ZMQ.p2p, ZMQ.ps, steps=steps)
+    assert steps.ps_async_crowded.wall_s == pytest.approx(2.6 * MS)
+    step = {n: cm.predict(cm.Setup("between_graph", "async", "zmq", n, 1), WORK, t, IDLE).step_s for n in (1, 2, 4)}
+    assert step[1] == pytest.approx(11 * MS + 2.4 * MS + 0.6 * MS)          # alone as measured alone
+    assert step[2] == pytest.approx(11 * MS + 2.4 * MS + 2.6 * MS)          # two as measured crowded
+    assert step[4] == pytest.approx(11 * MS + 2.4 * MS + 0.6 * MS + 3 * 2 * MS)
+    # the coordinator's dispatch likewise: 1.5 ms alone, 2.5 ms with two workers, 4.5 ms with four
+    coordinated = cm.predict(cm.Setup("parameter_server", "async", "zmq", 4, 1), WORK, t, IDLE)
+    assert coordinated.parts["dispatch"] == pytest.approx(4.5 * MS)

@@ -302,6 +302,20 @@ def _parts(p: cm.Prediction) -> str:
     return ", ".join(f"{k} {v * 1e3:.2g}" for k, v in sorted(p.parts.items(), key=lambda kv: -kv[1]))
 
 
+def _own_work(steps: cm.StepCosts) -> str:
+    """The steps probe's charges in a few words: ``async 1.6, sync round of 2 5.1, ...``."""
+    words = []
+    if steps.ps_async is not None:
+        words.append(f"async {steps.ps_async.wall_s * 1e3:.2g}")
+    if steps.ps_sync is not None:
+        words.append(f"sync round of {steps.ps_sync.workers} {steps.ps_sync.wall_s * 1e3:.2g}")
+    if steps.coordinator is not None:
+        words.append(f"coordinated {steps.coordinator.wall_s * 1e3:.2g} + dispatch {steps.coordinator.dispatch_s * 1e3:.2g}")
+    if steps.in_graph is not None:
+        words.append(f"in_graph {steps.in_graph.wall_s * 1e3:.2g} per remote replica")
+    return ", ".join(words) or "not measured"
+
+
 def print_report(measured, predictions, best_reason, extrapolated: dict, settings: dict, console) -> None:
     from rich.table import Table
 
@@ -318,14 +332,15 @@ def print_report(measured, predictions, best_reason, extrapolated: dict, setting
                      f"{settings['workers']}" if host.stragglers else ""), markup=False, highlight=False)
     links = Table(box=None, pad_edge=False, title=None)
     for name, justify in (("transport", "left"), ("all-reduce latency", "right"), ("bandwidth", "right"),
-                          ("ps exchange latency", "right"), ("bandwidth", "right"), ("a waiting task", "left")):
+                          ("ps exchange latency", "right"), ("bandwidth", "right"), ("a waiting task", "left"),
+                          ("a step's own work beyond the links (ms)", "left")):
         links.add_column(name, justify=justify, no_wrap=True)
     for t in measured.transports.values():
         ps = t.exchange
         links.add_row(t.name, f"{t.allreduce.latency_s * 1e6:.0f} us", human_rate(t.allreduce.bandwidth_Bps),
                       f"{ps.latency_s * 1e6:.0f} us", human_rate(ps.bandwidth_Bps),
                       (f"spins ({t.idle_burn:.0%} of a core)" if t.idle_burn > 0.25 else "sleeps")
-                      + ("; the job is one scheduling group" if t.one_group else ""))
+                      + ("; the job is one scheduling group" if t.one_group else ""), _own_work(t.steps))
     console.print("links (idle-core figures, fitted to the measurements):")
     console.print(links)
     table = Table(box=None, pad_edge=False)

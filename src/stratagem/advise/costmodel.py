@@ -46,9 +46,17 @@ optimizer's apply and a weighted gradient add):
 - ``between_graph`` / ``parameter_server``, ``sync``: every worker draws and computes, then the fan-in
   on the busiest shard (``2 * alpha + n * 2B / bw``, the ps link measured on a real parameter
   server, so its update of the pushed bytes is in it). ``parameter_server`` adds the coordinator's
-  dispatch: a closure out and its result back (``2 * alpha`` of the p2p link) per worker step, and one
-  more task sharing the cores. (Without a ps measurement, the p2p link moves the bytes and the
-  shard's adds and update, ``B * (n * add + update)``, come on top.)
+  dispatch: a closure out and its result back per worker step (as measured on a real coordinator,
+  else ``2 * alpha`` of the p2p link), and one more task sharing the cores. (Without a ps
+  measurement, the p2p link moves the bytes and the shard's adds and update, ``B * (n * add +
+  update)``, come on top.)
+- **The strategies' own work** (``TransportFigures.steps``, :class:`StepCosts`): a real step does
+  more than the links' bare exchange (every variable read and its reply copied, one request per
+  shard, the optimizer's bookkeeping, a sync round's wait at the ps; waking a task or a ps that
+  waited through the compute). The steps probe times each strategy's step through the strategy;
+  what the links do not explain (:func:`step_residuals`) is charged: a sync round's (``ps steps``)
+  as measured for one worker plus, per further worker, what the second added in a measured round;
+  an async worker's on its exchange; the in_graph client's per remote replica (``client steps``).
 - ``async`` (``between_graph:async``, ``parameter_server:async``): each worker loops on its own: draw,
   compute, one round trip to the shards (``2 * alpha + 2B / bw``; the ps streams its reply in parts
   as it updates, and the shards serve at once). Each shard serves one push at a time (``2B / bw``),
@@ -135,14 +143,18 @@ class StepCost:
 @dataclass(frozen=True)
 class StepCosts:
     """The steps probe's figures (:class:`StepCost`, None where not measured): ``ps_sync``, a
-    ``between_graph`` sync round; ``ps_async``, a ``between_graph`` async worker alone; ``coordinator``,
-    a ``parameter_server`` worker's step under the coordinator and its dispatch; ``in_graph``, the
-    client's work per remote replica. As measured (:func:`step_residuals` makes them the model's)."""
+    ``between_graph`` sync round; ``ps_async``, a ``between_graph`` async worker alone, and
+    ``ps_async_crowded`` with more stepping at once (sharing the cores and the ps); ``coordinator``,
+    a ``parameter_server`` worker's step under the coordinator and its dispatch, alone and
+    ``coordinator_crowded``; ``in_graph``, the client's work per remote replica. As measured
+    (:func:`step_residuals` makes them the model's)."""
 
     ps_sync: StepCost | None = None
     ps_async: StepCost | None = None
     coordinator: StepCost | None = None
     in_graph: StepCost | None = None
+    ps_async_crowded: StepCost | None = None
+    coordinator_crowded: StepCost | None = None
 
 
 @dataclass(frozen=True)
@@ -495,12 +507,26 @@ def _sync_steps(setup: Setup, t: TransportFigures) -> tuple[float, float]:
     return wall, cpu
 
 
-def _dispatch(t: TransportFigures) -> tuple[float, float]:
-    """The coordinator's dispatch of one closure: wall and CPU seconds, measured if it was, else a
-    closure out and its result back on the p2p link."""
-    measured = t.steps.coordinator
-    if measured is not None:
-        return measured.dispatch_s, measured.dispatch_cpu_s
+def _grown(alone: StepCost | None, crowded: StepCost | None, n: int, part: str = "") -> tuple[float, float]:
+    """A measured figure (``part``: "" for the step's own, "dispatch" for the dispatch) with ``n``
+    workers: as measured alone, plus per further worker what the crowded measurement added (linear
+    in the workers, never less than alone); the one measured when the other was not."""
+    def pick(m: StepCost) -> tuple[float, float]:
+        return (m.dispatch_s, m.dispatch_cpu_s) if part == "dispatch" else (m.wall_s, m.cpu_s)
+    if alone is None and crowded is None:
+        return 0.0, 0.0
+    if alone is None or crowded is None or crowded.workers <= alone.workers:
+        return pick(alone if alone is not None else crowded)
+    (wall1, cpu1), (wall2, cpu2) = pick(alone), pick(crowded)
+    per = max(0, n - alone.workers) / (crowded.workers - alone.workers)
+    return wall1 + per * max(0.0, wall2 - wall1), cpu1 + per * max(0.0, cpu2 - cpu1)
+
+
+def _dispatch(t: TransportFigures, n: int) -> tuple[float, float]:
+    """The coordinator's dispatch of one closure with ``n`` workers: wall and CPU seconds, measured
+    if it was, else a closure out and its result back on the p2p link."""
+    if t.steps.coordinator is not None or t.steps.coordinator_crowded is not None:
+        return _grown(t.steps.coordinator, t.steps.coordinator_crowded, n, "dispatch")
     wall = 2 * t.p2p.latency_s
     return wall, 2 * _cpu(t.cpu.p2p, 0, wall)
 
@@ -523,7 +549,7 @@ def _ps_sync(setup: Setup, work: Workload, t: TransportFigures, share, straggle)
     if own_wall > 0:
         parts["ps steps"] = phase(own_wall, own_cpu, n * own_cpu, share)
     if coordinator:
-        dispatch, dispatch_cpu = _dispatch(t)
+        dispatch, dispatch_cpu = _dispatch(t, n)
         parts["dispatch"] = phase(dispatch, dispatch_cpu, n * dispatch_cpu, share)
     return parts
 
@@ -540,12 +566,15 @@ def _ps_async(setup: Setup, work: Workload, t: TransportFigures, share) -> tuple
     serve = _cpu(t.cpu.serve, biggest, exchange - 2 * link.latency_s)         # the busiest shard's CPU per push
     serve_all = sum(_cpu(t.cpu.serve, b, 2 * b / link.bandwidth_Bps + extra) for b in shards)
     worker = _cpu(t.cpu.exchange, S, exchange)
-    # the worker's step beyond the exchange, measured alone (under the coordinator: its own step there)
-    own = t.steps.coordinator if coordinator and t.steps.coordinator is not None else t.steps.ps_async
-    if own is not None:
-        exchange += own.wall_s
-        worker += own.cpu_s
-    dispatch, dispatch_cpu = _dispatch(t) if coordinator else (0.0, 0.0)   # the closure and its result
+    # the worker's step beyond the exchange, as measured with n workers (under the coordinator: there)
+    steps = t.steps
+    if coordinator and (steps.coordinator is not None or steps.coordinator_crowded is not None):
+        own_wall, own_cpu = _grown(steps.coordinator, steps.coordinator_crowded, n)
+    else:
+        own_wall, own_cpu = _grown(steps.ps_async, steps.ps_async_crowded, n)
+    exchange += own_wall
+    worker += own_cpu
+    dispatch, dispatch_cpu = _dispatch(t, n) if coordinator else (0.0, 0.0)   # the closure and its result
     # The tasks overlap freely: the cores are shared by the tasks busy on average, which depends on
     # the pace (a fixed point): each worker's loop, or the busiest shard's queue when it is longer.
     work_cpu = n * (local + worker + serve_all + dispatch_cpu)   # CPU seconds per global step
@@ -587,7 +616,7 @@ def step_residuals(measured: StepCosts, work: Workload, t: TransportFigures, ps:
         own_cpu = min(max(0.0, m.cpu_s - cpu) / per, own_wall)
         return replace(m, wall_s=own_wall, cpu_s=own_cpu)
 
-    def exchange(m: StepCost | None) -> tuple[float, float]:
+    def exchange(m: StepCost | None) -> tuple[float, float]:   # a sync round's fan-in
         return _ps_exchange(work, t, ps, m.workers) if m is not None else (0.0, 0.0)
 
     in_graph = measured.in_graph
@@ -597,10 +626,15 @@ def step_residuals(measured: StepCosts, work: Workload, t: TransportFigures, ps:
         in_graph = less(in_graph, wall + update, cpu + update, in_graph.workers - 1)
     else:
         in_graph = None
+    def alone(m: StepCost | None) -> tuple[float, float]:   # an async worker's exchange: its own round trip
+        return _ps_exchange(work, t, ps, 1) if m is not None else (0.0, 0.0)
+
     return StepCosts(ps_sync=less(measured.ps_sync, *exchange(measured.ps_sync)),
-                     ps_async=less(measured.ps_async, *exchange(measured.ps_async)),
-                     coordinator=less(measured.coordinator, *exchange(measured.coordinator)),
-                     in_graph=in_graph)
+                     ps_async=less(measured.ps_async, *alone(measured.ps_async)),
+                     coordinator=less(measured.coordinator, *alone(measured.coordinator)),
+                     in_graph=in_graph,
+                     ps_async_crowded=less(measured.ps_async_crowded, *alone(measured.ps_async_crowded)),
+                     coordinator_crowded=less(measured.coordinator_crowded, *alone(measured.coordinator_crowded)))
 
 
 # -- the choice -------------------------------------------------------------------------------------

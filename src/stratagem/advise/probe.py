@@ -12,7 +12,13 @@ running :mod:`stratagem.advise.probe_task`, with one math thread each (as the be
 - a *link* job per transport, 2 workers and a ps: all-reduce, round trips and a real parameter
   server's push-and-pull at a few sizes around the model's, with the CPU each cost; fitted to the
   alpha-beta :class:`~stratagem.advise.costmodel.Link` of each and its
-  :class:`~stratagem.advise.costmodel.CpuCosts` (:func:`fit_transport`).
+  :class:`~stratagem.advise.costmodel.CpuCosts` (:func:`fit_transport`);
+- a *steps* job per strategy and transport (:data:`STEP_JOBS`, :mod:`stratagem.advise.steps_task`):
+  the strategy's real steps on the model's variables, the compute in place but not counted (a
+  ``between_graph`` sync round of 2 workers and an async worker alone, a ``parameter_server`` worker
+  under its coordinator, the ``in_graph`` client with 2 replicas): the time and CPU a step costs
+  beyond the compute (:func:`fit_steps`), of which the cost model charges what the links do not
+  explain (:func:`~stratagem.advise.costmodel.step_residuals`).
 
 A transport that cannot run here is reported with the reason (as ``stratagem bench`` does) and left
 out of the predictions. A job that fails raises :class:`ProbeError` with its failed task's last
@@ -388,11 +394,13 @@ def measure(settings: ProbeSettings, on_progress: Callable[[str], None] = lambda
     return fit(raw, skipped, time.monotonic() - started)
 
 
-#: The steps probe's jobs: (strategy, mode, workers that step, ps tasks, a coordinator task). One
-#: worker for async (its step alone, the ps's queue is the model's), two for a sync round, one
-#: worker under a coordinator (its dispatch), two in_graph replicas (the client's work per replica).
-STEP_JOBS = (("between_graph", "sync", 2, 1, False), ("between_graph", "async", 1, 1, False),
-             ("parameter_server", "async", 1, 1, True), ("in_graph", None, 2, 0, False))
+#: The steps probe's jobs: (strategy, mode, workers that step, ps tasks, a coordinator task). Two
+#: workers for a sync round; two async workers, the first alone and then both at once (what a
+#: second worker adds: the cores, the ps and the wake-ups shared); one and two workers under a
+#: coordinator (its dispatch, alone and shared); two in_graph replicas (the client's work per replica).
+STEP_JOBS = (("between_graph", "sync", 2, 1, False), ("between_graph", "async", 2, 1, False),
+             ("parameter_server", "async", 1, 1, True), ("parameter_server", "async", 2, 1, True),
+             ("in_graph", None, 2, 0, False))
 _STEPS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "steps_task.py")
 
 
@@ -426,22 +434,35 @@ def fit_steps(docs: Sequence[dict] | None) -> cm.StepCosts:
         strategy, mode = doc["strategy"], doc.get("consistency")
         skip = 0 if strategy == "parameter_server" else int(doc.get("warmup", 0))
         wall, cpu = doc["wall_s"][skip:], doc["cpu_s"][skip:]
+        workers = int(doc["workers"])
         if strategy == "between_graph" and mode == "sync":
             for other in (doc.get("tasks") or {}).values():
                 wall = [min(a, b) for a, b in zip(wall, other["wall_s"][skip:])]
-            found["ps_sync"] = cm.StepCost(int(doc["workers"]), _median(wall), _median(cpu))
+            found["ps_sync"] = cm.StepCost(workers, _median(wall), _median(cpu))
         elif strategy == "between_graph":
-            found["ps_async"] = cm.StepCost(int(doc["workers"]), _median(wall), _median(cpu))
+            if doc.get("alone"):    # the chief alone first, then every worker at once
+                alone = doc["alone"]
+                found["ps_async"] = cm.StepCost(1, _median(alone["wall_s"][skip:]), _median(alone["cpu_s"][skip:]))
+                every = [doc] + list((doc.get("tasks") or {}).values())
+                found["ps_async_crowded"] = cm.StepCost(
+                    workers, _median([t for d in every for t in d["wall_s"][skip:]]),
+                    _median([t for d in every for t in d["cpu_s"][skip:]]))
+            else:
+                found["ps_async" if workers == 1 else "ps_async_crowded"] = cm.StepCost(workers, _median(wall), _median(cpu))
         elif strategy == "parameter_server":
             closures = max(1, int(doc["closures"]))
             on_worker = [w + c for w, c in zip(wall, doc["compute_s"])]
-            dispatch = max(0.0, doc["coordinator_wall_s"] / closures - sum(on_worker) / len(on_worker))
-            clock = doc.get("clock_s") or []
-            spent = [b - a for a, b in zip(clock, clock[1:])]
+            # the coordinator's wall per closure on each worker (they run side by side)
+            dispatch = max(0.0, doc["coordinator_wall_s"] * workers / closures - sum(on_worker) / len(on_worker))
+            by_worker = collections.defaultdict(list)
+            for task, clock in zip(doc.get("workers_of") or [], doc.get("clock_s") or []):
+                by_worker[task].append(clock)
+            spent = [b - a for clocks in by_worker.values() for a, b in zip(clocks, clocks[1:])]
             stepped = [c + k for c, k in zip(cpu, doc.get("compute_cpu_s") or [])]
             beside = max(0.0, _median(spent) - _median(stepped)) if spent and stepped else 0.0
-            found["coordinator"] = cm.StepCost(int(doc["workers"]), _median(wall), _median(cpu), dispatch,
-                                               doc["coordinator_cpu_s"] / closures + beside)
+            figure = cm.StepCost(workers, _median(wall), _median(cpu), dispatch,
+                                 doc["coordinator_cpu_s"] / closures + beside)
+            found["coordinator" if workers == 1 else "coordinator_crowded"] = figure
         elif strategy == "in_graph":
             found["in_graph"] = cm.StepCost(int(doc.get("replicas", doc["workers"])), _median(wall), _median(cpu))
     return cm.StepCosts(**found)

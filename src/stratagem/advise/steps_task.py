@@ -124,14 +124,32 @@ with strategy.scope():
     variables = {name: stratagem.Variable(value, name=name) for name, value in sorted(_PARAMS.items())}
     opt = stratagem.optimizers.SGD(learning_rate=MODEL.learning_rate)
 
+#: The chief's word to the other workers that its steps alone are done (no strategy uses the tag).
+GO_TAG = "advise-steps-go"
 TOTAL = int(SPEC.get("warmup", 3)) + int(SPEC.get("steps", 30))
 
 
 def replica_steps() -> dict:
-    """between_graph: this worker's steps."""
-    times = [strategy.run(hollow_step, args=(variables, opt)) for _ in range(TOTAL)]
-    return {"wall_s": [t[0] for t in times], "cpu_s": [t[1] for t in times], "compute_s": [t[2] for t in times],
-            "compute_cpu_s": [t[3] for t in times]}
+    """between_graph: this worker's steps. Async with several workers, in two phases: the chief's
+    steps alone while the others wait for its word, then every worker's at once."""
+    def steps() -> dict:
+        times = [strategy.run(hollow_step, args=(variables, opt)) for _ in range(TOTAL)]
+        return {"wall_s": [t[0] for t in times], "cpu_s": [t[1] for t in times],
+                "compute_s": [t[2] for t in times], "compute_cpu_s": [t[3] for t in times]}
+
+    others = [t for t in strategy.cluster.replicas() if t != strategy.task]
+    if SPEC.get("consistency") != "async" or not others:
+        return steps()
+    from stratagem.core.transport import Message
+
+    alone = None
+    if strategy.is_chief:
+        alone = steps()
+        for task in others:
+            strategy.transport.send(task, GO_TAG, Message({}), timeout=SPEC.get("timeout", 60))
+    else:
+        strategy.transport.recv(strategy.cluster.chief, GO_TAG, timeout=SPEC.get("timeout", 60))
+    return {**steps(), "alone": alone}
 
 
 def client_steps() -> dict:
@@ -164,7 +182,8 @@ def coordinator_steps() -> dict:
     strategy.join()
     wall, cpu = time.perf_counter() - start, time.process_time() - used
     return {"wall_s": [s[0] for s in steps], "cpu_s": [s[1] for s in steps], "compute_s": [s[2] for s in steps],
-            "compute_cpu_s": [s[3] for s in steps], "clock_s": [s[4] for s in steps], "workers_of": [str(r.worker) for r in remotes], "closures": count,
+            "compute_cpu_s": [s[3] for s in steps], "clock_s": [s[4] for s in steps],
+            "workers_of": [str(r.worker) for r in remotes], "closures": count,
             "coordinator_wall_s": wall, "coordinator_cpu_s": cpu}
 
 
