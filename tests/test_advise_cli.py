@@ -83,9 +83,9 @@ def test_each_strategys_steps_are_measured_through_the_strategy(measured):
         ("between_graph", "async", 2, 1), ("between_graph", "sync", 2, 1), ("in_graph", "", 2, 0),
         ("parameter_server", "async", 1, 1), ("parameter_server", "async", 2, 1)]
     for mode in ("sync", "async"):
-        doc = next(d for d in raw if d["consistency"] == mode)
-        assert list(doc["tasks"]) == ["worker-1"]                   # the other worker's steps, beside the chief's
-        assert len(doc["tasks"]["worker-1"]["wall_s"]) == len(doc["wall_s"])
+        job = next(d for d in raw if d["consistency"] == mode)
+        assert list(job["tasks"]) == ["worker-1"]                   # the other worker's steps, beside the chief's
+        assert len(job["tasks"]["worker-1"]["wall_s"]) == len(job["wall_s"])
     alone = next(d for d in raw if d["consistency"] == "async")["alone"]     # the chief's steps before the others'
     assert len(alone["wall_s"]) == len(alone["cpu_s"]) > 0
     crowded = next(d for d in raw if d["strategy"] == "parameter_server" and d["workers"] == 2)
@@ -99,7 +99,7 @@ def test_each_strategys_steps_are_measured_through_the_strategy(measured):
     # what the model charges: the part the links do not explain, none negative
     charged = m["transports"]["zmq"]["steps"]
     assert charged["ps_async"]["wall_s"] > 0
-    assert all(0 <= charged[k]["cpu_s"] <= charged[k]["wall_s"] for k in charged)
+    assert all(0 <= c["cpu_s"] <= c["wall_s"] for c in charged.values())
     for p in doc["predictions"]:
         if p["label"] == "between_graph:async" and "ps exchange" in p["parts_ms"]:
             assert p["parts_ms"]["ps exchange"] > charged["ps_async"]["wall_s"] * 1e3

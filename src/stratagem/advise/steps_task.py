@@ -183,7 +183,7 @@ def coordinator_steps() -> dict:
     wall, cpu = time.perf_counter() - start, time.process_time() - used
     return {"wall_s": [s[0] for s in steps], "cpu_s": [s[1] for s in steps], "compute_s": [s[2] for s in steps],
             "compute_cpu_s": [s[3] for s in steps], "clock_s": [s[4] for s in steps],
-            "workers_of": [str(r.worker) for r in remotes], "closures": count,
+            "workers_of": [r.worker.short for r in remotes], "closures": count,
             "coordinator_wall_s": wall, "coordinator_cpu_s": cpu}
 
 
