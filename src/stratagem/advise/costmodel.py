@@ -131,13 +131,15 @@ class StepCost:
     backward pass in place but not counted): ``wall_s`` and ``cpu_s``, idle-core seconds per step of
     the measuring task, with ``workers`` stepping; for ``parameter_server``, ``dispatch_s``: a
     closure's wall time on the coordinator beyond its step on the worker (sent, decoded, run,
-    answered), ``dispatch_cpu_s``: the CPU that costs, the coordinator's and the worker's."""
+    answered), ``dispatch_cpu_s``: the CPU that costs, the coordinator's and the worker's;
+    ``serve_cpu_s``: the ps task's CPU per step (a worker's push and pull, as the strategy makes them)."""
 
     workers: int
     wall_s: float
     cpu_s: float
     dispatch_s: float = 0.0
     dispatch_cpu_s: float = 0.0
+    serve_cpu_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -522,6 +524,20 @@ def _grown(alone: StepCost | None, crowded: StepCost | None, n: int, part: str =
     return wall1 + per * max(0.0, wall2 - wall1), cpu1 + per * max(0.0, cpu2 - cpu1)
 
 
+def _serve_extra(setup: Setup, t: TransportFigures) -> float:
+    """The ps's CPU per step beyond a bare push (as :func:`step_residuals` leaves it), measured in
+    the steps job closest to ``setup``: a sync round; async workers at once, else alone; under a
+    coordinator, the crowded one, else alone."""
+    steps = t.steps
+    if setup.mode == "sync":
+        order = (steps.ps_sync, steps.ps_async_crowded, steps.ps_async)
+    elif setup.strategy == "parameter_server":
+        order = (steps.coordinator_crowded, steps.coordinator, steps.ps_async_crowded, steps.ps_async)
+    else:
+        order = (steps.ps_async_crowded, steps.ps_async)
+    return next((m.serve_cpu_s for m in order if m is not None), 0.0)
+
+
 def _dispatch(t: TransportFigures, n: int) -> tuple[float, float]:
     """The coordinator's dispatch of one closure with ``n`` workers: wall and CPU seconds, measured
     if it was, else a closure out and its result back on the p2p link."""
@@ -541,6 +557,8 @@ def _ps_sync(setup: Setup, work: Workload, t: TransportFigures, share, straggle)
     serve = _cpu(t.cpu.serve, biggest, round_trip_s(biggest, link))          # the busiest shard, per push
     serve_all = sum(_cpu(t.cpu.serve, b, round_trip_s(b, link)) for b in shards)
     worker = _cpu(t.cpu.exchange, S, round_trip_s(biggest, link))           # a worker, all its shards
+    extra = _serve_extra(setup, t)     # the ps's CPU per step beyond a bare push, on every shard
+    serve, serve_all = serve + extra, serve_all + p * extra
     parts = {"compute": share(n) * straggle(n) * (work.data_s + work.compute_s),
              "ps fan-in": phase(wall, n * serve + worker, n * (serve_all + worker), share)}
     if t.ps is None:   # the p2p link moves the bytes; the shard's adds and update come on top
@@ -565,6 +583,8 @@ def _ps_async(setup: Setup, work: Workload, t: TransportFigures, share) -> tuple
     exchange = 2 * link.latency_s + 2 * biggest / link.bandwidth_Bps + extra   # a push and the values back
     serve = _cpu(t.cpu.serve, biggest, exchange - 2 * link.latency_s)         # the busiest shard's CPU per push
     serve_all = sum(_cpu(t.cpu.serve, b, 2 * b / link.bandwidth_Bps + extra) for b in shards)
+    own_serve = _serve_extra(setup, t)   # the ps's CPU per step beyond a bare push, on every shard
+    serve, serve_all = serve + own_serve, serve_all + p * own_serve
     worker = _cpu(t.cpu.exchange, S, exchange)
     # the worker's step beyond the exchange, as measured with n workers (under the coordinator: there)
     steps = t.steps
@@ -609,12 +629,16 @@ def step_residuals(measured: StepCosts, work: Workload, t: TransportFigures, ps:
     >>> round(r.ps_async.wall_s * 1e3, 3)     # 3 ms measured, 2.2 ms of it the exchange (2 alpha + 2 MB / bw)
     0.8
     """
+    biggest = max(work.shard_bytes(ps))
+    bare_serve = _cpu(t.cpu.serve, biggest, round_trip_s(biggest, t.exchange))   # a bare push on the ps
+
     def less(m: StepCost | None, wall: float, cpu: float, per: int = 1) -> StepCost | None:
         if m is None:
             return None
         own_wall = max(0.0, m.wall_s - wall) / per
         own_cpu = min(max(0.0, m.cpu_s - cpu) / per, own_wall)
-        return replace(m, wall_s=own_wall, cpu_s=own_cpu)
+        serve = max(0.0, m.serve_cpu_s - bare_serve) if m.serve_cpu_s > 0 else 0.0
+        return replace(m, wall_s=own_wall, cpu_s=own_cpu, serve_cpu_s=serve)
 
     def exchange(m: StepCost | None) -> tuple[float, float]:   # a sync round's fan-in
         return _ps_exchange(work, t, ps, m.workers) if m is not None else (0.0, 0.0)

@@ -435,20 +435,27 @@ def fit_steps(docs: Sequence[dict] | None) -> cm.StepCosts:
         skip = 0 if strategy == "parameter_server" else int(doc.get("warmup", 0))
         wall, cpu = doc["wall_s"][skip:], doc["cpu_s"][skip:]
         workers = int(doc["workers"])
+        tasks = doc.get("tasks") or {}
+        ps_clock = next((t["cpu_clock"] for name, t in tasks.items() if name.startswith("ps-")), None)
+        steppers = [doc] + [t for name, t in tasks.items() if not name.startswith("ps-")]
+
+        def served(runs: Sequence[dict]) -> float:   # the ps's CPU per step of these runs
+            return _cpu_per_step(ps_clock, [t for run in runs for t in (run.get("ended") or [])[skip:]])
         if strategy == "between_graph" and mode == "sync":
-            for other in (doc.get("tasks") or {}).values():
+            for other in steppers[1:]:
                 wall = [min(a, b) for a, b in zip(wall, other["wall_s"][skip:])]
-            found["ps_sync"] = cm.StepCost(workers, _median(wall), _median(cpu))
+            found["ps_sync"] = cm.StepCost(workers, _median(wall), _median(cpu), serve_cpu_s=served(steppers))
         elif strategy == "between_graph":
             if doc.get("alone"):    # the chief alone first, then every worker at once
                 alone = doc["alone"]
-                found["ps_async"] = cm.StepCost(1, _median(alone["wall_s"][skip:]), _median(alone["cpu_s"][skip:]))
-                every = [doc] + list((doc.get("tasks") or {}).values())
+                found["ps_async"] = cm.StepCost(1, _median(alone["wall_s"][skip:]), _median(alone["cpu_s"][skip:]),
+                                                serve_cpu_s=served([alone]))
                 found["ps_async_crowded"] = cm.StepCost(
-                    workers, _median([t for d in every for t in d["wall_s"][skip:]]),
-                    _median([t for d in every for t in d["cpu_s"][skip:]]))
+                    workers, _median([t for d in steppers for t in d["wall_s"][skip:]]),
+                    _median([t for d in steppers for t in d["cpu_s"][skip:]]), serve_cpu_s=served(steppers))
             else:
-                found["ps_async" if workers == 1 else "ps_async_crowded"] = cm.StepCost(workers, _median(wall), _median(cpu))
+                found["ps_async" if workers == 1 else "ps_async_crowded"] = cm.StepCost(
+                    workers, _median(wall), _median(cpu), serve_cpu_s=served(steppers))
         elif strategy == "parameter_server":
             closures = max(1, int(doc["closures"]))
             on_worker = [w + c for w, c in zip(wall, doc["compute_s"])]
@@ -461,11 +468,26 @@ def fit_steps(docs: Sequence[dict] | None) -> cm.StepCosts:
             stepped = [c + k for c, k in zip(cpu, doc.get("compute_cpu_s") or [])]
             beside = max(0.0, _median(spent) - _median(stepped)) if spent and stepped else 0.0
             figure = cm.StepCost(workers, _median(wall), _median(cpu), dispatch,
-                                 doc["coordinator_cpu_s"] / closures + beside)
+                                 doc["coordinator_cpu_s"] / closures + beside, served([doc]))
             found["coordinator" if workers == 1 else "coordinator_crowded"] = figure
         elif strategy == "in_graph":
             found["in_graph"] = cm.StepCost(int(doc.get("replicas", doc["workers"])), _median(wall), _median(cpu))
     return cm.StepCosts(**found)
+
+
+def _cpu_per_step(clock: Sequence | None, ended: Sequence[float]) -> float:
+    """A task's CPU seconds per step, from its CPU clock (``[(wall time, CPU seconds), ...]``) between
+    the first and the last of the steps' end times (the steps that ended in between); 0 without."""
+    ended = sorted(ended)
+    if not clock or len(ended) < 2:
+        return 0.0
+
+    def cpu_at(when: float) -> float:
+        for (t0, c0), (t1, c1) in zip(clock, clock[1:]):
+            if t0 <= when <= t1:
+                return c0 + (c1 - c0) * (when - t0) / (t1 - t0) if t1 > t0 else c1
+        return clock[0][1] if when < clock[0][0] else clock[-1][1]
+    return max(0.0, cpu_at(ended[-1]) - cpu_at(ended[0])) / (len(ended) - 1)
 
 
 def fit(raw: dict, skipped: dict | None = None, seconds: float = 0.0) -> Measurements:

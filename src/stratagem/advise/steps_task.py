@@ -95,12 +95,13 @@ def hollow_step(variables: dict, opt) -> tuple:
     compute_wall, compute_cpu = compute()
     opt.apply_gradients(gradient_pairs(variables))
     return (time.perf_counter() - start - compute_wall, time.process_time() - used - compute_cpu,
-            compute_wall, compute_cpu)
+            compute_wall, compute_cpu, time.time())
 
 
 def ps_step(variables, opt):
     """A parameter_server closure: one step's figures, and this worker's CPU clock at its end."""
-    return [*hollow_step(variables, opt), time.process_time()]
+    *figures, ended = hollow_step(variables, opt)
+    return [*figures, time.process_time(), ended]
 
 
 def in_graph_step(batch):
@@ -112,11 +113,54 @@ def in_graph_step(batch):
     return [compute_wall, compute_cpu, os.getpid()]
 
 
+def write(doc: dict, path: str | None = None) -> None:
+    path = path or SPEC["out"]
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f)
+    os.replace(path + ".tmp", path)   # the parent never reads half a file
+
+
+class CpuClock:
+    """This process's CPU clock read every few milliseconds in a thread, with the wall clock: a ps
+    task, which serves inside ``stratagem.strategy()``, tells afterwards what the workers' steps cost
+    it (its CPU between two of their timestamps)."""
+
+    def __init__(self, every: float = 0.005):
+        import threading
+
+        self.samples: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True, name="advise-cpu-clock")
+        self._thread.start()
+
+    def _run(self, every: float) -> None:
+        while not self._stop.wait(every):
+            self.samples.append((time.time(), time.process_time()))
+
+    def stop(self) -> list:
+        self._stop.set()
+        self._thread.join(1.0)
+        return self.samples
+
+
 def make_strategy():
     options = {"transport_options": {"timeout": SPEC.get("timeout", 60)}}
     if SPEC.get("consistency"):
         options["mode"] = SPEC["consistency"]
-    return stratagem.strategy(SPEC["strategy"], transport=SPEC["transport"], **options)
+    task = _task_short()
+    if not task.startswith("ps:"):
+        return stratagem.strategy(SPEC["strategy"], transport=SPEC["transport"], **options)
+    clock = CpuClock()
+    try:
+        return stratagem.strategy(SPEC["strategy"], transport=SPEC["transport"], **options)
+    finally:     # (a ps task serves inside the call, and exits with SystemExit at the end)
+        write({"cpu_clock": clock.stop()}, f"{SPEC['out']}.{task.replace(':', '-')}")
+
+
+def _task_short() -> str:
+    from stratagem.core.cluster import ClusterResolver
+
+    return ClusterResolver.from_env().task.short
 
 
 strategy = make_strategy()
@@ -135,7 +179,8 @@ def replica_steps() -> dict:
     def steps() -> dict:
         times = [strategy.run(hollow_step, args=(variables, opt)) for _ in range(TOTAL)]
         return {"wall_s": [t[0] for t in times], "cpu_s": [t[1] for t in times],
-                "compute_s": [t[2] for t in times], "compute_cpu_s": [t[3] for t in times]}
+                "compute_s": [t[2] for t in times], "compute_cpu_s": [t[3] for t in times],
+                "ended": [t[4] for t in times]}
 
     others = [t for t in strategy.cluster.replicas() if t != strategy.task]
     if SPEC.get("consistency") != "async" or not others:
@@ -182,16 +227,9 @@ def coordinator_steps() -> dict:
     strategy.join()
     wall, cpu = time.perf_counter() - start, time.process_time() - used
     return {"wall_s": [s[0] for s in steps], "cpu_s": [s[1] for s in steps], "compute_s": [s[2] for s in steps],
-            "compute_cpu_s": [s[3] for s in steps], "clock_s": [s[4] for s in steps],
+            "compute_cpu_s": [s[3] for s in steps], "clock_s": [s[4] for s in steps], "ended": [s[5] for s in steps],
             "workers_of": [r.worker.short for r in remotes], "closures": count,
             "coordinator_wall_s": wall, "coordinator_cpu_s": cpu}
-
-
-def write(doc: dict, path: str | None = None) -> None:
-    path = path or SPEC["out"]
-    with open(path + ".tmp", "w") as f:
-        json.dump(doc, f)
-    os.replace(path + ".tmp", path)   # the parent never reads half a file
 
 
 def main() -> int:
