@@ -84,7 +84,7 @@ def test_each_strategys_steps_are_measured_through_the_strategy(measured):
         ("parameter_server", "async", 1, 1), ("parameter_server", "async", 2, 1)]
     for mode in ("sync", "async"):
         job = next(d for d in raw if d["consistency"] == mode)
-        assert list(job["tasks"]) == ["worker-1"]                   # the other worker's steps, beside the chief's
+        assert sorted(job["tasks"]) == ["ps-0", "worker-1"]         # the other tasks' figures, beside the chief's
         assert len(job["tasks"]["worker-1"]["wall_s"]) == len(job["wall_s"])
     alone = next(d for d in raw if d["consistency"] == "async")["alone"]     # the chief's steps before the others'
     assert len(alone["wall_s"]) == len(alone["cpu_s"]) > 0
@@ -96,6 +96,8 @@ def test_each_strategys_steps_are_measured_through_the_strategy(measured):
         assert figure.wall_s > 0 and figure.cpu_s > 0
     for figure in (steps.coordinator, steps.coordinator_crowded):
         assert figure.dispatch_s > 0 and figure.dispatch_cpu_s > 0
+    for figure in (steps.ps_sync, steps.ps_async, steps.ps_async_crowded, steps.coordinator, steps.coordinator_crowded):
+        assert figure.serve_cpu_s > 0                               # the ps task's CPU clock, read around the steps
     # what the model charges: the part the links do not explain, none negative
     charged = m["transports"]["zmq"]["steps"]
     assert charged["ps_async"]["wall_s"] > 0

@@ -309,3 +309,18 @@ def test_async_steps_grow_with_the_workers_as_measured_crowded():
     # the coordinator's dispatch likewise: 1.5 ms alone, 2.5 ms with two workers, 4.5 ms with four
     coordinated = cm.predict(cm.Setup("parameter_server", "async", "zmq", 4, 1), WORK, t, IDLE)
     assert coordinated.parts["dispatch"] == pytest.approx(4.5 * MS)
+
+
+def test_the_ps_pays_its_measured_cpu_per_step_beyond_a_bare_push():
+    # the ps measured 3 ms of CPU per step through the strategy, where a bare push of 1 MB costs 1 ms
+    # (ps CPU link 0 + 1 GB/s): 2 ms more per push, on every shard
+    served = cm.TransportFigures("zmq", ZMQ.allreduce, ZMQ.p2p, ZMQ.ps, cpu=cm.CpuCosts(serve=cm.Link(0.0, 1e9)))
+    measured = cm.StepCosts(ps_async=cm.StepCost(1, 2.4 * MS, 0.0, serve_cpu_s=3.0 * MS))
+    steps = cm.step_residuals(measured, WORK, served)
+    assert steps.ps_async.serve_cpu_s == pytest.approx(2.0 * MS)
+    t = cm.TransportFigures("zmq", ZMQ.allreduce, ZMQ.p2p, ZMQ.ps, cpu=served.cpu, steps=steps)
+    # 16 async workers on 1 ps: the shard serves each push in 1 + 2 ms of CPU: 16 x 3 ms sets the pace
+    crowded = cm.predict(cm.Setup("between_graph", "async", "zmq", 16, 1), WORK, t, IDLE)
+    assert crowded.limit == "ps queue" and crowded.step_s == pytest.approx(16 * 3.0 * MS)
+    bare = cm.predict(cm.Setup("between_graph", "async", "zmq", 16, 1), WORK, served, IDLE)
+    assert bare.step_s == pytest.approx(16 * 1.0 * MS)                     # (a bare push alone: 16 x 1 ms)
