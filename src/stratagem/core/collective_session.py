@@ -10,10 +10,10 @@ kind of error now instead of at their timeout. The algorithms (``collectives.py`
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Iterator, Sequence
+from typing import Sequence
 
+import msgpack
 import numpy as np
 
 from .cluster import TaskId
@@ -28,12 +28,31 @@ ABORT_SEND_TIMEOUT = 2.0
 
 def fingerprint(collective: str, **fields) -> dict:
     """Plain-data description of one call (lists, not tuples: the wire turns tuples into lists)."""
-    fp = {"coll": collective}
-    for key, value in fields.items():
-        if key == "shape" and value is not None:
-            value = [int(d) for d in value]
-        fp[key] = value
+    fp = {"coll": collective, **fields}
+    shape = fields.get("shape")
+    if shape is not None:
+        fp["shape"] = [int(d) for d in shape]
     return fp
+
+
+def pack_fingerprint(fp: dict) -> bytes:
+    """The fingerprint as it travels: packed once per call, so that a receiver checks each message
+    with one comparison of bytes (and the wire checks one bytes value, not a dict)."""
+    return msgpack.packb(fp, use_bin_type=True)
+
+
+def unpack_fingerprint(data) -> dict | None:
+    """A received fingerprint as a dict, or None if it is not one (only read when the bytes differ
+    from ours: the mismatch is then described from it)."""
+    if isinstance(data, dict):
+        return data
+    if not isinstance(data, (bytes, bytearray)):
+        return None
+    try:
+        fp = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except Exception:  # garbage from a peer means "no fingerprint", never a crash
+        return None
+    return fp if isinstance(fp, dict) else None
 
 
 def describe(fp: dict) -> str:
@@ -91,16 +110,10 @@ class CollectiveSession:
         self.seq += 1
         return self.seq
 
-    @contextlib.contextmanager
-    def collective(self, fingerprint: dict, learn: Sequence[str] = ()) -> Iterator["CollectiveCall"]:
-        """Run one collective call: number it, and on failure break the session and warn the peers."""
-        call = CollectiveCall(self, {"seq": self.next_seq(), **fingerprint}, learn)
-        try:
-            yield call
-        except Exception as exc:
-            self.broken = exc
-            self._notify_peers(call, exc)
-            raise
+    def collective(self, fingerprint: dict, learn: Sequence[str] = ()) -> "_Running":
+        """Run one collective call (``with session.collective(fp) as call:``): number it, and on
+        failure break the session and warn the peers."""
+        return _Running(self, CollectiveCall(self, {"seq": self.next_seq(), **fingerprint}, learn))
 
     def _notify_peers(self, call: "CollectiveCall", exc: Exception) -> None:
         """Best-effort abort notice to every other rank, so they fail now instead of at their timeout.
@@ -128,6 +141,25 @@ class CollectiveSession:
             self.transport.flush(ABORT_SEND_TIMEOUT, told)
         except Exception as flush_error:
             log.debug("%s: could not flush the abort notices: %s", self.tag, flush_error)
+
+
+class _Running:
+    """The context of one call (a class, not a generator-based context manager: it is entered on
+    every collective, and this costs a fraction of one)."""
+
+    __slots__ = ("session", "call")
+
+    def __init__(self, session: CollectiveSession, call: "CollectiveCall"):
+        self.session, self.call = session, call
+
+    def __enter__(self) -> "CollectiveCall":
+        return self.call
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is not None and isinstance(exc, Exception):
+            self.session.broken = exc
+            self.session._notify_peers(self.call, exc)
+        return False
 
 
 def _abort_meta(session: CollectiveSession, call: "CollectiveCall", exc: Exception) -> dict:
@@ -168,8 +200,17 @@ class CollectiveCall:
         self.fp = fp
         self._learn = set(learn)
         self._pending: dict[int, Message] = {}
+        self._meta: dict | None = None   # {"fp": packed fingerprint}, made on the first send/receive
         #: Chunk size (elements) imposed by another rank (a broadcast's root); None: our own option.
         self.chunk: int | None = None
+
+    @property
+    def meta(self) -> dict:
+        """The metadata of every message of this call (never modified once made: shared by them)."""
+        meta = self._meta
+        if meta is None:
+            meta = self._meta = {"fp": pack_fingerprint(self.fp)}
+        return meta
 
     @property
     def rank(self) -> int:
@@ -185,12 +226,12 @@ class CollectiveCall:
     def send(self, dst: int, *buffers) -> None:
         """Send and return once the buffers may be modified again."""
         s = self.session
-        s.transport.send(s.members[dst], s.tag, Message({"fp": self.fp}, list(buffers)), timeout=s.timeout)
+        s.transport.send(s.members[dst], s.tag, Message(self.meta, list(buffers)), timeout=s.timeout)
 
     def send_async(self, dst: int, *buffers) -> SendHandle:
         """Send, possibly still reading the buffers after returning: ``wait()`` before modifying them."""
         s = self.session
-        return s.transport.send_async(s.members[dst], s.tag, Message({"fp": self.fp}, list(buffers)),
+        return s.transport.send_async(s.members[dst], s.tag, Message(self.meta, list(buffers)),
                                       timeout=s.timeout)
 
     def wait(self, handles) -> None:
@@ -219,12 +260,15 @@ class CollectiveCall:
     def _receive(self, src: int) -> Message:
         s = self.session
         message = s.transport.recv(s.members[src], s.tag, timeout=s.timeout)
-        if "abort" in message.meta:
-            raise _error_from_abort(s, message.meta)
-        self._check_fingerprint(src, message.meta.get("fp"))
+        meta = message.meta
+        theirs = meta.get("fp")
+        if theirs is None or theirs != self.meta["fp"]:  # the same bytes: the same call (the usual case)
+            if "abort" in meta:
+                raise _error_from_abort(s, meta)
+            self._check_fingerprint(src, unpack_fingerprint(theirs))
         return message
 
-    def _check_fingerprint(self, src: int, theirs) -> None:
+    def _check_fingerprint(self, src: int, theirs: dict | None) -> None:
         s = self.session
         if not isinstance(theirs, dict):
             raise CollectiveMismatchError(
@@ -245,9 +289,11 @@ class CollectiveCall:
                 f"collective mismatch on communicator {s.name!r}: {s.who(src)} called {theirs_text}, but "
                 f"{s.who(s.rank)} called {mine_text}; {hint}"
             )
-        for key in self._learn:
-            mine[key] = theirs.get(key)
-        self._learn.clear()
+        if self._learn:
+            for key in self._learn:
+                mine[key] = theirs.get(key)
+            self._learn.clear()
+            self._meta = None  # what we learned goes into our own messages from now on
 
     def _mismatch(self, src: int, what: str) -> CollectiveMismatchError:
         s = self.session

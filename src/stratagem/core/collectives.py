@@ -23,9 +23,12 @@ Algorithms:
   of at most ``chunk_bytes`` and pipelined (a chunk is received, reduced and sent on before the next
   one is touched). Each segment is reduced along one chain and then copied around the ring, so every
   rank ends with bitwise-identical bits.
-* all-reduce, small tensors (``nbytes <= small_bytes``, or fewer elements than ranks): recursive
-  doubling. A non-power-of-two world first folds its extra ranks into partners and hands them the
-  result at the end. Partners combine with the lower rank's operand first, so both hold the same bits.
+* all-reduce, small tensors (``nbytes <= small_bytes``, or fewer elements than ranks): in worlds of
+  up to :data:`DIRECT_MAX_RANKS` ranks, a direct exchange: every rank sends its tensor to every other
+  and combines all of them in rank order (so every rank computes the same bits), one round of
+  messages instead of log2(p) dependent ones. Larger worlds: recursive doubling. A non-power-of-two
+  world first folds its extra ranks into partners and hands them the result at the end. Partners
+  combine with the lower rank's operand first, so both hold the same bits.
 * broadcast: binomial tree (chunked) for small tensors; scatter down the binomial tree, then a ring
   all-gather, for large ones (van de Geijn), which costs ~2x the tensor per rank instead of log2(p)x.
 * all-gather and reduce-scatter: the pipelined ring. Barrier: dissemination (ceil(log2 p) rounds).
@@ -66,17 +69,23 @@ OPS: dict[str, np.ufunc] = {
     "min": np.minimum,
     "max": np.maximum,
 }
-ALLREDUCE_ALGORITHMS = ("auto", "ring", "recursive_doubling")
+ALLREDUCE_ALGORITHMS = ("auto", "ring", "recursive_doubling", "direct")
+#: Small all-reduces in worlds of up to this many ranks exchange directly (one round of messages);
+#: larger worlds use recursive doubling (log2 rounds, one message each way per round).
+DIRECT_MAX_RANKS = 4
 BROADCAST_ALGORITHMS = ("auto", "binomial_tree", "scatter_allgather")
 
 
 # -- argument checks (shared with the Communicator, which checks before dispatching) ----------------
 
+_WIRE_DTYPES = frozenset(DTYPES.values())
+
+
 def check_dtype(dtype, collective: str) -> np.dtype:
     """The dtype if the wire can carry it, else a ``ConfigurationError`` listing the ones it can."""
     dtype = np.dtype(dtype)
     native = dtype.newbyteorder("=") if dtype.byteorder == ">" else dtype
-    if native not in DTYPES.values():
+    if native not in _WIRE_DTYPES:
         raise ConfigurationError(
             f"{collective}: dtype {dtype} cannot be sent between tasks; allowed: {', '.join(DTYPES)} "
             f"(convert with x.astype(...))"
@@ -292,6 +301,21 @@ def _recursive_doubling(call: CollectiveCall, work, ufunc: np.ufunc) -> None:
         call.send(rank + p2, work)
 
 
+def _direct(call: CollectiveCall, work, src, ufunc: np.ufunc) -> None:
+    """All-reduce in one round: send ``src`` to every other rank, then ``work = x0 op x1 op ...`` in
+    rank order (the same order, hence the same bits, on every rank). ``work`` and ``src`` must not
+    share memory unless this is rank 0 (rank 0 starts from its own operand)."""
+    size, rank, n = call.size, call.rank, work.size
+    for offset in range(1, size):
+        call.send((rank + offset) % size, src)
+    if rank:
+        work[...] = call.recv(0, n, work.dtype)
+    elif work is not src:
+        work[...] = src
+    for r in range(1, size):
+        ufunc(work, src if r == rank else call.recv(r, n, work.dtype), out=work)
+
+
 def _tree_broadcast(call: CollectiveCall, work, v: int, root: int) -> None:
     """Binomial-tree broadcast, chunked so a long tensor streams down the tree."""
     size = call.size
@@ -332,7 +356,7 @@ def choose_allreduce_algorithm(session: CollectiveSession, nbytes: int, length: 
     if algorithm != "auto":
         return algorithm
     if nbytes <= session.small_bytes or length < session.size:
-        return "recursive_doubling"
+        return "direct" if session.size <= DIRECT_MAX_RANKS else "recursive_doubling"
     return "ring"
 
 
@@ -353,25 +377,30 @@ def allreduce(session: CollectiveSession, x, op: str = "sum", algorithm: str = "
     algo = choose_allreduce_algorithm(session, x.size * dtype.itemsize, x.size, algorithm)
     chunk = session.chunk_elems(dtype.itemsize) if algo == "ring" else None
     fp = fingerprint("allreduce", op=op, dtype=dtype_name(x.dtype), shape=x.shape, algo=algo, chunk=chunk)
-    if algo == "ring":
-        # Out of place: the ring writes every element of ``work`` itself, so no copy of x first
+    xp = _array_module(x)
+    if algo == "ring" or algo == "direct":
+        # Out of place: the algorithm writes every element of ``work`` itself, so no copy of x first
         # (and with out=x, src and work are the same memory: the classic in-place ring).
-        work = _array_module(x).empty(x.size, dtype=dtype) if out is None else out.reshape(-1)
+        work = xp.empty(x.size, dtype=dtype) if out is None else out.reshape(-1)
         src = work if out is x else _flat_view(x, dtype)
-    else:
+        if algo == "direct" and out is x and session.rank:
+            src = src.copy()  # the others' operands come first: our own must survive them
+    elif out is None:
         work = _working_copy(x, dtype)
+    else:  # recursive doubling reduces in place: start from a copy of x in out
+        work = out.reshape(-1)
+        if out is not x:
+            work[...] = x.reshape(-1)
     with session.collective(fp) as call:
         if algo == "ring":
             _ring(call, work, split_bounds(work.size, call.size), call.rank, shift=0,
                   steps=2 * (call.size - 1), reduce_steps=call.size - 1, ufunc=OPS[op], src=src)
+        elif algo == "direct":
+            _direct(call, work, src, OPS[op])
         elif algo == "recursive_doubling":
             _recursive_doubling(call, work, OPS[op])
     _finish_mean(work, op, session.size)
-    if out is None:
-        return work.reshape(x.shape)
-    if algo != "ring":
-        out[...] = work.reshape(x.shape)
-    return out
+    return work.reshape(x.shape) if out is None else out
 
 
 def check_out(out, x, dtype: np.dtype, collective: str) -> None:
@@ -384,7 +413,8 @@ def check_out(out, x, dtype: np.dtype, collective: str) -> None:
         problems.append(f"it is {out.dtype}{tuple(out.shape)}, the result is {dtype}{tuple(x.shape)}")
     elif not out.flags.c_contiguous or not out.flags.writeable:
         problems.append("it must be C-contiguous and writeable")
-    elif out is not x and isinstance(out, np.ndarray) and np.shares_memory(out, x):
+    elif (out is not x and isinstance(out, np.ndarray) and np.may_share_memory(out, x)
+          and np.shares_memory(out, x)):  # the cheap bounds test first: it rules out the usual case
         problems.append("it overlaps x without being x (pass out=x to reduce in place)")
     if problems:
         raise ConfigurationError(f"{collective}: cannot write the result into out: {problems[0]}")

@@ -31,6 +31,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from . import collectives as coll
 from .cluster import ClusterResolver, ClusterSpec, TaskId
 from .errors import CollectiveMismatchError, CommunicationError, ConfigurationError, PeerLostError, TransportClosed
@@ -164,12 +166,17 @@ class Communicator:
         >>> for c in comms: c.close()
         """
         x = coll.as_array(x)
-        coll.check_dtype(x.dtype, "allreduce")
-        coll.check_op(op, x.dtype, "allreduce")
-        coll.check_algorithm(algorithm, coll.ALLREDUCE_ALGORITHMS, "allreduce")
+        if "allreduce" in self._native or type(x) is not np.ndarray:
+            # A native implementation is handed checked arguments, and a device array's out is not
+            # passed on (the result is copied into it); otherwise core's allreduce checks them itself,
+            # the same way (once per call: this is on every training step's path).
+            coll.check_dtype(x.dtype, "allreduce")
+            coll.check_op(op, x.dtype, "allreduce")
+            coll.check_algorithm(algorithm, coll.ALLREDUCE_ALGORITHMS, "allreduce")
+            if out is not None:
+                coll.check_out(out, x, coll.working_dtype(op, x.dtype), "allreduce")
         if out is None:
             return self._call("allreduce", x, op=op, algorithm=algorithm)
-        coll.check_out(out, x, coll.working_dtype(op, x.dtype), "allreduce")
         return self._call("allreduce", x, op=op, algorithm=algorithm, out=out)
 
     def broadcast(self, x, root: int = 0, algorithm: str = "auto"):

@@ -13,8 +13,9 @@ unauthenticated message is dropped with a logged reason (the first few per conne
 :data:`_LOG_EVERY`) and, for a refused handshake, a REJECT with the reason; the server keeps serving
 everyone else.
 
-Messages on a connection into the ROUTER have one of three shapes (see the transport's docstring):
-a whole frame ``[head, buffer...]``; a stream piece ``[b"", piece]`` of a frame too large for one
+Messages on a connection into the ROUTER have one of four shapes (see the transport's docstring):
+a whole frame in one part (header, envelope and buffers, as :func:`stratagem.core.wire.encode_bytes`
+makes it: small messages); a whole frame ``[head, buffer...]``; a stream piece ``[b"", piece]`` of a frame too large for one
 part, fed to the connection's :class:`~stratagem.transports.grpc_framing.Reassembler`; and the
 no-op ``[b""]`` that ``flush`` sends.
 """
@@ -50,32 +51,48 @@ class Incoming:
     stream: Reassembler | None = field(default=None, repr=False)
 
 
+def _source_fd(frame: zmq.Frame) -> int:
+    """The socket a received message came in on (ZeroMQ's deprecated but present SRCFD; -1 if not)."""
+    try:
+        return frame.get(zmq.SRCFD)
+    except (zmq.ZMQError, AttributeError):
+        return -1
+
+
 class Acceptor:
     """Handles the messages that arrive at the ROUTER (mixed into ``ZmqTransport``)."""
 
-    def _on_message(self, routing_id: bytes, parts, fd: int) -> None:
-        """One message from the connection ``routing_id`` (socket ``fd``): route it by its shape."""
-        if fd >= 0:
-            self._connection_fds[fd] = routing_id
+    def _on_message(self, routing_id: bytes, parts, id_frame) -> None:
+        """One message from the connection ``routing_id`` (its routing-id part ``id_frame`` tells the
+        socket it came in on): route it by its shape."""
+        conn = self._incoming.get(routing_id)
+        if conn is None or not conn.authenticated:
+            # Which socket a connection uses is learnt before it is trusted (its HELLO), so that its
+            # end can be told apart; afterwards it cannot change, and asking costs a call a message.
+            fd = _source_fd(id_frame)
+            if fd >= 0:
+                self._connection_fds[fd] = routing_id
         if len(parts[0]) == 0:
             if len(parts) == 1:
                 return  # flush()'s no-op
             self._on_piece(routing_id, parts)
             return
-        conn = self._incoming.get(routing_id)
         if conn is not None and conn.stream is not None and not conn.stream.between_frames:
             self._drop_connection_state(routing_id)
             self._reject(routing_id, "a frame arrived in the middle of a streamed frame")
             return
         trusted = conn is not None and conn.authenticated
         try:
-            head = parts[0].bytes
+            head = parts[0].buffer
             if not trusted and wire.read_header(head, self.limits).kind == Kind.DATA:
                 self._reject(routing_id, "data before the handshake completed (unauthenticated connection)")
                 return
             # Before the handshake only small control frames are decoded at all.
-            frame = wire.decode_parts([head, *(p.buffer for p in parts[1:])],
-                                      self.limits if trusted else CONTROL_LIMITS)
+            limits = self.limits if trusted else CONTROL_LIMITS
+            if len(parts) == 1:  # a whole frame in one part (small messages; control frames)
+                frame = wire.decode(head, limits)
+            else:
+                frame = wire.decode_parts([head, *(p.buffer for p in parts[1:])], limits)
         except ProtocolError as exc:
             self._reject(routing_id, f"malformed frame: {exc}")
             return
