@@ -137,7 +137,7 @@ def working_dtype(op: str | None, dtype) -> np.dtype:
 
 def is_device_array(x) -> bool:
     """True for a cupy array, without importing cupy (which may not be installed)."""
-    return type(x).__module__.startswith("cupy")
+    return type(x) is not np.ndarray and type(x).__module__.startswith("cupy")
 
 
 def _array_module(x):

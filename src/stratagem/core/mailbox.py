@@ -30,7 +30,10 @@ class Mailbox:
         self.owner = owner
         #: The owner transport's :class:`~stratagem.core.traffic.Traffic`: deliveries from peers are counted.
         self.traffic = traffic
-        self._cond = threading.Condition()
+        # A plain lock under the condition, taken directly where nothing waits: ``with
+        # self._lock`` is one C call, a Condition's (or an RLock's) a few Python ones.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._queues: dict[tuple[TaskId, str], deque] = {}
         self._sources_by_tag: dict[str, set[TaskId]] = defaultdict(set)
         self._arrival = itertools.count()
@@ -41,7 +44,7 @@ class Mailbox:
 
     def put(self, src: TaskId, tag: str, message) -> None:
         """File a delivered message (called by the transport's receive path)."""
-        with self._cond:
+        with self._lock:
             if self._closed is not None:
                 return
             queue = self._queues.get((src, tag))
@@ -76,7 +79,7 @@ class Mailbox:
         the mailbox lock and returns False when it could not read (another thread is reading); the
         waiter then sleeps briefly and tries again.
         """
-        with self._cond:
+        with self._lock:
             message = self._pop(src, tag)
             if message is not None:  # already here: no deadline, no waiting
                 return message
@@ -103,11 +106,11 @@ class Mailbox:
             if pump is None:
                 self._sleep(remaining)
                 continue
-            self._cond.release()
+            self._lock.release()
             try:
                 pumped = pump(remaining)
             finally:
-                self._cond.acquire()
+                self._lock.acquire()
             if pumped and self._sleeping:
                 self._cond.notify_all()  # this thread stopped reading: another waiter may take over
             if not pumped:

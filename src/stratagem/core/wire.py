@@ -115,15 +115,23 @@ class Header(NamedTuple):
     payload_len: int
 
 
-class BufferSpec(NamedTuple):
-    """What the envelope says of one buffer."""
+class BufferSpec:
+    """What the envelope says of one buffer: ``dtype``, ``shape`` and so ``nbytes``."""
 
-    dtype: np.dtype
-    shape: tuple[int, ...]
+    __slots__ = ("dtype", "shape", "nbytes")
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+    def __init__(self, dtype: np.dtype, shape: tuple[int, ...]):
+        self.dtype, self.shape = dtype, shape
+        self.nbytes = math.prod(shape) * dtype.itemsize
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, BufferSpec) and (self.dtype, self.shape) == (other.dtype, other.shape)
+
+    def __hash__(self) -> int:
+        return hash((self.dtype, self.shape))
+
+    def __repr__(self) -> str:
+        return f"BufferSpec(dtype={self.dtype!r}, shape={self.shape!r})"
 
 
 # -- encoding ---------------------------------------------------------------------------------------
@@ -241,12 +249,14 @@ def encode(kind: Kind, tag: str, meta: dict | None = None, buffers: Sequence = (
     _check_plain(meta, "meta")
     if len(buffers) > limits.max_buffers:
         raise ProtocolError(f"{len(buffers)} buffers exceed the limit of {limits.max_buffers} per message")
-    arrays = [as_wire_array(b) for b in buffers]
-    specs = []
-    for array in arrays:
+    arrays, specs, payload = [], [], 0
+    for b in buffers:
+        array = as_wire_array(b)
         if array.ndim > limits.max_ndim:
             raise ProtocolError(f"an array of {array.ndim} dimensions exceeds the limit of {limits.max_ndim}")
+        arrays.append(array)
         specs.append([dtype_name(array.dtype), list(array.shape)])
+        payload += array.nbytes
     try:
         envelope = _packer().pack({"t": tag, "m": meta, "b": specs})
     except (TypeError, ValueError, OverflowError) as exc:  # e.g. a lone surrogate is not UTF-8
@@ -256,14 +266,13 @@ def encode(kind: Kind, tag: str, meta: dict | None = None, buffers: Sequence = (
             f"metadata of {len(envelope)} bytes exceeds the limit of {limits.max_envelope_bytes}; "
             f"send large data as array buffers, not metadata"
         )
-    payload = sum(a.nbytes for a in arrays)
     if payload > limits.max_payload_bytes:
         raise ProtocolError(
             f"a message of {payload} bytes exceeds max_payload_bytes={limits.max_payload_bytes}; "
             f"split it, or raise the limit on both ends"
         )
-    head = HEADER.pack(MAGIC, VERSION, int(kind), 0, len(envelope), payload) + envelope
-    return [head, *(_byte_view(a) for a in arrays)]
+    head = HEADER.pack(MAGIC, VERSION, kind, 0, len(envelope), payload) + envelope
+    return [head, *[_byte_view(a) for a in arrays]]
 
 
 def encode_bytes(kind: Kind, tag: str, meta: dict | None = None, buffers: Sequence = (),
@@ -274,7 +283,7 @@ def encode_bytes(kind: Kind, tag: str, meta: dict | None = None, buffers: Sequen
 
 def _byte_view(array: np.ndarray) -> memoryview:
     # A uint8 view works for every dtype, including bfloat16, which the buffer protocol cannot name.
-    return memoryview(array.reshape(-1).view(np.uint8))
+    return memoryview((array if array.ndim == 1 else array.reshape(-1)).view(np.uint8))
 
 
 # -- decoding ---------------------------------------------------------------------------------------
@@ -401,8 +410,10 @@ def decode(data, limits: Limits = DEFAULT_LIMITS) -> Frame:
     if len(view) != end_envelope + header.payload_len:
         raise ProtocolError(f"frame is {len(view)} bytes, the header says {end_envelope + header.payload_len}")
     tag, meta, specs = read_envelope(header, view[HEADER_SIZE:end_envelope], limits)
+    # The lengths add up (checked above and in read_envelope), so each buffer is exactly in place.
     buffers, offset = [], end_envelope
     for spec in specs:
-        buffers.append(array_from(spec, view[offset:offset + spec.nbytes]))
+        array = np.frombuffer(view, spec.dtype, math.prod(spec.shape), offset)
+        buffers.append(array if len(spec.shape) == 1 else array.reshape(spec.shape))
         offset += spec.nbytes
     return Frame(header.kind, tag, meta, buffers)
