@@ -94,6 +94,9 @@ class CollectiveSession:
         self.small_bytes = small_bytes
         self.seq = 0
         self.broken: BaseException | None = None
+        #: Per-call work that depends only on the call's arguments, kept by the algorithms
+        #: (``collectives._allreduce_plan``).
+        self.plans: dict = {}
 
     @property
     def size(self) -> int:

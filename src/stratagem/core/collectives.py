@@ -360,6 +360,37 @@ def choose_allreduce_algorithm(session: CollectiveSession, nbytes: int, length: 
     return "ring"
 
 
+def _allreduce_plan(session: CollectiveSession, x, op: str, algorithm: str) -> tuple:
+    """``(working dtype, algorithm, chunk, fingerprint)`` for an all-reduce of ``x``, arguments checked.
+
+    Kept per session (a training loop all-reduces the same few shapes every step, and working this
+    out again is a good part of a small all-reduce's cost); everything it depends on is in the key
+    or fixed for the session.
+    """
+    cacheable = type(op) is str and type(algorithm) is str  # else the checks below say what is wrong
+    key = (x.dtype, x.shape, op, algorithm) if cacheable else None
+    plans = session.plans
+    plan = plans.get(key) if cacheable else None
+    if plan is None:
+        check_dtype(x.dtype, "allreduce")
+        check_op(op, x.dtype, "allreduce")
+        check_algorithm(algorithm, ALLREDUCE_ALGORITHMS, "allreduce")
+        dtype = working_dtype(op, x.dtype)
+        algo = choose_allreduce_algorithm(session, x.size * dtype.itemsize, x.size, algorithm)
+        chunk = session.chunk_elems(dtype.itemsize) if algo == "ring" else None
+        fp = fingerprint("allreduce", op=op, dtype=dtype_name(x.dtype), shape=x.shape, algo=algo, chunk=chunk)
+        plan = (dtype, algo, chunk, fp)
+        if cacheable:
+            if len(plans) >= _MAX_PLANS:
+                plans.clear()
+            plans[key] = plan
+    return plan
+
+
+#: Plans a session keeps (beyond that it starts again: shapes that change every call gain nothing).
+_MAX_PLANS = 256
+
+
 def allreduce(session: CollectiveSession, x, op: str = "sum", algorithm: str = "auto", out=None):
     """Reduce ``x`` elementwise over all ranks; every rank gets the same (bitwise) result.
 
@@ -368,15 +399,10 @@ def allreduce(session: CollectiveSession, x, op: str = "sum", algorithm: str = "
     Reusing ``out`` across calls saves allocating (and page-faulting) a result every call.
     """
     x = as_array(x)
-    check_dtype(x.dtype, "allreduce")
-    check_op(op, x.dtype, "allreduce")
-    check_algorithm(algorithm, ALLREDUCE_ALGORITHMS, "allreduce")
-    dtype = working_dtype(op, x.dtype)
+    plan = _allreduce_plan(session, x, op, algorithm)
+    dtype, algo, chunk, fp = plan
     if out is not None:
         check_out(out, x, dtype, "allreduce")
-    algo = choose_allreduce_algorithm(session, x.size * dtype.itemsize, x.size, algorithm)
-    chunk = session.chunk_elems(dtype.itemsize) if algo == "ring" else None
-    fp = fingerprint("allreduce", op=op, dtype=dtype_name(x.dtype), shape=x.shape, algo=algo, chunk=chunk)
     xp = _array_module(x)
     if algo == "ring" or algo == "direct":
         # Out of place: the algorithm writes every element of ``work`` itself, so no copy of x first
