@@ -70,9 +70,11 @@ class Communicator:
         name: distinguishes communicators sharing a transport; all collective traffic goes under
             the tag ``coll/<name>``, so two live communicators on one transport need different names.
         timeout: seconds any single receive may wait (default: the transport's timeout).
-        chunk_bytes: largest message of a pipelined algorithm (default 1 MiB). Same on every rank.
-        small_bytes: tensors of at most this size use the latency-optimal algorithms (recursive
-            doubling, binomial tree) instead of the bandwidth-optimal ring (default 64 KiB).
+        chunk_bytes: largest message of a pipelined algorithm (default 4 MiB). Same on every rank.
+        small_bytes: tensors of at most this size use the latency-optimal algorithms (direct
+            exchange or recursive doubling, binomial tree) instead of the bandwidth-optimal ones
+            (default 64 KiB; up to 4 ranks the direct exchange also covers tensors a little larger,
+            see :mod:`stratagem.core.collectives`).
         owns_transport: close the transport in :meth:`close` (``open_communicator`` sets it).
 
     If the transport's ``native_collectives()`` offers a collective, it is called instead of the core
@@ -151,8 +153,10 @@ class Communicator:
         ``op``: ``sum``, ``mean``, ``min``, ``max`` or ``prod``. Returns a new array of ``x``'s shape
         and dtype (``mean`` of integers or bools returns float64, as ``np.mean`` does; otherwise
         ``mean`` sums in ``x``'s dtype, then divides; bools accept ``min``/``max``/``mean`` only).
-        ``algorithm``: ``auto`` (recursive doubling up to ``small_bytes``, else the pipelined ring),
-        ``ring`` or ``recursive_doubling``. ``out``: write the result there instead (an array of x's
+        ``algorithm``: ``auto`` (up to 4 ranks: a direct exchange for small tensors, else pairwise
+        or, at 2 ranks, the ring; larger worlds: recursive doubling up to ``small_bytes``, else the
+        pipelined ring: see :mod:`stratagem.core.collectives`), ``ring``, ``recursive_doubling``,
+        ``direct`` or ``pairwise``. ``out``: write the result there instead (an array of x's
         shape and the result dtype; ``out=x`` reduces in place); reusing one buffer across steps
         saves an allocation per call.
 

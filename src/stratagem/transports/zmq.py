@@ -85,6 +85,7 @@ from ..core.transport import COMPLETED, Message, SendHandle, Transport
 from ..core.wire import Kind
 from .grpc_framing import CONTROL_LIMITS
 from .zmq_acceptor import Acceptor, Incoming
+from .zmq_malloc import keep_message_memory
 
 log = logging.getLogger(__name__)
 
@@ -145,12 +146,16 @@ class ZmqTransport(Acceptor, Transport):
         io_threads: ZeroMQ I/O threads (1 moves over 1 GB/s).
         zero_copy_bytes: messages with at least this many buffer bytes are sent without copying.
         linger: seconds ``close()`` waits to flush queued messages.
+        malloc_tuning: let the memory of received messages be reused instead of page-faulted in
+            afresh for each (a setting of the process's allocator: see
+            :mod:`stratagem.transports.zmq_malloc`; ``False`` leaves the allocator alone).
     """
 
     name = "zmq"
 
     def __init__(self, cluster, task, *, bind_host: str | None = None, io_threads: int = 1,
-                 zero_copy_bytes: int = 256 * 1024, linger: float = 1.0, **common):
+                 zero_copy_bytes: int = 256 * 1024, linger: float = 1.0, malloc_tuning: bool = True,
+                 **common):
         super().__init__(cluster, task, **common)
         address = self.cluster.address(self.task)
         if address is None:
@@ -168,6 +173,7 @@ class ZmqTransport(Acceptor, Transport):
         self.zero_copy_bytes = int(zero_copy_bytes)
         self._part_cap = max(PART_BYTES, wire.HEADER_SIZE + self.limits.max_envelope_bytes)
         self._linger_ms = int(linger * 1000)
+        self._malloc_tuning = bool(malloc_tuning)
         self._cluster_id = self.cluster.cluster_id
         self._ctx: zmq.Context | None = None
         self._zap: zmq.Socket | None = None      # the ZAP handler's socket, with a secret
@@ -203,6 +209,8 @@ class ZmqTransport(Acceptor, Transport):
             return
         if self._closed:
             raise TransportClosed(f"{self.task}: a closed transport cannot be started again")
+        if self._malloc_tuning:
+            keep_message_memory(self._part_cap)
         ctx = zmq.Context(self._io_threads)
         try:
             router = ctx.socket(zmq.ROUTER)
