@@ -315,12 +315,11 @@ def _direct(call: CollectiveCall, work, src, ufunc: np.ufunc) -> None:
     size, rank, n = call.size, call.rank, work.size
     for offset in range(1, size):
         call.send((rank + offset) % size, src)
-    if rank:
-        work[...] = call.recv(0, n, work.dtype)
-    elif work is not src:
-        work[...] = src
-    for r in range(1, size):
-        ufunc(work, src if r == rank else call.recv(r, n, work.dtype), out=work)
+    operand = lambda r: src if r == rank else call.recv(r, n, work.dtype)  # noqa: E731
+    # x0 op x1 straight into work (no copy of x0 first), then the others.
+    ufunc(operand(0), operand(1), out=work)
+    for r in range(2, size):
+        ufunc(work, operand(r), out=work)
 
 
 def _pairwise(call: CollectiveCall, work, src, bounds: Sequence[int], ufunc: np.ufunc) -> None:
@@ -351,12 +350,10 @@ def _pairwise(call: CollectiveCall, work, src, bounds: Sequence[int], ufunc: np.
             for a, b in _chunks(bounds[j], bounds[j + 1], chunk):
                 scatter.append(call.send_async(j, src[a:b]))
         for a, b in _chunks(lo, hi, chunk):
-            if rank:
-                work[a:b] = call.recv(0, b - a, work.dtype)
-            elif work is not src:
-                work[a:b] = src[a:b]
-            for r in range(1, size):
-                ufunc(work[a:b], own(a, b) if r == rank else call.recv(r, b - a, work.dtype), out=work[a:b])
+            operand = lambda r: own(a, b) if r == rank else call.recv(r, b - a, work.dtype)  # noqa: E731
+            ufunc(operand(0), operand(1), out=work[a:b])  # x0 op x1 straight into work, then the others
+            for r in range(2, size):
+                ufunc(work[a:b], operand(r), out=work[a:b])
         for offset in range(1, size):
             for a, b in _chunks(lo, hi, chunk):
                 gather.append(call.send_async((rank + offset) % size, work[a:b]))

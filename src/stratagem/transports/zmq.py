@@ -5,12 +5,19 @@ a peer it opens a DEALER socket to the peer's ROUTER (lazily, once). So every di
 has its own connection, and ZeroMQ keeps messages on it in order, which gives the contract's
 per-(src, dst, tag) ordering.
 
-Threads: a background I/O thread owns the ROUTER, the connection monitors and the DEALERs still in
-their handshake: it decodes messages, runs the handshake (``core/handshake.py``) and files data
-into the mailbox. User threads send on the DEALERs of peers that completed the handshake, one lock
-per peer. Large buffers are handed to ZeroMQ by reference (``copy=False``) and ``send`` waits on
+Threads: whoever holds the reader lock reads the ROUTER, the connection monitors and the DEALERs
+still in their handshake: it decodes messages, runs the handshake (``core/handshake.py``) and files
+data into the mailbox. A ``recv`` that has to wait takes the reader lock itself, so a message reaches
+the thread that wants it without a hand-off between threads; it then waits in a receive on the
+ROUTER alone (a message already there costs no system call; a poll of every socket costs ZeroMQ two
+per socket), and polls every socket at least every 10 ms. A background thread reads when no
+``recv`` does. User threads send on the DEALERs of peers that completed the handshake, one lock per
+peer. Large buffers are handed to ZeroMQ by reference (``copy=False``) and ``send`` waits on
 ZeroMQ's tracker until the memory is released, so the caller may reuse its arrays as soon as
-``send`` returns; small messages are copied, which is cheaper than tracking.
+``send`` returns; small messages are copied, which is cheaper than tracking, and those with at most
+:data:`SINGLE_PART_BYTES` of buffers travel as one part (the whole frame), which costs ZeroMQ and
+both ends less than a part per buffer. Received message memory is kept for reuse
+(:mod:`stratagem.transports.zmq_malloc`).
 
 Handshake: the connector sends HELLO on its DEALER; the acceptor answers on that same connection
 (CHALLENGE, then WELCOME after AUTH with a cluster secret; WELCOME at once without one; REJECT with
@@ -22,7 +29,8 @@ refuses (and disconnects) any part over :data:`PART_BYTES` (or the largest frame
 allow, if that is more) and an unauthenticated peer can make us hold at most that much per
 connection. A frame with a larger buffer travels as a *stream*: messages ``[b"", piece]`` of at most
 that size, which the acceptor reassembles into arrays it allocates only for an authenticated peer
-(one copy on receipt; small frames still arrive without a copy as ``[head, buffer...]``). A DEALER
+(one copy on receipt; other frames arrive without a copy, as one part or as ``[head, buffer...]``).
+A DEALER
 only ever receives control frames, so it refuses anything over a control frame's size. ZeroMQ keeps
 the parts of an unfinished multipart message without a bound of its own, so with a cluster secret
 every connection into the ROUTER must first pass a gate: ZMTP PLAIN credentials carrying a token
