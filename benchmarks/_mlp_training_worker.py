@@ -2,7 +2,7 @@
 
 Modes (first argument):
 
-    stratagem SPEC OUT              one mirrored replica under ``stratagem.core.launcher.launch``
+    stratagem SPEC OUT              one mirrored replica under ``stratagem.launch.launcher.launch``
     ddp-spawn SPEC OUT N            start N ``ddp-rank`` processes (gloo, rendezvous over tcp://127.0.0.1) and reap them
     ddp-rank SPEC OUT N RANK PORT|file:PATH
 

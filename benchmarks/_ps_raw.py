@@ -2,20 +2,35 @@
 
 Every process reads one JSON spec: ``server_ports`` (one per server), ``client_ports`` (one per
 client, all 0 for a reply over the request's own connection), ``frames`` (per server, the byte sizes
-of the pieces it holds, as the PS path places them), ``work`` (the ``raw-ps`` variant), ``lr``,
+of the pieces it holds, as the PS path places them) and ``whole`` (per frame, whether it is a whole
+variable), ``work`` (the ``raw-ps`` variant) with its ``server`` and ``client`` ways (below), ``lr``,
 ``warmup``, ``iters`` and ``start_at`` (the wall-clock time the clients start their timed steps).
 
 - ``raw``/``raw-duplex``: a server answers each request with as many bytes, in one multipart
   message, doing nothing with the data; a client sends every server its frames before waiting for
   any reply.
 - ``raw-ps``: the minimal parameter server over the same transport. The server holds a float32 value
-  array per frame and, for each gradient frame received, applies SGD (``value -= lr * grad``, in
-  256 KB chunks through a preallocated scratch array) and sends that frame's new values at once, as
-  a message of its own (zero-copy), so that the next frame's update overlaps this one's transfer.
-  Each frame's values are double-buffered: the update writes the new version into the array that is
-  not current, after waiting (``track=True``) until no reply still reads it, so a zero-copy reply
-  never sees its array modified. The client copies every reply frame into a preallocated float32
-  "variable" array (``np.copyto``), as a stratagem worker copies the values into its variables.
+  array per frame and, for each gradient frame received, applies SGD (``lr * grad`` then ``value -
+  that``, the ufuncs stratagem's SGD runs, in 256 KB chunks) and sends that frame's new values at
+  once, as a message of its own (zero-copy), so that the next frame's update overlaps this one's
+  transfer. A zero-copy reply must never see its array modified; two ways (``server``):
+
+  - ``spare``: each frame's values are double-buffered: the update writes the new version into the
+    array that is not current (through a preallocated scratch chunk), after waiting (``track=True``)
+    until no reply still reads it.
+  - ``inplace``: the update is written into the received gradient frame itself (ZeroMQ's buffer,
+    writable, ours once received), which becomes the frame's values: no second array, no tracker,
+    nothing to wait for; the old values are dropped once their reply is sent.
+
+  The client gets each reply frame into its variables (``client``): ``copy`` copies it into a
+  preallocated float32 array (``np.copyto``), as a stratagem worker does when something holds the
+  variable's array; ``adopt`` keeps a frame that is a whole variable as that variable (no copy), as
+  a stratagem worker does when nothing else holds it, and copies a slice of a variable (a frame
+  that is not ``whole``) into the variable's array. Keeping every frame would not be the same work:
+  a variable sliced into several frames must end up as one array for the user.
+
+  The spec's ``server`` and ``client`` pick the ways (default ``spare`` and ``copy``); ``ps.py``
+  runs the ways it is given (``--raw-ps-ways``) and takes the fastest (median) as the baseline.
 """
 
 from __future__ import annotations
@@ -62,6 +77,27 @@ class Shard:
         self.trackers[k][self.current[k]] = tracker
 
 
+class InPlaceShard:
+    """A ``raw-ps`` server's values, ``inplace``: each update is written into the received gradient
+    frame, which becomes the values (the previous values array is only read, never written)."""
+
+    def __init__(self, sizes: list[int], lr: float):
+        self.lr = np.float32(lr)
+        self.values = [np.zeros(n // 4, np.float32) for n in sizes]
+
+    def update(self, k: int, grad: np.ndarray) -> np.ndarray:
+        old = self.values[k]
+        for i in range(0, old.size, CHUNK):
+            g = grad[i:i + CHUNK]
+            np.multiply(g, self.lr, out=g)
+            np.subtract(old[i:i + CHUNK], g, out=g)
+        self.values[k] = grad
+        return grad
+
+    def sent(self, k: int, tracker) -> None:
+        pass
+
+
 def server(spec: dict, index: int) -> None:
     import zmq
 
@@ -76,7 +112,8 @@ def server(spec: dict, index: int) -> None:
             dealer.setsockopt(zmq.IDENTITY, f"s{index}".encode())
             dealer.connect(f"tcp://127.0.0.1:{client_port}")
             back[f"c{client}".encode()] = dealer
-    shard = Shard(sizes, spec["lr"]) if spec["work"] else None
+    inplace = spec.get("server", "spare") == "inplace"
+    shard = (InPlaceShard if inplace else Shard)(sizes, spec["lr"]) if spec["work"] else None
     reply = [np.ones(n, np.uint8) for n in sizes]
     for _ in range(len(spec["client_ports"]) * (spec["warmup"] + spec["iters"])):
         ident, *payload = sock.recv_multipart(copy=False)
@@ -90,10 +127,10 @@ def server(spec: dict, index: int) -> None:
         for k, frame in enumerate(payload):
             values = shard.update(k, _f32(frame))
             if out is not None:
-                tracker = out.send(values, copy=False, track=True)
+                tracker = out.send(values, copy=False, track=not inplace)
             else:
                 sock.send(ident, zmq.SNDMORE)
-                tracker = sock.send(values, copy=False, track=True)
+                tracker = sock.send(values, copy=False, track=not inplace)
             shard.sent(k, tracker)
     time.sleep(0.5)
     ctx.destroy(linger=0)
@@ -114,6 +151,7 @@ def client(spec: dict, out: str, index: int) -> None:
         inbox = ctx.socket(zmq.ROUTER)
         inbox.bind(f"tcp://127.0.0.1:{spec['client_ports'][index]}")
     work = spec["work"]
+    adopt = spec.get("client", "copy") == "adopt"
     dtype = np.float32 if work else np.uint8
     payloads = [[np.full(n // np.dtype(dtype).itemsize, 1e-3 if work else 1, dtype) for n in sizes]
                 for sizes in spec["frames"]]
@@ -135,7 +173,10 @@ def client(spec: dict, out: str, index: int) -> None:
                     except zmq.Again:
                         break
                     s = int(parts[0].bytes[1:]) if inbox is not None else server_of[sock]
-                    np.copyto(variables[s][got[s]], _f32(parts[-1]))
+                    if adopt and spec["whole"][s][got[s]]:
+                        variables[s][got[s]] = _f32(parts[-1])
+                    else:
+                        np.copyto(variables[s][got[s]], _f32(parts[-1]))
                     got[s] += 1
                     left -= 1
 

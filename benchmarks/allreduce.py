@@ -52,7 +52,7 @@ def log(msg: str) -> None:
 
 def private_netns() -> tuple[bool, str]:
     """Whether a network namespace holding only loopback can be made here, and if not, why."""
-    from stratagem.core.mpi_launch import private_netns as prefix_and_reason
+    from stratagem.launch.mpi import private_netns as prefix_and_reason
 
     prefix, why = prefix_and_reason()
     return prefix is not None, why
@@ -60,7 +60,7 @@ def private_netns() -> tuple[bool, str]:
 
 def in_netns(cmd: list[str]) -> list[str]:
     """``cmd`` run in a fresh network namespace with loopback up (check :func:`private_netns` first)."""
-    from stratagem.core.mpi_launch import private_netns as prefix_and_reason
+    from stratagem.launch.mpi import private_netns as prefix_and_reason
 
     prefix, why = prefix_and_reason()
     if prefix is None:
@@ -71,7 +71,7 @@ def in_netns(cmd: list[str]) -> list[str]:
 def run_process_job(cmd: list[str], env: dict, timeout: float) -> tuple[int, str]:
     """Run ``cmd`` as one task of stratagem's launcher (own process group, reaped on every path, output
     to stderr); return its exit code and, if it failed, why. Ctrl-C/SIGTERM raise KeyboardInterrupt."""
-    from stratagem.core.launcher import launch
+    from stratagem.launch.launcher import launch
 
     result = launch(list(cmd), workers=1, env=env, timeout=timeout, output=sys.stderr, error_output=sys.stderr)
     if result.interrupted_by is not None:

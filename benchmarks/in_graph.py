@@ -49,7 +49,7 @@ def child_env() -> dict:
 
 def run_job(backend: str, n: int, spec: dict, timeout: float) -> dict | None:
     """Run one round of (backend, n); its figures, or None (logged) if it failed."""
-    from stratagem.core.launcher import launch
+    from stratagem.launch.launcher import launch
 
     label = f"{backend} np={n}"
     with tempfile.TemporaryDirectory(prefix="stratagem-bench-") as tmp:

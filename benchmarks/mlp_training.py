@@ -91,7 +91,7 @@ def run_job(job: Job, spec: dict, timeout: float) -> None:
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         if job.backend.startswith("S-"):
-            from stratagem.core.launcher import launch
+            from stratagem.launch.launcher import launch
 
             result = launch([sys.executable, WORKER, "stratagem", spec_path, out_path], workers=job.np,
                             output=sys.stderr, error_output=sys.stderr, timeout=timeout, env=child_env())

@@ -47,7 +47,7 @@ def _rank_main(sizes: list[int], rounds: int, methods: list[str], out_path: str 
             pass
 
     def backoff(src, dst):
-        from stratagem.transports.mpi_progress import _EAGER, _Backoff
+        from stratagem.transports.mpi.progress import _EAGER, _Backoff
 
         req = dup.Iallreduce(src, dst, op=MPI.SUM)
         b = _Backoff(*_EAGER)
@@ -117,7 +117,7 @@ def _human(n: int) -> str:
 def _one_job(args, sizes) -> dict:
     import tempfile
 
-    from stratagem.core.mpi_launch import run_mpi_job
+    from stratagem.launch.mpi import run_mpi_job
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")

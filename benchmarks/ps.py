@@ -3,38 +3,48 @@
 parameter server), with the CPU each costs, optionally over a rate-limited link; and MLP training
 steps/s under each consistency mode.
 
-    python benchmarks/ps.py                               # both parts (about 3 minutes on 2 cores)
-    python benchmarks/ps.py --part throughput             # ps 1 2 4, 80 steps, best of 3: ~2.5 minutes
-    python benchmarks/ps.py --part throughput --link 10gbit   # the same behind a 10 Gbit/s loopback (~3 min)
+    python benchmarks/ps.py                               # both parts (about 5 minutes on 2 cores)
+    python benchmarks/ps.py --part throughput             # ps 1 2 4, 2 workers, 80 steps, 3 rounds
+    python benchmarks/ps.py --part throughput --ps 1 2 --workers 2 4 --kinds ps raw-ps --rounds 5
+                                                          # issue 14's targets (~15 minutes)
+    python benchmarks/ps.py --part throughput --link 10gbit   # behind a 10 Gbit/s loopback (~3 min)
     python benchmarks/ps.py --part mlp --modes async sync bounded --json results-ps.json
 
 **Throughput.** A model of ``--params`` float32 parameters (default 10M: a 5M, a 4M and a 1M weight
-matrix plus biases, 40 MB) lives on 1, 2 and 4 ps tasks. Each of 2 workers, started together, runs
-``--iters`` timed steps (default 80: with 10, start-up skew and the first steps weigh on the short
-raw runs, whose figures then differ from those of long runs); a step pushes every gradient and gets
-every shard's new values back, i.e. one round trip per shard carrying the model's bytes each way, the
-shards served concurrently. The jobs (``--kinds``):
+matrix plus biases, 40 MB) lives on ``--ps`` tasks (1, 2 and 4). Each of ``--workers`` workers (2),
+started together, runs ``--iters`` timed steps (default 80: with 10, start-up skew and the first
+steps weigh on the short raw runs, whose figures then differ from those of long runs); a step pushes
+every gradient and gets every shard's new values back, i.e. one round trip per shard carrying the
+model's bytes each way, the shards served concurrently. The jobs (``--kinds``):
 
 - ``ours`` (``--kinds ps``): stratagem, ``between_graph``, ``mode="async"``, greedy placement (the two big matrices
-  partitioned over the shards in 4 MB pieces), ``opt.apply_gradients`` with plain SGD and
-  ``pull_with_push``: the servers apply SGD, then answer with the values, which the workers copy
-  into their variables.
-- ``raw``: the transport alone. The same processes (ps tasks and 2 clients), bare pyzmq (a ROUTER
+  partitioned over the shards, each piece cut to at most 4 MiB, what the zmq transport delivers
+  whole), ``opt.apply_gradients`` with plain SGD and ``pull_with_push``: the servers apply SGD (over
+  the received gradients), then answer with the values, which the workers adopt or copy into their
+  variables.
+- ``raw``: the transport alone. The same processes (ps tasks and clients), bare pyzmq (a ROUTER
   per server, a DEALER per client and server, zero-copy sends), every client sending every server
   the very frames ours sends it and getting as many bytes back, to all servers before waiting for
   any reply; nothing is done with the data. ``raw-duplex``: the same, the replies over a connection
   of their own (one per direction, as stratagem's transport). "raw" below is the faster of the two.
-- ``raw-ps``: the minimal parameter server on that transport (``_ps_raw.py``): the server keeps a
-  float32 value array per frame, applies ``value -= lr * grad`` to each gradient frame as it is
-  taken from the message (numpy, in 256 KB chunks, preallocated scratch, written into the second
-  of two buffers per frame once no zero-copy reply still reads it) and sends the frame's new values
-  at once; the client copies each reply frame into a preallocated float32 variable. The same work
-  as ours with none of the framework: what a PS must cost on this transport.
+- ``raw-ps``: the minimal parameter server on that transport (``_ps_raw.py``), the same async
+  semantics as ours (each push applied as it arrives and answered at once; each client waits for
+  its replies before it pushes again): the server applies SGD to each gradient frame as it is
+  taken from the message (numpy, 256 KB chunks) and sends the frame's new values at once
+  (zero-copy); the client gets them into its variables. In eight ways (``--raw-ps-ways
+  SERVER/CLIENT/FRAMES``: the server writes the update into a spare array or over the received
+  gradient; the client copies every frame into its variables or adopts the frames that are whole
+  variables, see ``_ps_raw.py``; the frames are ours, ``pieces``, or the slices of partitioning
+  alone, ``whole``, up to 20 MB); by default the two that used the least CPU per step here. The
+  same work as ours with none of the framework; the way with the highest median is the baseline of
+  its cell (the best plain use of pyzmq here), and ``plain_pyzmq_ps.py`` is the same server written
+  as a plain script, to check the harness against.
 
 How to read the tables: ``raw-ps / raw`` is the price of the work itself (the SGD pass over the
 model on the server and the copy into the variables on the worker, on top of moving the bytes);
-``ours / raw-ps`` is the framework's own overhead (near 1: none to speak of); ``ours / raw`` is the
-issue's figure (target >= 0.8), their product. GB/s is aggregate over both workers (bytes pushed +
+``ours / raw-ps`` is the framework's own overhead (issue 14's target: >= 0.9 at 2 and 4 workers,
+and ours growing from 2 to 4 workers with 2 ps tasks; both printed as verdicts); ``ours / raw`` is
+their product. GB/s is aggregate over the workers (bytes pushed +
 pulled, over the wall time from the first worker's first timed step to the last worker's last);
 round trips/s counts one per shard per step. **CPU ms/step** is the CPU time (user + system, every
 thread) of all the job's processes over that window, divided by the workers' steps, split into
@@ -63,11 +73,13 @@ batch 128 per worker, SGD) trained by 2 workers on 2 ps tasks under ``async``, `
 ``bounded`` (staleness 2), and under ``mirrored`` (2 workers, no ps) for reference: global updates/s
 (the updates the ps applied, over the wall time) and steps/s per worker.
 
-Each job runs in its own processes (``stratagem.core.launcher.launch`` for ours; the raw paths'
+Each job runs in its own processes (``stratagem.launch.launcher.launch`` for ours; the raw paths'
 processes are started and reaped here), one job after another; with ``--rounds R`` (default 3) the
-jobs run R times in alternating order and the best round is reported (the machine is shared: the
-best round is the least disturbed one; every round is in the JSON, with the load average before and
-after). Every process uses one math thread. Tables go to stdout, progress to stderr.
+jobs run R times, the order reversed every other round. Throughput tables give the median and the
+range over the rounds, and ``ours / raw-ps`` the median and min of the ratios of runs of the same
+round (the machine is shared: the load moves between rounds, less within one); the MLP table, the
+best round. Every round is in the JSON, with the load average at each job. Every process uses one
+math thread. Tables go to stdout, progress to stderr.
 """
 
 from __future__ import annotations
@@ -185,17 +197,26 @@ def child_mlp(spec: dict, out_dir: str) -> None:
 
 # -- the raw pyzmq paths' frames (their children are in _ps_raw.py) ----------------------------------------
 
-def frames_per_server(shapes: list, ps: int, partition_bytes: int) -> list[list[int]]:
+def frames_per_server(shapes: list, ps: int, partition_bytes: int,
+                      layout: str = "pieces") -> tuple[list[list[int]], list[list[bool]]]:
     """The byte sizes of the pieces each ps task holds, as the PS path places them (greedy,
-    partitioned): the raw path sends the very same frames."""
-    from stratagem.core.placement import Placer
+    partitioned, and with ``layout="pieces"`` cut to what the zmq transport delivers whole, as ours
+    does), so that the raw path sends the very same frames; ``"whole"``: as partitioning alone gives
+    them (up to 20 MB, which bare pyzmq takes whole). Also, per frame, whether it is a whole variable
+    (not a slice of one)."""
+    from stratagem.ps.placement import Placer
+    from stratagem.transports.zmq.transport import ZmqTransport
 
-    placer = Placer(ps, "greedy", partition_bytes)
+    # (getattr: the script also measures stratagem from before the transports said it.)
+    piece_bytes = getattr(ZmqTransport, "whole_buffer_bytes", None) if layout == "pieces" else None
+    placer = Placer(ps, "greedy", partition_bytes, **({"piece_bytes": piece_bytes} if piece_bytes else {}))
     frames: list[list[int]] = [[] for _ in range(ps)]
+    whole: list[list[bool]] = [[] for _ in range(ps)]
     for name, shape in shapes:
         for piece in placer.place(name, shape, "float32"):
             frames[piece.ps].append(piece.nbytes)
-    return frames
+            whole[piece.ps].append(piece.parts == 1)
+    return frames, whole
 
 
 # -- CPU accounting ---------------------------------------------------------------------------------------------
@@ -294,7 +315,7 @@ def pid_files(out: str) -> dict[int, str]:
 def launch_job(mode: str, spec: dict, ps: int, workers: int, timeout: float, meter: bool = False):
     """Run a child job under stratagem's launcher; return the workers' records (and, with ``meter``,
     the CPU spent over their timed window)."""
-    from stratagem.core.launcher import launch
+    from stratagem.launch.launcher import launch
 
     with tempfile.TemporaryDirectory() as out:
         spec_path = os.path.join(out, "spec.json")
@@ -313,26 +334,30 @@ def launch_job(mode: str, spec: dict, ps: int, workers: int, timeout: float, met
         return records, cpu.window(min(r["start"] for r in records), max(r["end"] for r in records))
 
 
-def raw_job(frames: list[list[int]], warmup: int, iters: int, timeout: float, duplex: bool, work: bool):
-    """A bare pyzmq path (:mod:`_ps_raw`): a server per entry of ``frames`` and 2 clients, each client
-    sending every server its frames and getting the same back; with ``work``, the minimal PS."""
+def raw_job(layout: tuple, warmup: int, iters: int, timeout: float, duplex: bool, work: bool,
+            workers: int = 2, server: str = "spare", client: str = "copy"):
+    """A bare pyzmq path (:mod:`_ps_raw`): a server per entry of ``layout`` (:func:`frames_per_server`)
+    and ``workers`` clients,
+    each client sending every server its frames and getting the same back; with ``work``, the minimal
+    PS (its ``server`` and ``client`` ways: see :mod:`_ps_raw`)."""
     from stratagem.testing.world import free_ports
 
+    frames, whole = layout
     ps = len(frames)
-    ports = free_ports(ps + WORKERS)
+    ports = free_ports(ps + workers)
     env = {**os.environ, **THREADS}
     me = os.path.abspath(__file__)
     procs, roles = [], {}
     with tempfile.TemporaryDirectory() as out:
-        spec = {"server_ports": ports[:ps], "client_ports": ports[ps:] if duplex else [0] * WORKERS,
-                "frames": frames, "work": work, "lr": 1e-3, "warmup": warmup, "iters": iters,
-                "start_at": time.time() + 2.0}
+        spec = {"server_ports": ports[:ps], "client_ports": ports[ps:] if duplex else [0] * workers,
+                "frames": frames, "whole": whole, "work": work, "lr": 1e-3, "warmup": warmup, "iters": iters,
+                "start_at": time.time() + 1.0 + 0.5 * workers, "server": server, "client": client}
         spec_path = os.path.join(out, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         try:
             with CpuMeter(lambda: roles) as cpu:
-                paths = [os.path.join(out, f"client{i}.json") for i in range(WORKERS)]
+                paths = [os.path.join(out, f"client{i}.json") for i in range(workers)]
                 commands = [("worker", ["raw-client", spec_path, path, str(i)]) for i, path in enumerate(paths)]
                 commands += [("ps", ["raw-server", spec_path, str(i)]) for i in range(ps)]
                 for role, command in commands:
@@ -424,80 +449,158 @@ def qdisc_stats() -> str:
 
 PARTITION_BYTES = 4 << 20
 KINDS = ("ps", "raw", "raw-duplex", "raw-ps")
+OURS = "ours"
+#: The ways of the minimal pyzmq PS: ``server/client/frames`` (see :mod:`_ps_raw` and
+#: :func:`frames_per_server`). The default two used the least CPU per step of the eight here.
+RAW_PS_WAYS = tuple(f"{s}/{c}/{f}" for s in ("spare", "inplace") for c in ("copy", "adopt") for f in ("pieces", "whole"))
+DEFAULT_RAW_PS_WAYS = ("inplace/adopt/pieces", "inplace/copy/whole")
+TARGET_RAW_PS = 0.9
+
+
+def contenders(args) -> list[tuple[str, dict]]:
+    """The throughput jobs of one cell (workers x ps tasks): ``(label, how)``."""
+    jobs = []
+    for kind in KINDS:
+        if kind not in args.kinds:
+            continue
+        if kind != "raw-ps":
+            jobs.append((OURS if kind == "ps" else kind, {"kind": kind, "layout": "pieces"}))
+            continue
+        for way in args.raw_ps_ways:
+            server, client, layout = way.split("/")
+            jobs.append((f"raw-ps {way}", {"kind": kind, "layout": layout, "server": server, "client": client}))
+    return jobs
+
+
+def run_job(args, shapes, how: dict, ps: int, workers: int):
+    if how["kind"] == "ps":
+        spec = {"shapes": shapes, "partition_bytes": PARTITION_BYTES, "warmup": args.warmup, "iters": args.iters}
+        return launch_job("throughput", spec, ps, workers, args.timeout, meter=True)
+    return raw_job(frames_per_server(shapes, ps, PARTITION_BYTES, how["layout"]), args.warmup, args.iters,
+                   args.timeout, duplex=how["kind"] == "raw-duplex", work=how["kind"] == "raw-ps", workers=workers,
+                   server=how.get("server", "spare"), client=how.get("client", "copy"))
+
+
+def _stats(values: list[float]) -> dict:
+    return {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values)), "n": len(values)}
 
 
 def run_throughput(args) -> dict:
     shapes = model_shapes(args.params)
     total = sum(int(np.prod(s)) for _, s in shapes)
-    kinds = [k for k in KINDS if k in args.kinds]
+    jobs = contenders(args)
+    cells = [(w, ps) for w in args.workers for ps in args.ps]
     rounds: list[dict] = []
     for round_index in range(args.rounds):
-        order = args.ps if round_index % 2 == 0 else list(reversed(args.ps))
-        for ps in order:
-            for kind in (kinds if round_index % 2 == 0 else list(reversed(kinds))):
-                log(f"[round {round_index + 1}] throughput {kind} with {ps} ps task(s), {WORKERS} workers, "
-                    f"{total / 1e6:.1f}M parameters, {args.iters} steps")
-                if kind == "ps":
-                    spec = {"shapes": shapes, "partition_bytes": PARTITION_BYTES, "warmup": args.warmup,
-                            "iters": args.iters}
-                    records, cpu = launch_job("throughput", spec, ps, WORKERS, args.timeout, meter=True)
-                else:
-                    records, cpu = raw_job(frames_per_server(shapes, ps, PARTITION_BYTES), args.warmup, args.iters,
-                                           args.timeout, duplex=kind == "raw-duplex", work=kind == "raw-ps")
-                entry = {"round": round_index, "kind": kind, "ps": ps, **aggregate(records, cpu), "records": records}
-                log(f"    {entry['gbps']:.2f} GB/s, {entry['cpu_ms_per_step']:.1f} CPU ms/step; workers "
-                    f"{entry['worker_cpu_s']:.2f} CPU s (by their own count {entry['worker_cpu_s_own_windows']:.2f})")
+        # Alternate the order every round, so that no contender always runs first or after another.
+        flip = round_index % 2 == 1
+        for workers, ps in (reversed(cells) if flip else cells):
+            for label, how in (reversed(jobs) if flip else jobs):
+                log(f"[round {round_index + 1}] {label} with {workers} workers, {ps} ps task(s), "
+                    f"{total / 1e6:.1f}M parameters, {args.iters} steps (load {os.getloadavg()[0]:.2f})")
+                try:
+                    records, cpu = run_job(args, shapes, how, ps, workers)
+                except RuntimeError as exc:
+                    log(f"    FAILED: {exc}")
+                    continue
+                entry = {"round": round_index, "label": label, "workers": workers, "ps": ps,
+                         "loadavg": os.getloadavg(), **aggregate(records, cpu), "records": records}
+                log(f"    {entry['gbps']:.2f} GB/s, {entry['cpu_ms_per_step']:.1f} CPU ms/step "
+                    f"({entry['worker_cpu_ms_per_step']:.1f} + {entry['ps_cpu_ms_per_step']:.1f})")
                 rounds.append(entry)
-    best = {}
+    return summarize(args, rounds, jobs, cells, total)
+
+
+def summarize(args, rounds: list[dict], jobs, cells, total: int) -> dict:
+    """Median (min, max) over the rounds per contender and cell; ``ours / raw-ps`` per round, against
+    the raw-ps way with the highest median in that cell (the best plain use of pyzmq here), run in
+    the same round; the targets."""
+    by = {}
     for entry in rounds:
-        key = (entry["kind"], entry["ps"])
-        if key not in best or entry["gbps"] > best[key]["gbps"]:
-            best[key] = entry
+        by.setdefault((entry["workers"], entry["ps"], entry["label"]), []).append(entry)
+    labels = [label for label, _ in jobs]
     rows = []
-    for ps in args.ps:
-        row = {"ps": ps, **{f"{k}_gbps": best[(k, ps)]["gbps"] for k in kinds},
-               **{f"{k}_cpu_ms_per_step": best[(k, ps)]["cpu_ms_per_step"] for k in kinds}}
-        raws = [best[(k, ps)] for k in ("raw", "raw-duplex") if k in kinds]
-        if raws:
-            raw = max(raws, key=lambda e: e["gbps"])
-            row.update(best_raw_gbps=raw["gbps"], best_raw_kind=raw["kind"], best_raw_cpu_ms_per_step=raw["cpu_ms_per_step"])
-            if "ps" in kinds:
-                row["ours_over_raw"] = best[("ps", ps)]["gbps"] / raw["gbps"]
-            if "raw-ps" in kinds:
-                row["rawps_over_raw"] = best[("raw-ps", ps)]["gbps"] / raw["gbps"]
-        if "ps" in kinds and "raw-ps" in kinds:
-            row["ours_over_rawps"] = best[("ps", ps)]["gbps"] / best[("raw-ps", ps)]["gbps"]
+    for workers, ps in cells:
+        row = {"workers": workers, "ps": ps, "kinds": {}}
+        for label in labels:
+            entries = by.get((workers, ps, label))
+            if entries:
+                row["kinds"][label] = {"gbps": _stats([e["gbps"] for e in entries]),
+                                       "cpu_ms_per_step": _stats([e["cpu_ms_per_step"] for e in entries]),
+                                       "worker_cpu_ms_per_step": _stats([e["worker_cpu_ms_per_step"] for e in entries]),
+                                       "ps_cpu_ms_per_step": _stats([e["ps_cpu_ms_per_step"] for e in entries])}
+        rawps = [label for label in row["kinds"] if label.startswith("raw-ps")]
+        if rawps:
+            best = max(rawps, key=lambda label: row["kinds"][label]["gbps"]["median"])
+            row["raw_ps"] = best
+            if OURS in row["kinds"]:
+                ours = {e["round"]: e["gbps"] for e in by[(workers, ps, OURS)]}
+                base = {e["round"]: e["gbps"] for e in by[(workers, ps, best)]}
+                ratios = [ours[r] / base[r] for r in ours if r in base]
+                if ratios:
+                    row["ours_over_raw_ps"] = _stats(ratios)
+        raws = [label for label in ("raw", "raw-duplex") if label in row["kinds"]]
+        if raws and OURS in row["kinds"]:
+            raw = max(raws, key=lambda label: row["kinds"][label]["gbps"]["median"])
+            row["raw"] = raw
+            row["ours_over_raw"] = row["kinds"][OURS]["gbps"]["median"] / row["kinds"][raw]["gbps"]["median"]
         rows.append(row)
 
     link = f", loopback limited to {args.link} ({parse_rate(args.link) / 1e9:.2f} GB/s, shared by every flow)" \
         if args.link else ""
     print(f"\nPush + pull of a {total / 1e6:.1f}M-parameter float32 model ({total * 4 / 1e6:.0f} MB each way per "
-          f"step), {WORKERS} workers, {args.iters} steps each, best of {args.rounds} round(s){link}; "
-          f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in args.loadavg_before)} before\n")
-    fmt = lambda key, row, digits=2: f"{row[key]:.{digits}f}" if key in row else "-"  # noqa: E731
-    print("| ps tasks | ours GB/s | raw-ps GB/s | raw GB/s (req/rep, duplex) | ours / raw | ours / raw-ps "
-          "| raw-ps / raw | CPU ms/step: ours, raw-ps, raw |")
+          f"step), {args.iters} steps per worker, {args.rounds} round(s) in alternating order{link}; "
+          f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in args.loadavg_before)} before. "
+          f"GB/s: median (min-max) over the rounds; ours / raw-ps: median (min) of the rounds' ratios\n")
+    gb = lambda row, label: (lambda st: f"{st['median']:.2f} ({st['min']:.2f}-{st['max']:.2f})")(  # noqa: E731
+        row["kinds"][label]["gbps"]) if label in row.get("kinds", {}) else "-"
+    cpu = lambda row, label: f"{row['kinds'][label]['cpu_ms_per_step']['median']:.1f}" \
+        if label in row.get("kinds", {}) else "-"  # noqa: E731
+    print("| workers | ps tasks | ours GB/s | raw-ps GB/s (the best way) | raw GB/s | ours / raw-ps | ours / raw "
+          "| CPU ms/step: ours, raw-ps |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        below = " (below 0.8)" if r.get("ours_over_raw", 1) < TARGET else ""
-        print(f"| {r['ps']} | {fmt('ps_gbps', r)} | {fmt('raw-ps_gbps', r)} | {fmt('best_raw_gbps', r)} "
-              f"({fmt('raw_gbps', r)}, {fmt('raw-duplex_gbps', r)}) | {fmt('ours_over_raw', r)}{below} "
-              f"| {fmt('ours_over_rawps', r)} | {fmt('rawps_over_raw', r)} | {fmt('ps_cpu_ms_per_step', r, 1)}, "
-              f"{fmt('raw-ps_cpu_ms_per_step', r, 1)}, {fmt('best_raw_cpu_ms_per_step', r, 1)} |")
-    print("\nPer kind (the best round's; a step is one worker's push + pull; CPU = user + system of every "
-          "process of the job over the timed window, split workers + servers; host = the whole machine, "
-          "any load included; other load = host busy - the job's CPU, over the wall time)\n")
-    print("| ps tasks | kind | GB/s | median step | round trips/s | CPU ms/step (workers + servers) "
-          "| job cores busy | host busy ms/step (softirq) | other load, cores |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for ps in args.ps:
-        for kind in kinds:
-            e = best[(kind, ps)]
-            print(f"| {ps} | {'ours' if kind == 'ps' else kind} | {e['gbps']:.2f} | {e['median_step_ms']:.1f} ms "
-                  f"| {e['round_trips_per_s']:.0f} | {e['cpu_ms_per_step']:.1f} ({e['worker_cpu_ms_per_step']:.1f} + "
-                  f"{e['ps_cpu_ms_per_step']:.1f}) | {e['job_cores']:.2f} | {e['host_busy_ms_per_step']:.1f} "
-                  f"({1e3 * e['host_softirq_s'] / e['steps']:.1f}) | {e['other_cores']:.2f} |")
-    return {"params": total, "iters": args.iters, "rows": rows, "rounds": rounds}
+        ratio = r.get("ours_over_raw_ps")
+        ratio_text = f"{ratio['median']:.2f} ({ratio['min']:.2f})" if ratio else "-"
+        over_raw = f"{r['ours_over_raw']:.2f}" if "ours_over_raw" in r else "-"
+        print(f"| {r['workers']} | {r['ps']} | {gb(r, OURS)} | {gb(r, r.get('raw_ps', ''))} [{r.get('raw_ps', '-')}] "
+              f"| {gb(r, r.get('raw', ''))} | {ratio_text} | {over_raw} | {cpu(r, OURS)}, {cpu(r, r.get('raw_ps', ''))} |")
+    if len(labels) > 2:
+        print("\nEvery contender, GB/s median (min-max); CPU ms/step median, workers + servers\n")
+        print("| workers | ps tasks | contender | GB/s | CPU ms/step |")
+        print("| ---: | ---: | --- | ---: | ---: |")
+        for r in rows:
+            for label, st in r["kinds"].items():
+                print(f"| {r['workers']} | {r['ps']} | {label} | {gb(r, label)} | {st['cpu_ms_per_step']['median']:.1f} "
+                      f"({st['worker_cpu_ms_per_step']['median']:.1f} + {st['ps_cpu_ms_per_step']['median']:.1f}) |")
+    verdicts = targets(rows)
+    if verdicts:
+        print()
+        for line in verdicts:
+            print(line)
+    return {"params": total, "iters": args.iters, "rows": rows, "rounds": rounds, "targets": verdicts}
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """Issue 14: ours >= 0.9x the minimal pyzmq PS (median of the rounds' ratios), and throughput that
+    grows from the fewest to the most workers with 2 ps tasks."""
+    lines = []
+    for r in rows:
+        ratio = r.get("ours_over_raw_ps")
+        if ratio:
+            met = "MET" if ratio["median"] >= TARGET_RAW_PS else "MISSED"
+            lines.append(f"target ours / raw-ps >= {TARGET_RAW_PS} at {r['workers']} workers, {r['ps']} ps: "
+                         f"{ratio['median']:.2f} (min {ratio['min']:.2f}) [{met}]")
+    for ps in sorted({r["ps"] for r in rows}):
+        cell = {r["workers"]: r for r in rows if r["ps"] == ps and OURS in r["kinds"]}
+        if len(cell) > 1:
+            low, high = min(cell), max(cell)
+            a, b = (cell[w]["kinds"][OURS]["gbps"]["median"] for w in (low, high))
+            met = "MET" if b > a else "MISSED"
+            what = "target" if ps == 2 else "(not a target)"
+            lines.append(f"{what} ours grows from {low} to {high} workers with {ps} ps: {a:.2f} -> {b:.2f} GB/s "
+                         f"({b / a:.2f}x) [{met}]")
+    return lines
 
 
 def run_mlp(args) -> dict:
@@ -549,6 +652,11 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("all", "throughput", "mlp"), default="all")
     parser.add_argument("--ps", type=int, nargs="+", default=[1, 2, 4], help="ps task counts (default 1 2 4)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[2], help="worker counts (default 2)")
+    parser.add_argument("--raw-ps-ways", nargs="+", choices=RAW_PS_WAYS, default=list(DEFAULT_RAW_PS_WAYS),
+                        metavar="SERVER/CLIENT/FRAMES",
+                        help=f"the minimal pyzmq PS's ways (default {' '.join(DEFAULT_RAW_PS_WAYS)}; any of "
+                             f"spare|inplace / copy|adopt / pieces|whole, see _ps_raw.py)")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
                         help="throughput jobs to run (default all: ps raw raw-duplex raw-ps)")
     parser.add_argument("--params", type=parse_count, default=parse_count("10M"), help="model size (default 10M)")

@@ -29,7 +29,7 @@ import sys
 import numpy as np
 
 import stratagem
-from stratagem.core.checkpoint import latest_checkpoint
+from stratagem.training.checkpoint import latest_checkpoint
 
 TRUE_W, TRUE_B = 0.1, 0.3
 

@@ -159,6 +159,34 @@ def test_plot_writes_a_png_of_throughput_and_loss_curves(tmp_path):
     assert width > 1000 and height > 400
 
 
+def test_compression_adds_rows_with_their_bytes_and_time_to_loss(tmp_path):
+    code, doc, stdout, stderr = bench(tmp_path, "--strategies", "mirrored,in_graph,between_graph:sync",
+                                      "--transports", "zmq", "--compression", "none,fp16,topk", "--model", "linear",
+                                      "--steps", "20", "--warmup", "2")
+    assert code == 0, stdout + stderr
+    assert doc["config"]["compression"] == ["none", "fp16", "topk"]
+    results = by_label(doc)
+    # linear: W and b, 4 bytes each (P = 8). fp16 halves every gradient; topk keeps k = 1 entry of each
+    # variable as an int32 index and a float32 value (8 bytes), all-gathered under mirrored; the ps
+    # strategies compress the pushes only (the pulls stay P per replica).
+    check_ran(doc, {"mirrored x zmq": 16, "mirrored x zmq + fp16": 8, "mirrored x zmq + topk": 32,
+                    "between_graph:sync x zmq": 32, "between_graph:sync x zmq + fp16": 24,
+                    "between_graph:sync x zmq + topk": 48, "in_graph x zmq": 816})
+    assert results["mirrored x zmq + topk"]["compression"] == "topk"
+    assert results["mirrored x zmq"]["compression"] is None
+    assert results["in_graph x zmq + topk"]["status"] == "skipped"
+    assert "in_graph cannot compress gradients" in results["in_graph x zmq + topk"]["reason"]
+    header = next(line for line in stdout.splitlines() if "samples/s" in line)
+    assert header.split()[:3] == ["strategy", "transport", "compression"] and "bytes/step" in header
+    assert "to loss" in header
+
+
+def test_a_misspelt_compressor_is_a_usage_error_naming_the_known_ones(tmp_path):
+    code, document, stdout, stderr = bench(tmp_path, "--compression", "none,topkk", timeout=60)
+    assert code == 2 and document is None
+    assert "--compression: unknown compressor 'topkk'; known: bf16, fp16, powersgd, topk (did you mean 'topk'?)" in stderr
+
+
 def test_bad_options_are_refused_with_the_fix(tmp_path):
     code, _, _, stderr = bench(tmp_path, "--strategies", "between_graph:eventually")
     assert code == 2 and "use async, sync or bounded" in stderr

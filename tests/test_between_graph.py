@@ -5,7 +5,7 @@ Two kinds of test:
 - tasks as threads of this process over the ``local`` transport (tests/scripts/ps_harness.py): sync
   equals mirrored, backup workers, the staleness bound, initialisation by the chief, checkpoints,
   options and errors;
-- real processes over ``zmq`` under ``stratagem.core.launcher.launch`` (2 ps, 3 workers): the example
+- real processes over ``zmq`` under ``stratagem.launch.launcher.launch`` (2 ps, 3 workers): the example
   converges in the three modes with the ps tasks exiting on their own, every reply holds one version
   of the values (1 ps, 2 workers, replies in parts and double-buffered), exact accounting of pushes, a
   worker killed under async, a ps task killed (every worker names it) and the restart from the
@@ -28,9 +28,9 @@ import pytest
 
 import stratagem
 from stratagem import ConfigurationError
-from stratagem.core.launcher import launch
-from stratagem.strategies import between_graph as between_graph_module
-from stratagem.strategies.between_graph import BetweenGraphStrategy
+from stratagem.launch.launcher import launch
+from stratagem.strategies.ps import between_graph as between_graph_module
+from stratagem.strategies.ps.between_graph import BetweenGraphStrategy
 from stratagem.strategies.mirrored import MirroredStrategy
 from stratagem.transports.local import LocalFabric
 
@@ -253,7 +253,7 @@ def gpu_worker_steps(xp, device_array):
 
 
 def test_a_gpu_worker_keeps_its_variables_on_the_device_and_trains_as_on_the_host(fake_cupy):
-    from stratagem.core.variables import is_device_array
+    from stratagem.training.variables import is_device_array
     seen, w_gpu, table_gpu = gpu_worker_steps(fake_cupy, is_device_array)
     fake_cupy.calls.clear()
     _, w_host, table_host = gpu_worker_steps(np, lambda a: True)
@@ -379,12 +379,14 @@ def read(out: Path, name: str):
 
 
 def test_every_reply_holds_one_version_over_zmq(tmp_path):
-    """16 MB of values per reply: parts, streamed as updated, double-buffered while the other worker's
-    push updates them (tests/scripts/ps_versions.py)."""
+    """22 MB of values per reply: parts, streamed as updated, written over the pushed gradients while
+    the other worker's reply may still be sending the previous values; a 6 MB variable held as two
+    pieces, so that every buffer travels whole (tests/scripts/ps_versions.py)."""
     result, log = run_job([SCRIPTS / "ps_versions.py", tmp_path, 25], ps=1, workers=2)
     assert result.ok, log
     workers = [read(tmp_path, f"worker_{i}") for i in range(2)]
     assert [w["wrong"] for w in workers] == [[], []]
+    assert workers[0]["pieces"]["big"] == ["big/part_0", "big/part_1"] and workers[0]["pieces"]["v0"] == ["v0"]
     for w in workers:
         assert w["seen"] == sorted(set(w["seen"]))                 # each push adds at least one step
     assert max(w["seen"][-1] for w in workers) == 50                # every push applied once
@@ -438,7 +440,7 @@ def test_a_killed_ps_task_is_named_by_every_worker_and_the_job_restarts_from_the
         assert result.returncodes[f"worker:{i}"] == 3
     ps0 = json.loads((first / "ps_0.error.json").read_text())
     assert "/job:ps/task:1" in ps0["message"] and result.returncodes["ps:0"] == 4
-    saved = stratagem.core.checkpoint.load(str(ckpt)).step
+    saved = stratagem.training.checkpoint.load(str(ckpt)).step
     assert saved >= 100
 
     result, log = run_job([SCRIPTS / "ps_train.py", "--out", second, "--mode", "async", "--steps", saved + 300,

@@ -11,8 +11,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from stratagem.core import checkpoint as ckpt_module
-from stratagem.core.checkpoint import (
+from stratagem.training import checkpoint as ckpt_module
+from stratagem.training.checkpoint import (
     Checkpoint,
     CheckpointError,
     CheckpointNotFoundError,
@@ -20,8 +20,8 @@ from stratagem.core.checkpoint import (
     load,
     save,
 )
-from stratagem.core.optimizers import SGD, Adagrad, Adam
-from stratagem.core.variables import Variable
+from stratagem.training.optimizers.rules import SGD, Adagrad, Adam
+from stratagem.training.variables import Variable
 
 
 def files(directory):

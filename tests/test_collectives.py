@@ -20,11 +20,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stratagem.core import collectives as coll
-from stratagem.core import collective_session as cs
-from stratagem.core import communicator as communicator_module
+from stratagem.collectives import algorithms as coll
+from stratagem.collectives import session as cs
+from stratagem.collectives import communicator as communicator_module
 from stratagem.core.cluster import ClusterSpec, TaskId
-from stratagem.core.communicator import Communicator, local_world, open_communicator
+from stratagem.collectives.communicator import Communicator, open_communicator
+from stratagem.testing.world import local_world
 from stratagem.core.errors import (
     CollectiveMismatchError,
     CommunicationError,

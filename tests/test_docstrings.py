@@ -14,9 +14,9 @@ import pytest
 import stratagem
 
 #: Scripts inside the package, run as files by the processes they start; importing one runs it.
-SCRIPTS = {"stratagem.bench.train_task"}
+SCRIPTS = {"stratagem.bench.train_task", "stratagem.testing.plain_training"}
 
-MODULES = sorted(
+MODULES = ["stratagem"] + sorted(
     info.name for info in pkgutil.walk_packages(stratagem.__path__, prefix="stratagem.")
     if not info.name.endswith("__main__") and info.name not in SCRIPTS
 )

@@ -26,7 +26,7 @@ import pytest
 import stratagem
 from stratagem import ClusterSpec, ConfigurationError, TaskId
 from stratagem.core.cluster import ClusterResolver, is_evaluator
-from stratagem.core.strategy import Strategy
+from stratagem.strategies.base import Strategy
 from stratagem.strategies.mirrored import MirroredStrategy
 from stratagem.testing.world import local_cluster
 from stratagem.transports.local import LocalFabric
@@ -91,7 +91,7 @@ def test_mirrored_and_in_graph_refuse_an_evaluator_pointing_to_checkpoints():
     raises(lambda: MirroredStrategy("local", cluster=LISTED, task="evaluator:0", transport_options={"fabric": fabric}),
            "/job:evaluator/task:0 is an evaluator, not a replica", "'mirrored'", "all-reduce", "checkpoints",
            "latest_checkpoint(dir)")
-    from stratagem.strategies.in_graph import InGraphStrategy
+    from stratagem.strategies.in_graph.strategy import InGraphStrategy
 
     raises(lambda: InGraphStrategy("local", cluster=LISTED, task="evaluator:0", transport_options={"fabric": fabric}),
            "is an evaluator", "'in_graph'", "checkpoints")

@@ -28,7 +28,7 @@ pytest.importorskip("grpc", reason="the grpc transport needs grpcio: pip install
 from stratagem.core.transport import Message  # noqa: E402
 from stratagem.testing.peer import spawn_peer  # noqa: E402
 from stratagem.testing.world import local_cluster  # noqa: E402
-from stratagem.transports.grpc import GrpcTransport  # noqa: E402
+from stratagem.transports.grpc.transport import GrpcTransport  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "grpc_exit.py"
 EXIT_WITHIN = 60.0  # seconds a task may take to end (it takes about one; a hang is what this catches)

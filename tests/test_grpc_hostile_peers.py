@@ -4,15 +4,14 @@
 speak HTTP/2) must not keep a cluster's tasks out: a task in the handshake budget's way gets a
 RESOURCE_EXHAUSTED and its sender tries again within its timeout. (b) An authenticated peer whose
 frame header declares gigabytes must not make the receiver take that memory before the bytes come.
-Raw gRPC clients play the attacker, over real HTTP/2 on 127.0.0.1; the receiver of (b) is a process
-of its own, so that its memory is its alone.
+Raw gRPC clients (``stratagem.testing.raw_peers.GrpcRawPeer``) play the attacker, over real HTTP/2 on
+127.0.0.1; the receiver of (b) is a process of its own, so that its memory is its alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import socket
 import threading
 import time
@@ -27,9 +26,10 @@ from stratagem.core import handshake, wire  # noqa: E402
 from stratagem.core.transport import Message  # noqa: E402
 from stratagem.core.wire import Kind  # noqa: E402
 from stratagem.testing.peer import spawn_peer  # noqa: E402
+from stratagem.testing.raw_peers import GrpcRawPeer  # noqa: E402
 from stratagem.testing.world import local_cluster, wait_for  # noqa: E402
-from stratagem.transports.grpc import FULL_METHOD, GrpcTransport  # noqa: E402
-from stratagem.transports.grpc_framing import WHOLE_BYTES, Reassembler, chunks  # noqa: E402
+from stratagem.transports.grpc.transport import GrpcTransport  # noqa: E402
+from stratagem.transports.framing import WHOLE_BYTES, Reassembler, chunks  # noqa: E402
 
 TIMEOUT = 20.0
 SECRET = b"cluster secret"
@@ -39,33 +39,6 @@ def make(cluster, task, **options):
     return GrpcTransport(cluster, task, **{"timeout": TIMEOUT, "peer_timeout": 3.0, "secret": SECRET, **options})
 
 
-class RawStream:
-    """One stream on the transport's method from a raw gRPC client: ``put`` sends a message, ``get``
-    reads one, ``close`` ends it. Nothing is sent until asked."""
-
-    def __init__(self, address: str):
-        self._out: queue.SimpleQueue = queue.SimpleQueue()
-        self.channel = grpc.insecure_channel(address)
-        self.call = self.channel.stream_stream(FULL_METHOD)(self._requests(), timeout=60)
-
-    def _requests(self):
-        while (item := self._out.get()) is not None:
-            yield item
-
-    def put(self, message: bytes) -> None:
-        self._out.put(message)
-
-    def get(self) -> wire.Frame:
-        got = []
-        Reassembler(wire.DEFAULT_LIMITS).feed(next(self.call), got.append)
-        return got[0]
-
-    def close(self) -> None:
-        self._out.put(None)
-        self.call.cancel()
-        self.channel.close()
-
-
 @contextlib.contextmanager
 def idle_connections(address: str, streams: int, sockets: int):
     """``streams`` gRPC streams that send nothing, and ``sockets`` TCP connections that never start
@@ -73,7 +46,7 @@ def idle_connections(address: str, streams: int, sockets: int):
     held: list = []
     try:
         for _ in range(streams):
-            held.append(RawStream(address))
+            held.append(GrpcRawPeer(address))
         host, _, port = address.rpartition(":")
         for _ in range(sockets):
             held.append(socket.create_connection((host, int(port)), timeout=5))
@@ -97,7 +70,7 @@ def test_idle_unauthenticated_connections_do_not_keep_a_cluster_from_forming():
         with idle_connections(target.address, streams=2 * slots, sockets=12) as held:
             # Every idle stream reached the server: as many as the budget wait for their handshake,
             # the others were refused or cut off.
-            idle = [thing for thing in held if isinstance(thing, RawStream)]
+            idle = [thing for thing in held if isinstance(thing, GrpcRawPeer)]
             assert wait_for(lambda: sum(stream.call.done() for stream in idle) >= slots)
             assert {s.call.code() for s in idle if s.call.done()} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
             others = [make(cluster, task) for task in (tasks[0], tasks[2])]
@@ -163,16 +136,16 @@ def memory_mib(pid: int) -> dict[str, float]:
     return fields
 
 
-def authenticated_stream(cluster, acceptor, as_task) -> RawStream:
+def authenticated_stream(cluster, acceptor, as_task) -> GrpcRawPeer:
     """A raw stream through the whole handshake with the cluster's secret: a peer that passed it."""
-    stream = RawStream(cluster.address(acceptor))
+    stream = GrpcRawPeer(cluster.address(acceptor))
     hello, nonce = handshake.make_hello(as_task, cluster.cluster_id, SECRET)
-    stream.put(wire.encode_bytes(Kind.HELLO, "", hello))
-    challenge = stream.get()
+    stream.send_raw(wire.encode_bytes(Kind.HELLO, "", hello))
+    challenge = stream.recv_frame(TIMEOUT)
     assert challenge.kind == Kind.CHALLENGE
     auth = handshake.answer_challenge(SECRET, cluster.cluster_id, as_task, acceptor, nonce, challenge.meta)
-    stream.put(wire.encode_bytes(Kind.AUTH, "", auth))
-    assert stream.get().kind == Kind.WELCOME
+    stream.send_raw(wire.encode_bytes(Kind.AUTH, "", auth))
+    assert stream.recv_frame(TIMEOUT).kind == Kind.WELCOME
     return stream
 
 
@@ -193,13 +166,13 @@ def test_a_header_declaring_4_gib_takes_no_memory_until_the_bytes_come():
                 for shape in ([[declared // 4]], [[declared // 4096 // 4]] * 4096):
                     stream = authenticated_stream(cluster, receiver, liar)
                     envelope = msgpack.packb({"t": "x", "m": {}, "b": [["float32", s] for s in shape]})
-                    stream.put(wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(Kind.DATA), 0, len(envelope),
+                    stream.send_raw(wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(Kind.DATA), 0, len(envelope),
                                                 declared) + envelope)
                     streams.append(stream)
                 # Some bytes of a large buffer do come: they take what they are, not what was declared.
                 sent = 3 * WHOLE_BYTES // 2
                 for _ in range(sent >> 20):
-                    streams[0].put(b"\x01" * (1 << 20))
+                    streams[0].send_raw(b"\x01" * (1 << 20))
                 # The receiver still serves the honest task (which also shows the frames were read).
                 time.sleep(0.5)
                 honest.send(receiver, "echo", Message({"n": 2}))

@@ -1,8 +1,10 @@
-"""What the grpc transport does beyond the shared contract: framing, TLS, hostile input, keepalive.
+"""What the grpc transport does beyond the shared contracts (``stratagem.testing.contract`` and, for
+hostile peers and restarts, ``stratagem.testing.byte_stream``, run in tests/test_transport_contract.py):
+framing, options, the status a refused stream ends with, gRPC's own limits, keepalive, TLS.
 
-Raw gRPC clients play the attacker: they call the transport's one method over real HTTP/2 on
-127.0.0.1. Certificates are made at run time (with ``cryptography`` if installed, else the ``openssl``
-command), never shipped.
+Raw gRPC clients (``stratagem.testing.raw_peers.GrpcRawPeer``) play the attacker: they call the
+transport's one method over real HTTP/2 on 127.0.0.1. Certificates are made at run time (with
+``cryptography`` if installed, else the ``openssl`` command), never shipped.
 """
 
 from __future__ import annotations
@@ -25,23 +27,20 @@ grpc = pytest.importorskip("grpc", reason="the grpc transport needs grpcio: pip 
 
 from stratagem.core import handshake, wire  # noqa: E402
 from stratagem.core.cluster import TaskId  # noqa: E402
-from stratagem.core.errors import (  # noqa: E402
-    ConfigurationError,
-    PeerLostError,
-    ProtocolError,
-    TransportTimeout,
-)
+from stratagem.core.errors import ConfigurationError, PeerLostError, ProtocolError, TransportTimeout  # noqa: E402
 from stratagem.core.transport import COMPLETED, Message  # noqa: E402
-from stratagem.core.wire import Kind, Limits  # noqa: E402
+from stratagem.core.wire import Kind  # noqa: E402
+from stratagem.testing.byte_stream import MALFORMED  # noqa: E402
 from stratagem.testing.peer import spawn_peer  # noqa: E402
-from stratagem.testing.world import local_cluster, still_serves, wait_for  # noqa: E402
-from stratagem.transports.grpc import FULL_METHOD, MAX_MESSAGE_BYTES, GrpcTransport  # noqa: E402
-from stratagem.transports.grpc_config import MAX_RECEIVE_BYTES  # noqa: E402
-from stratagem.transports.grpc_framing import CONTROL_LIMITS, HEAD_ROOM, Reassembler, chunks  # noqa: E402
+from stratagem.testing.raw_peers import GrpcRawPeer  # noqa: E402
+from stratagem.testing.world import local_cluster, still_serves  # noqa: E402
+from stratagem.transports.grpc.transport import MAX_MESSAGE_BYTES, GrpcTransport  # noqa: E402
+from stratagem.transports.grpc.config import MAX_RECEIVE_BYTES  # noqa: E402
+from stratagem.transports.framing import CONTROL_LIMITS, HEAD_ROOM, Reassembler, chunks  # noqa: E402
 
 TIMEOUT = 20.0
 PEER_TIMEOUT = 3.0  # as the contract suite: keepalive pings every 1.2 s
-LOGGER = "stratagem.transports.grpc"
+LOGGER = "stratagem.transports.grpc.transport"
 
 
 def make(cluster, task, **options):
@@ -58,25 +57,6 @@ def pair():
     yield a, b
     a.close()
     b.close()
-
-
-def raw_call(address, messages, timeout=10.0, credentials=None):
-    """Send ``messages`` on one raw stream; returns (responses, status code, details)."""
-    if credentials is None:
-        channel = grpc.insecure_channel(address)
-    else:
-        channel = grpc.secure_channel(address, credentials)
-    try:
-        call = channel.stream_stream(FULL_METHOD)(iter(messages), timeout=timeout)
-        responses = []
-        try:
-            for response in call:
-                responses.append(response)
-        except grpc.RpcError as exc:
-            return responses, exc.code(), exc.details()
-        return responses, call.code(), call.details()
-    finally:
-        channel.close()
 
 
 def control(kind, meta):
@@ -178,17 +158,6 @@ def test_options_are_checked(tmp_path):
     with pytest.raises(ConfigurationError, match="max_workers must be at least 1"):
         GrpcTransport(cluster, "worker:0", max_workers=-1)
 
-
-def test_bind_conflict_is_a_clear_error():
-    cluster = local_cluster(1)
-    with make(cluster, "worker:0") as a:
-        clash = make(cluster, "worker:0")
-        with pytest.raises(ConfigurationError, match="cannot bind"):
-            clash.start()
-        clash.close()
-        assert a.address
-
-
 # -- data path ---------------------------------------------------------------------------------------
 
 def test_small_chunks_and_async_sends():
@@ -217,132 +186,64 @@ def test_received_arrays_are_writable(pair):
     assert got[0][0] == 1 and got[1].tolist() == [1, 2, 3]
 
 
-# -- hostile input from raw gRPC clients -------------------------------------------------------------
+# -- what a refused stream is told (the refusals themselves: stratagem.testing.byte_stream) --------
 
-@pytest.mark.parametrize("garbage", [
-    [b"not a frame at all"],
-    [b"STRG" + b"\x00" * 30],
-    [wire.HEADER.pack(wire.MAGIC, 99, 1, 0, 0, 0)],                          # another version
-    [wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(Kind.HELLO), 0, 5, 0) + b"\xc1" * 5],  # bad msgpack
-    [wire.HEADER.pack(wire.MAGIC, wire.VERSION, 77, 0, 0, 0)],                # unknown kind
-    [control(Kind.HELLO, {"v": 1})],                                          # a HELLO missing fields
-], ids=["garbage", "zeros", "version", "msgpack", "kind", "hello-fields"])
-def test_malformed_frames_are_refused_and_the_server_keeps_serving(pair, caplog, garbage):
-    a, b = pair
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        responses, code, details = raw_call(b.address, garbage)
-        assert wait_for(lambda: b.stats["rejected_frames"] >= 1)
-    assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED), (code, details)
-    rejects = frames_of(responses)
-    assert rejects and rejects[0].kind == Kind.REJECT and rejects[0].meta["reason"]
-    assert any("refused a frame" in r.getMessage() for r in caplog.records)
-    assert still_serves(a, b)
+def _hello(cluster_id, secret=None):
+    return control(Kind.HELLO, handshake.make_hello(TaskId("worker", 2), cluster_id, secret)[0])
 
 
-def test_data_without_handshake_is_refused(pair, caplog):
-    a, b = pair
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        _, code, details = raw_call(b.address, [wire.encode_bytes(Kind.DATA, "ok", {"forged": True}, [np.arange(3)])])
-    assert code == grpc.StatusCode.UNAUTHENTICATED
-    assert "before the handshake" in details and "unauthenticated" in details
-    with pytest.raises(TransportTimeout):
-        b.recv(None, "ok", timeout=0.5)  # the forged frame never reached the mailbox
-    assert still_serves(a, b)
+#: What a raw client sends (built from the cluster id), the frames it gets back, and the status that
+#: ends its stream with words of the reason: handshake and secret failures are UNAUTHENTICATED,
+#: malformed or oversized frames INVALID_ARGUMENT.
+REFUSED_STREAMS = {
+    "ended-mid-frame": (lambda cid: [b"not a frame"], [Kind.REJECT], "INVALID_ARGUMENT",
+                        "ended in the middle of a frame"),
+    "garbage": (lambda cid: [MALFORMED["magic"][0]], [Kind.REJECT], "INVALID_ARGUMENT", "bad magic"),
+    "unknown-kind": (lambda cid: [MALFORMED["kind"][0]], [Kind.REJECT], "INVALID_ARGUMENT", "unknown frame kind"),
+    "hello-fields": (lambda cid: [MALFORMED["hello-fields"][0]], [Kind.REJECT], "UNAUTHENTICATED",
+                     "handshake refused"),
+    "data-first": (lambda cid: [wire.encode_bytes(Kind.DATA, "ok", {"forged": True}, [np.arange(3)])],
+                   [Kind.REJECT], "UNAUTHENTICATED", "before the handshake completed (unauthenticated"),
+    "another-cluster": (lambda cid: [_hello("some-other-cluster")], [Kind.REJECT], "UNAUTHENTICATED",
+                        "another cluster"),
+    "huge-payload": (lambda cid: [_hello(cid), wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(Kind.DATA), 0, 16,
+                                                                1 << 50)],
+                     [Kind.WELCOME, Kind.REJECT], "INVALID_ARGUMENT", "exceeds the limit"),
+    "forged-auth": (lambda cid: [_hello(cid, b"guess"), control(Kind.AUTH, {"task": "worker:2", "mac": bytes(32)})],
+                    [Kind.CHALLENGE, Kind.REJECT], "UNAUTHENTICATED", "secret"),
+}
 
 
-def test_hello_from_another_cluster_is_refused(pair, caplog):
-    a, b = pair
-    hello, nonce = handshake.make_hello(TaskId("worker", 0), "some-other-cluster", None)
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        responses, code, _ = raw_call(b.address, [control(Kind.HELLO, hello),
-                                                  wire.encode_bytes(Kind.DATA, "ok", {"forged": True})])
-    assert code == grpc.StatusCode.UNAUTHENTICATED
-    (reject,) = frames_of(responses)
-    assert reject.kind == Kind.REJECT and "another cluster" in reject.meta["reason"]
-    assert reject.meta["nonce"] == nonce
-    assert any("another cluster" in r.getMessage() for r in caplog.records)
-    with pytest.raises(TransportTimeout):
-        b.recv(None, "ok", timeout=0.5)
-    assert still_serves(a, b)
-
-
-def test_secret_mismatch_and_forged_auth_are_refused(caplog):
-    cluster = local_cluster(3)
-    with make(cluster, "worker:0", secret=b"k") as a, make(cluster, "worker:1", secret=b"k") as b, \
-            make(cluster, "worker:2", secret=b"other", timeout=3.0) as intruder:
-        # A raw client that claims to be worker:0 and guesses the proof.
-        hello, _ = handshake.make_hello(TaskId("worker", 0), cluster.cluster_id, b"guess")
-        responses, code, details = raw_call(b.address, [
-            control(Kind.HELLO, hello), control(Kind.AUTH, {"task": "worker:0", "mac": b"\x00" * 32}),
-            wire.encode_bytes(Kind.DATA, "ok", {"forged": True})])
-        kinds = [f.kind for f in frames_of(responses)]
-        assert kinds == [Kind.CHALLENGE, Kind.REJECT] and code == grpc.StatusCode.UNAUTHENTICATED
-        assert "secret" in details
-        # A transport with another secret fails the acceptor's proof and says so.
-        with pytest.raises(ProtocolError, match="secret"):
-            intruder.send(b.task, "ok", Message({"forged": True}))
-        with pytest.raises(TransportTimeout):
-            b.recv(None, "ok", timeout=0.5)
-        assert still_serves(a, b)
-
-
-def test_oversized_frame_is_refused_and_others_are_served(caplog):
-    cluster = local_cluster(3)
-    small = Limits(max_payload_bytes=64 * 1024)
-    with make(cluster, "worker:0") as big_sender, make(cluster, "worker:1", limits=small) as server, \
-            make(cluster, "worker:2") as honest:
-        raised = False
-        with caplog.at_level(logging.WARNING, logger=LOGGER):
-            try:
-                big_sender.send(server.task, "ok", Message({}, [np.zeros(1 << 20, np.uint8)]))
-            except ProtocolError as exc:  # the refusal may come back while the frame is still streaming
-                assert "exceeds the limit" in str(exc)
-                raised = True
-            assert wait_for(lambda: server.stats["rejected_frames"] >= 1)
-            # The refusal is counted, then logged, on gRPC's thread: wait for the log line too.
-            assert wait_for(lambda: any("exceeds the limit" in r.getMessage() for r in caplog.records))
-        with pytest.raises((TransportTimeout, PeerLostError)):
-            server.recv(big_sender.task, "ok", timeout=1.0)
-        assert still_serves(honest, server)
-        # The sender learns why; its next message goes on a fresh stream.
-        assert wait_for(lambda: big_sender._peers.get(server.task) is None
-                        or big_sender._peers[server.task].error is not None)
-        if not raised:
-            with pytest.raises(ProtocolError, match="exceeds the limit"):
-                big_sender.send(server.task, "ok", Message({"small": 1}))
-        big_sender.send(server.task, "ok", Message({"small": 2}))
-        assert server.recv(big_sender.task, "ok", timeout=TIMEOUT).meta == {"small": 2}
-
-
-def test_a_huge_declared_payload_is_refused_from_its_header(pair, caplog):
-    a, b = pair
-    hello, _ = handshake.make_hello(TaskId("worker", 0), a.cluster.cluster_id, None)
-    liar = wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(Kind.DATA), 0, 16, 1 << 50)
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        responses, code, details = raw_call(b.address, [control(Kind.HELLO, hello), liar])
-    assert [f.kind for f in frames_of(responses)] == [Kind.WELCOME, Kind.REJECT]
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "exceeds the limit" in details
-    assert still_serves(a, b)
+@pytest.mark.parametrize("case", list(REFUSED_STREAMS))
+def test_a_refused_stream_gets_a_reject_then_a_status_that_says_why(case):
+    build, kinds, code, words = REFUSED_STREAMS[case]
+    cluster = local_cluster(3)  # worker:2 is played by the raw client
+    secret = b"k" if case == "forged-auth" else None
+    with make(cluster, "worker:1", secret=secret) as b, GrpcRawPeer(b.address) as peer:
+        for message in build(cluster.cluster_id):
+            peer.send_raw(message)
+        peer.end()
+        status, details = peer.status(TIMEOUT)
+        frames = list(iter(lambda: peer.recv_frame(TIMEOUT), None))
+    assert [f.kind for f in frames] == kinds
+    assert words in frames[-1].meta["reason"]
+    assert status == getattr(grpc.StatusCode, code) and words in details, (status, details)
 
 
 def test_a_message_over_grpcs_limit_is_refused_by_grpc(pair):
     a, b = pair
-    _, code, _ = raw_call(b.address, [b"\x00" * (MAX_MESSAGE_BYTES + (1 << 20))])
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with GrpcRawPeer(b.address) as peer:
+        peer.send_raw(b"\x00" * (MAX_MESSAGE_BYTES + (1 << 20)))
+        assert peer.status(TIMEOUT)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert still_serves(a, b)
 
 
 def test_a_stream_without_a_handshake_is_cut_off(caplog):
     cluster = local_cluster(2)
     with make(cluster, "worker:0") as a, make(cluster, "worker:1", handshake_timeout=0.5) as b:
-        def silent():
-            time.sleep(5)
-            yield b""
-        start = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger=LOGGER):
-            _, code, _ = raw_call(b.address, silent())
-        assert time.monotonic() - start < 4
-        assert code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.CANCELLED)
+        with caplog.at_level(logging.WARNING, logger=LOGGER), GrpcRawPeer(b.address) as silent:
+            status, _ = silent.status(timeout=4)  # None if it was not cut off by then
+        assert status in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.CANCELLED)
         assert any("no handshake within" in r.getMessage() for r in caplog.records)
         assert still_serves(a, b)
 
@@ -364,30 +265,6 @@ def test_a_silent_peer_is_detected_by_keepalive():
                 t.recv(other, "echo", timeout=TIMEOUT)
             assert info.value.task == other
             assert time.monotonic() - start < PEER_TIMEOUT + 5
-
-
-def test_a_restarted_peer_is_accepted_again():
-    cluster = local_cluster(2)
-    with make(cluster, "worker:0") as a:
-        b = make(cluster, "worker:1")
-        b.start()
-        b.send(a.task, "hi", Message({"life": 1}))
-        assert a.recv(b.task, "hi", timeout=TIMEOUT).meta == {"life": 1}
-        a.send(b.task, "hi", Message())
-        b.recv(a.task, "hi", timeout=TIMEOUT)
-        b.abort()
-        with pytest.raises(PeerLostError):
-            a.recv(b.task, "hi", timeout=TIMEOUT)
-        b2 = make(cluster, "worker:1")  # the same task as a new process (a new endpoint, same port)
-        b2.start()
-        try:
-            b2.send(a.task, "hi", Message({"life": 2}))
-            assert wait_for(lambda: b2.task not in a.lost_peers())
-            assert a.recv(b2.task, "hi", timeout=TIMEOUT).meta == {"life": 2}
-            a.send(b2.task, "back", Message({"ok": 1}))
-            assert b2.recv(a.task, "back", timeout=TIMEOUT).meta == {"ok": 1}
-        finally:
-            b2.close()
 
 
 # -- TLS -------------------------------------------------------------------------------------------
@@ -472,8 +349,9 @@ def test_tls_round_trip(certs):
         b.send(a.task, "y", Message({"back": 1}))
         assert a.recv(b.task, "y", timeout=TIMEOUT).meta == {"back": 1}
         # A plain-text client gets nowhere.
-        _, code, _ = raw_call(b.address, [b"hello?"], timeout=3)
-        assert code == grpc.StatusCode.UNAVAILABLE
+        with GrpcRawPeer(b.address, timeout=3) as plain:
+            plain.send_raw(b"hello?")
+            assert plain.status(TIMEOUT)[0] == grpc.StatusCode.UNAVAILABLE
 
 
 def test_a_peer_signed_by_another_ca_is_refused(certs):
@@ -495,14 +373,14 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(certs):
         ca = open(certs["ca"] + ".pem", "rb").read()
         hello, _ = handshake.make_hello(TaskId("worker", 2), cluster.cluster_id, None)
         # Server authentication alone is not enough: the server wants our certificate.
-        _, code, _ = raw_call(b.address, [control(Kind.HELLO, hello)], timeout=3,
-                              credentials=grpc.ssl_channel_credentials(root_certificates=ca))
-        assert code == grpc.StatusCode.UNAVAILABLE
+        with GrpcRawPeer(b.address, grpc.ssl_channel_credentials(root_certificates=ca), timeout=3) as client:
+            client.send_raw(control(Kind.HELLO, hello))
+            assert client.status(TIMEOUT)[0] == grpc.StatusCode.UNAVAILABLE
         # With the task certificate the same raw client gets through the TLS handshake.
         key, cert = (open(certs["task"] + ext, "rb").read() for ext in (".key", ".pem"))
-        responses, _, _ = raw_call(b.address, [control(Kind.HELLO, hello)], timeout=3,
-                                   credentials=grpc.ssl_channel_credentials(ca, key, cert))
-        assert [f.kind for f in frames_of(responses)] == [Kind.WELCOME]
+        with GrpcRawPeer(b.address, grpc.ssl_channel_credentials(ca, key, cert), timeout=3) as client:
+            client.send_raw(control(Kind.HELLO, hello))
+            assert client.recv_frame(TIMEOUT).kind == Kind.WELCOME
         assert still_serves(a, b)
 
 

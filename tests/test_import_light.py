@@ -12,8 +12,8 @@ import textwrap
 import pytest
 
 #: Modules that importing the package (or building the CLI parser) must not pull in.
-HEAVY = ["grpc", "mpi4py", "cupy", "torch", "jax", "zmq", "ray", "kubernetes", "stratagem.transports.zmq",
-         "stratagem.plugins.manager", "stratagem.core.strategy"]
+HEAVY = ["grpc", "mpi4py", "cupy", "torch", "jax", "zmq", "ray", "kubernetes", "stratagem.transports.zmq.transport",
+         "stratagem.plugins.manager", "stratagem.strategies.base"]
 
 PROBE = """
 import json, sys

@@ -33,9 +33,9 @@ import stratagem
 from stratagem import ClusterSpec, ConfigurationError, PeerLostError, TaskId
 from stratagem.core.transport import Message
 from stratagem.plugins.manager import PluginManager
-from stratagem.strategies import in_graph_functions
-from stratagem.strategies.in_graph import InGraphStrategy, PerReplica, ReplicaError
-from stratagem.strategies.in_graph_replica import REPLY, REQUEST
+from stratagem.core.remote_code import by_name, name_problem
+from stratagem.strategies.in_graph.strategy import InGraphStrategy, PerReplica, ReplicaError
+from stratagem.strategies.in_graph.replica import REPLY, REQUEST
 from stratagem.testing.world import free_ports
 from stratagem.transports.local import LocalFabric, LocalTransport
 
@@ -355,7 +355,8 @@ def test_serialized_steps_need_a_secret_and_the_error_says_how():
 
 
 def test_a_replica_never_unpickles_from_an_unauthenticated_client():
-    """A forged step carrying a pickle, sent to a worker of a cluster without a secret."""
+    """Forged steps sent to a worker of a cluster without a secret: one carrying a pickle, one naming a
+    library function, one with malformed arguments. Each is refused, and the worker keeps serving."""
     cluster = ClusterSpec({"worker": ["local:0", "local:1"]})
     fabric = LocalFabric()
     errors = []
@@ -375,15 +376,21 @@ def test_a_replica_never_unpickles_from_an_unauthenticated_client():
         payload = np.frombuffer(b"cos\nsystem\n(S'echo pwned'\ntR.", np.uint8)
         client.send(TaskId("worker", 1), REQUEST, Message(
             {"op": "step", "step": 1, "values": [], "fn": {"kind": "pickle", "sha": "0" * 64}, "fn_bytes": True,
-             "args": {"t": [{"t": []}, {"d": []}]}}, [payload]))
+             "args": {"d": {"args": {"t": []}, "kwargs": {"d": {}}}}}, [payload]))
         reply = client.recv(TaskId("worker", 1), REPLY).meta
         assert reply["op"] == "error" and reply["where"] == "setup"
         assert "not authenticated" in reply["message"] and "unpickles nothing" in reply["message"]
         client.send(TaskId("worker", 1), REQUEST, Message({"op": "step", "step": 2, "values": [],
                     "fn": {"kind": "name", "module": "subprocess", "qualname": "run"}, "fn_bytes": False,
-                    "args": {"t": [{"t": [{"v": "true"}]}, {"d": []}]}}))
+                    "args": {"d": {"args": {"t": ["true"]}, "kwargs": {"d": {}}}}}))
         reply = client.recv(TaskId("worker", 1), REPLY).meta
         assert reply["op"] == "error" and "only in your own code" in reply["message"]
+        client.send(TaskId("worker", 1), REQUEST, Message({"op": "step", "step": 3, "values": [],
+                    "fn": by_name(model.train_step), "fn_bytes": False,          # a real step, forged arguments
+                    "args": {"d": {"args": {"t": [{"a": 99}]}, "kwargs": {"d": {}}}}}))
+        reply = client.recv(TaskId("worker", 1), REPLY).meta
+        assert reply["op"] == "error" and reply["type"] == "ProtocolError"
+        assert "malformed value: args[0] refers to buffer 99, but 0 came with it" in reply["message"]
         client.send(TaskId("worker", 1), REQUEST, Message({"op": "shutdown"}))
         assert client.recv(TaskId("worker", 1), REPLY).meta["op"] == "bye"
     thread.join(10)
@@ -420,11 +427,11 @@ def test_a_torch_module_viewing_the_variables_travels_by_reference():
 def test_functions_are_named_only_in_the_users_code():
     import subprocess as library
 
-    assert in_graph_functions.name_of(library.run) is None              # the standard library
-    assert in_graph_functions.name_of(np.mean) is None                  # an installed package
-    assert in_graph_functions.name_of(model.train_step) == ("mirrored_model", "train_step")
-    assert in_graph_functions.name_of(lambda: None) is None
-    assert in_graph_functions.name_of(functools.partial(model.train_step)) is None
+    assert "not in your own code" in name_problem(library.run)           # the standard library
+    assert "not in your own code" in name_problem(np.mean)               # an installed package
+    assert name_problem(model.train_step) is None
+    assert "lambda" in name_problem(lambda: None)
+    assert "functools.partial" in name_problem(functools.partial(model.train_step))
 
 
 def test_functions_name_refuses_what_cannot_be_named():

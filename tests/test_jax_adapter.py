@@ -1,6 +1,6 @@
 """stratagem.jax: a pytree of parameters trained through the strategy equals single-process JAX.
 
-Real jobs (``stratagem.core.launcher.launch``, 2 processes over zmq) run tests/scripts/jax_adapter_train.py:
+Real jobs (``stratagem.launch.launcher.launch``, 2 processes over zmq) run tests/scripts/jax_adapter_train.py:
 the gradient pytree from ``jax.grad`` goes to ``tree.apply_gradients`` with stratagem's Adam under
 ``mirrored`` and ``between_graph`` (sync), or through ``tree.reduce_gradients`` to an update rule the
 script writes in jax.numpy (mirrored). The final parameters must equal, within 1e-6, those of one
@@ -27,7 +27,7 @@ jnp = jax.numpy
 
 import stratagem  # noqa: E402
 from stratagem.core.errors import ConfigurationError  # noqa: E402
-from stratagem.core.launcher import launch  # noqa: E402
+from stratagem.launch.launcher import launch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).parent / "scripts" / "jax_adapter_train.py"

@@ -309,7 +309,7 @@ def test_usage_errors_say_what_to_fix(args, message):
 
 
 def _mpi_why_not() -> str | None:
-    from stratagem.core import mpi_launch
+    from stratagem.launch import mpi as mpi_launch
 
     if mpi_launch.find_mpiexec() is None:
         return mpi_launch.no_mpiexec()
@@ -324,7 +324,7 @@ def test_the_launchers_mpirun_arguments_start_ranks_that_resolve_their_tasks(tmp
     why = _mpi_why_not()
     if why:
         pytest.skip(why)
-    from stratagem.core.mpi_launch import run_mpi_job
+    from stratagem.launch.mpi import run_mpi_job
 
     user_command = [sys.executable, "-c",
                     "import os; from stratagem import ClusterResolver; r = ClusterResolver.from_env(); "

@@ -22,8 +22,9 @@ import pytest
 
 from stratagem.core.cluster import ClusterResolver, TaskId
 from stratagem.core.errors import ConfigurationError
-from stratagem.core import launcher as L
-from stratagem.core.launcher import EXIT_TIMEOUT, LaunchResult, TaskResult, launch
+from stratagem.launch import supervisor
+from stratagem.launch.launcher import EXIT_TIMEOUT, LaunchResult, TaskResult, launch
+from stratagem.launch.task_output import OutputPump
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPORT = [sys.executable, str(SCRIPTS / "report_task.py")]
@@ -47,7 +48,7 @@ def launcher() -> list[str]:
                            capture_output=True, text=True, timeout=30)
     if probe.returncode == 0 and "--ps-grace" in probe.stdout:
         return [sys.executable, "-m", "stratagem", "launch"]
-    return [sys.executable, "-m", "stratagem.core.launcher"]
+    return [sys.executable, "-m", "stratagem.launch.launcher"]
 
 
 def _alive(pid: int) -> bool:
@@ -289,7 +290,7 @@ def test_a_failing_task_stops_the_others_and_fails_the_job(launcher, pids):
     assert not _wait_dead(pids, 2)
 
 
-class _ExitsBetweenLooks(L._RunningTask):
+class _ExitsBetweenLooks(supervisor.RunningTask):
     """A real process that has already exited with code 3, seen running at the first look of a
     supervision round and exited at the next: the interleaving of a task that exits in between."""
 
@@ -308,13 +309,13 @@ def test_a_task_that_exits_between_two_looks_is_seen_failing_not_finished():
     process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], start_new_session=True)
     process.wait(30)
     task = _ExitsBetweenLooks(TaskId("worker", 0), process)
-    pump = L.OutputPump()
+    pump = OutputPump()
     try:
-        with L._SignalTrap() as trap:
-            outcome = L._supervise([task], pump, trap, timeout=30, ps_grace=0.0, started=time.monotonic())
+        with supervisor.SignalTrap() as trap:
+            outcome = supervisor.supervise([task], pump, trap, timeout=30, ps_grace=0.0, started=time.monotonic())
     finally:
         pump.close()
-    assert outcome.exit_code == L.EXIT_TASK_FAILED and "worker:0 exited with code 3" in outcome.reason
+    assert outcome.exit_code == supervisor.EXIT_TASK_FAILED and "worker:0 exited with code 3" in outcome.reason
 
 
 def test_a_task_killed_by_a_signal_is_reported_by_the_signal_name(launcher, pids):

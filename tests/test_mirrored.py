@@ -3,7 +3,7 @@ save/restore).
 
 Two kinds of test:
 
-- real processes and sockets: ``stratagem.core.launcher.launch`` runs tests/scripts/mirrored_train.py
+- real processes and sockets: ``stratagem.launch.launcher.launch`` runs tests/scripts/mirrored_train.py
   once per replica over ``zmq`` (equivalence with one process, checkpoint across two jobs, a replica
   dying mid-step). The launcher reaps every process it starts, whatever happens.
 - replicas as threads of this process over the ``local`` transport, for the broad matrix (fast).
@@ -30,11 +30,11 @@ import pytest
 
 import stratagem
 from stratagem import ClusterSpec, ConfigurationError, PeerLostError, StratagemError, TaskId
-from stratagem.core import strategy as strategy_module
-from stratagem.core.checkpoint import CheckpointNotFoundError
-from stratagem.core.launcher import launch
-from stratagem.core.sharding import shard_batch
-from stratagem.core.strategy import Strategy
+from stratagem.strategies import base as strategy_module
+from stratagem.training.checkpoint import CheckpointNotFoundError
+from stratagem.launch.launcher import launch
+from stratagem.training.sharding import shard_batch
+from stratagem.strategies.base import Strategy
 from stratagem.plugins.manager import PluginManager
 from stratagem.strategies import mirrored as mirrored_module
 from stratagem.strategies.mirrored import DEFAULT_BUCKET_BYTES, MirroredStrategy
@@ -333,12 +333,36 @@ def test_buckets_respect_bucket_bytes_and_dtypes():
     assert ok(run_replicas(2, body, bucket_bytes=64)) == [[2, 1000], [2, 1000]]
 
 
+def test_compressed_gradients_of_a_bucket_share_one_collective_per_payload_dtype():
+    def body(strategy, rank):
+        with strategy.scope():
+            variables = [stratagem.Variable(np.zeros((10, 8), np.float32), name=f"v{i:02d}") for i in range(20)]
+            opt = stratagem.optimizers.SGD(learning_rate=1.0)
+        gathers = []
+        comm = strategy._comm()
+        original = comm.allgather
+        comm.allgather = lambda x: gathers.append((np.dtype(x.dtype).name, int(x.size))) or original(x)
+        opt.apply_gradients([(np.full((10, 8), rank + i, np.float32), v) for i, v in enumerate(variables)])
+        return sorted(gathers), strategy.fingerprint()
+    results = ok(run_replicas(2, body, compression="topk", compression_options={"ratio": 0.05}))
+    # 20 gradients x 4 entries, one gather per payload dtype (besides the first step's checks, in bytes)
+    assert [g for g in results[0][0] if g[0] in ("float32", "int32")] == [("float32", 80), ("int32", 80)]
+    assert results[0][1] == results[1][1]
+
+
 def test_fp16_compression_keeps_replicas_identical_and_close(sgd_reference):
     def body(strategy, rank):
-        calls = spy_allreduce(strategy)
-        return trainer()(strategy, rank), calls
+        reduced = spy_allreduce(strategy)
+        gathered = []
+        comm = strategy._comm()
+        original = comm.allgather
+        comm.allgather = lambda x: gathered.append(np.dtype(x.dtype).name) or original(x)
+        return trainer()(strategy, rank), (reduced, gathered)
     results = ok(run_replicas(3, body, compression="fp16"))
-    assert {dtype for _, calls in results for dtype, *_ in calls} == {"float16"}
+    for _, (reduced, gathered) in results:
+        # on the host the float16 payloads are all-gathered (then summed widened): no float goes uncompressed
+        assert {d for d in gathered if d.startswith("float")} == {"float16"}
+        assert not [call for call in reduced if call[0].startswith("float")]
     trained = [r for r, _ in results]
     assert_replicas_identical(trained)
     assert_params_close(trained[0][0], sgd_reference, rtol=0, atol=5e-3)
@@ -353,8 +377,13 @@ def test_unknown_and_bad_options_are_rejected_before_the_transport_starts():
     with pytest.raises(ConfigurationError) as info:
         MirroredStrategy("local", bucket_byte=1024, **common)
     assert "does not accept option(s) 'bucket_byte' (did you mean 'bucket_bytes'?)" in str(info.value)
-    assert "bucket_bytes, chunk_bytes, cluster, compression, plugins, small_bytes, task, timeout" in str(info.value)
-    for bad, message in [({"compression": "int8"}, "unknown compression 'int8'"),
+    assert ("bucket_bytes, chunk_bytes, cluster, commit_every, compression, compression_options, on_failure, "
+            "plugins, small_bytes, task, timeout") in str(info.value)
+    for bad, message in [({"compression": "int8"}, "compression='int8': unknown compressor 'int8'; known: bf16, "
+                                                   "fp16, powersgd, topk"),
+                         ({"compression": "topk", "compression_options": {"rank": 2}},
+                          r"compressor 'topk' does not accept option\(s\) 'rank'"),
+                         ({"compression": 16}, "compression must be None, a compressor's name"),
                          ({"bucket_bytes": 0}, "bucket_bytes must be an integer >= 1"),
                          ({"chunk_bytes": "1M"}, "chunk_bytes must be an integer >= 1"),
                          ({"timeout": -1}, "timeout must be a number of seconds > 0")]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from stratagem.core import mpi_launch
+from stratagem.launch import mpi as mpi_launch
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 #: Prints what the rank was told, as one JSON line (a hash of the secret, never the secret).
@@ -34,7 +34,7 @@ SECRET_REPORT = ("import hashlib, json, os; s = os.environ.get('STRATAGEM_SECRET
 def _why_not() -> str | None:
     if importlib.util.find_spec("mpi4py") is None:
         return "mpi4py is not installed (pip install 'stratagem[mpi]')"
-    from stratagem.transports.mpi import mpi_library_problem
+    from stratagem.transports.mpi.transport import mpi_library_problem
 
     problem = mpi_library_problem()
     if problem:
@@ -107,7 +107,7 @@ def test_info_calls_mpi_usable_only_when_mpi4py_loads_an_mpi_library():
 
 
 def test_the_library_check_leaves_the_process_without_mpi():
-    script = ("import sys; from stratagem.transports.mpi import MpiTransport; MpiTransport.check_usable(); "
+    script = ("import sys; from stratagem.transports.mpi.transport import MpiTransport; MpiTransport.check_usable(); "
               "print('mpi4py.MPI' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=_env())
     assert proc.returncode == 0, proc.stderr

@@ -7,7 +7,7 @@ cluster and roles an MPI world gives, ``stratagem launch --mpi``, the errors for
 cluster that disagree, and ``start()`` with a rank that is late or never starts.
 
 Every job runs in a private network namespace holding only loopback (``unshare -n``, see
-``stratagem.core.mpi_launch``), so nothing listens where another machine could reach it, and every
+``stratagem.launch.mpi``), so nothing listens where another machine could reach it, and every
 process of a job is gone when its test ends. Skipped, with the reason, without mpi4py, mpiexec or a
 way to make the namespace.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from stratagem.core import mpi_launch
+from stratagem.launch import mpi as mpi_launch
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -175,7 +175,7 @@ def test_without_ulfm_a_sigkilled_rank_ends_the_whole_job_without_hanging():
 # -- the cluster from the MPI world, and stratagem launch --mpi -------------------------------------
 
 def _launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stratagem.core.launcher", "--mpi", *args],
+    return subprocess.run([sys.executable, "-m", "stratagem.launch.launcher", "--mpi", *args],
                           capture_output=True, text=True, timeout=timeout, env=_env())
 
 
@@ -212,7 +212,7 @@ def test_launch_mpi_timeout_stops_every_rank():
 
 def test_launch_mpi_ranks_die_with_a_launcher_killed_outright():
     marker = f"stratagem-test-{uuid.uuid4().hex}"
-    launcher = subprocess.Popen([sys.executable, "-m", "stratagem.core.launcher", "--mpi", "--worker", "2",
+    launcher = subprocess.Popen([sys.executable, "-m", "stratagem.launch.launcher", "--mpi", "--worker", "2",
                                  "--timeout", "120", "--", sys.executable, "-c", "import time; time.sleep(600)",
                                  marker], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(),
                                 start_new_session=True)
@@ -258,7 +258,7 @@ def test_a_cluster_larger_than_the_mpi_world_is_refused_with_the_fix():
     proc = _singleton("""
         from stratagem.core.cluster import ClusterSpec
         from stratagem.core.errors import ConfigurationError
-        from stratagem.transports.mpi import MpiTransport
+        from stratagem.transports.mpi.transport import MpiTransport
         t = MpiTransport(ClusterSpec({"worker": [None, None]}), "worker:0")
         try:
             t.start()
@@ -300,7 +300,7 @@ _LATE_RANK = """
     import os, time
     from stratagem.core.cluster import ClusterResolver
     from stratagem.core.errors import TransportTimeout
-    from stratagem.transports.mpi import MpiTransport
+    from stratagem.transports.mpi.transport import MpiTransport
     resolved = ClusterResolver.from_env()
     rank = resolved.cluster.tasks().index(resolved.task)
     t = MpiTransport(resolved.cluster, resolved.task, timeout=30)

@@ -14,12 +14,12 @@ import pytest
 
 import stratagem
 from stratagem.core.cluster import ClusterSpec, TaskId
-from stratagem.core.communicator import Communicator
+from stratagem.collectives.communicator import Communicator
 from stratagem.core.errors import PluginError
 from stratagem.core.ports import reserve_ports
 from stratagem.core.transport import Message
 from stratagem.plugins.manager import plugin_manager
-from stratagem.testing.contract import run_contract
+from stratagem.testing import run_contract
 
 
 def _why_unusable() -> str | None:

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import stratagem
-from stratagem.core import optimizer_chunks as chunks_module
-from stratagem.core import optimizers as optimizers_module
+from stratagem.training.optimizers import chunks as chunks_module
+from stratagem.training.optimizers import rules as optimizers_module
 from stratagem.core.errors import ConfigurationError, StratagemError
-from stratagem.core.optimizers import SGD, Adagrad, Adam, Optimizer, compute_dtype, from_config
-from stratagem.core.variables import Variable, strategy_scope
+from stratagem.training.optimizers.rules import SGD, Adagrad, Adam, Optimizer, TorchSGD, compute_dtype, from_config
+from stratagem.training.variables import Variable, strategy_scope
 from stratagem.testing.fake_cupy import FakeDeviceArray
 
 STEPS = 8
@@ -413,10 +413,10 @@ class FakeStrategy:
     def __init__(self):
         self.variables, self.calls = [], []
 
-    def _register_variable(self, var):
+    def on_variable(self, var):
         self.variables.append(var)
 
-    def _apply_gradients(self, optimizer, pairs):
+    def on_apply_gradients(self, optimizer, pairs):
         self.calls.append((optimizer, pairs))
         optimizer.apply_dense(pairs)
 
@@ -523,6 +523,30 @@ def test_chunked_and_out_of_place_updates_give_the_same_bits(make, dtype, grad_d
         assert {k: v.tobytes() for k, v in slots.items()} == {k: v.tobytes() for k, v in whole_slots.items()}
 
 
+@pytest.mark.parametrize("chunk_bytes", [0, 1 << 62], ids=["chunked", "whole"])
+@pytest.mark.parametrize("make", [c[1] for c in CASES] + [lambda: TorchSGD(0.1, momentum=0.9)],
+                         ids=[c[0] for c in CASES] + ["torch_sgd"])
+def test_an_update_written_over_its_gradient_gives_the_same_bits(make, chunk_bytes, monkeypatch):
+    """``update_array(..., out=grad)`` (a parameter server writing over a received gradient): the
+    same bits as in place, the value left alone; the built-in rules do it without a copy of the
+    gradient, a rule given as ``_update`` (TorchSGD) copies it first."""
+    initial = np.random.default_rng(3).standard_normal(1003).astype(np.float32)
+    grads = [g.astype(np.float32) for g in gradients(1003, steps=4, seed=11)]
+    chunks_from(monkeypatch, 1 << 62)
+    expected, expected_slots = updated(make, initial, grads)
+    chunks_from(monkeypatch, chunk_bytes)
+    opt, value = make(), initial.copy()
+    assert opt.writes_over_gradient == (type(opt) in (SGD, Adam, Adagrad))
+    for g in grads:
+        opt.iterations += 1
+        before, buffer = value.copy(), g.copy()
+        opt.update_array("w", value, buffer, out=buffer)
+        assert value.tobytes() == before.tobytes()
+        value = buffer
+    assert value.tobytes() == expected.tobytes()
+    assert {k: v.tobytes() for k, v in opt._slots["w"].items()} == {k: v.tobytes() for k, v in expected_slots.items()}
+
+
 @pytest.mark.parametrize("make, reference", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_chunked_updates_match_the_reference(make, reference, small_chunks):
     initial = np.random.default_rng(1).standard_normal((40, 7))
@@ -563,7 +587,7 @@ def test_update_array_out_must_be_a_separate_array_like_the_value():
 
 
 def test_a_variable_with_a_remote_store_is_written_back():
-    from stratagem.core.variables import VariableStore
+    from stratagem.training.variables import VariableStore
 
     class CopyStore(VariableStore):
         def __init__(self, array):
@@ -576,8 +600,8 @@ def test_a_variable_with_a_remote_store_is_written_back():
             self.array = np.array(array, copy=True)
 
     class Sharding(FakeStrategy):
-        def _register_variable(self, var):
-            super()._register_variable(var)
+        def on_variable(self, var):
+            super().on_variable(var)
             var._set_store(CopyStore(var.value))
 
     strategy = Sharding()

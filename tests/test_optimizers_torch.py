@@ -13,9 +13,9 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
 
-from stratagem.core.optimizer_base import from_config  # noqa: E402
-from stratagem.core.optimizers_torch import TorchAdagrad, TorchAdam, TorchSGD  # noqa: E402
-from stratagem.core.variables import Variable  # noqa: E402
+from stratagem.training.optimizers.base import from_config  # noqa: E402
+from stratagem.training.optimizers.torch_rules import TorchAdagrad, TorchAdam, TorchSGD  # noqa: E402
+from stratagem.training.variables import Variable  # noqa: E402
 
 STEPS = 30
 
@@ -66,7 +66,7 @@ def test_rule_matches_torch_optim(torch_cls, torch_kwargs, rule_cls, rule_kwargs
 
 def test_keras_adam_is_not_torch_adam_for_small_gradients():
     """Why TorchAdam exists: TF/Keras Adam puts epsilon inside the bias correction and differs."""
-    from stratagem.core.optimizers import Adam
+    from stratagem.training.optimizers.rules import Adam
 
     grad = np.full(3, 1e-6, np.float32)
     a, b = Variable(np.zeros(3, np.float32), name="a"), Variable(np.zeros(3, np.float32), name="b")

@@ -27,14 +27,13 @@ import pytest
 
 import stratagem
 from stratagem import ConfigurationError, TaskId
-from stratagem.core import ps_coordinator as coordinator_module
-from stratagem.core import ps_functions as functions_module
-from stratagem.core import ps_worker as worker_module
-from stratagem.core.launcher import launch
-from stratagem.core.ps_coordinator import CancelledError, ClosureError
-from stratagem.core.ps_protocol import ShardLostError
-from stratagem.strategies import parameter_server as parameter_server_module
-from stratagem.strategies.parameter_server import ParameterServerStrategy
+from stratagem.strategies.ps import coordinator as coordinator_module
+from stratagem.strategies.ps import worker as worker_module
+from stratagem.launch.launcher import launch
+from stratagem.strategies.ps.coordinator import CancelledError, ClosureError
+from stratagem.ps.protocol import ShardLostError
+from stratagem.strategies.ps import parameter_server as parameter_server_module
+from stratagem.strategies.ps.parameter_server import ParameterServerStrategy
 from stratagem.transports.local import LocalFabric
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -239,16 +238,15 @@ def test_workers_without_a_secret_refuse_pickled_functions(cluster):
         s.schedule(lambda: 1).fetch(timeout=10)
 
 
-def test_codec_round_trip_and_refusals():
-    value = {"a": [1, 2.5, None, True, "x", b"raw"], "t": (np.arange(3, dtype=np.int16), np.float64(2.0))}
-    skeleton, arrays, refs = functions_module.encode_value(value)
-    back = functions_module.decode_value(skeleton, arrays, resolve=None)
-    assert back["a"] == value["a"] and back["t"][0].dtype == np.int16 and back["t"][1] == 2.0
-    assert isinstance(back["t"], tuple) and refs == []
-    with pytest.raises(ConfigurationError, match="non-string keys"):
-        functions_module.encode_value({1: 2})
-    assert functions_module.by_name_problem(describe) is None
-    assert "lambda" in functions_module.by_name_problem(lambda: 0)
+def test_functions_of_installed_packages_go_by_value_or_are_refused_at_schedule(cluster):
+    """np.mean is not the user's code: a worker would refuse its name, so it is never sent by name."""
+    c = cluster(ps=1, workers=1)
+    with pytest.raises(ConfigurationError, match=r"'mean' cannot be sent by name.*not authenticated"):
+        c.coordinator.schedule(np.mean, args=(np.arange(4.0),))
+    with pytest.raises(ConfigurationError, match=r"cannot be found by name on the workers"):
+        cluster(ps=1, workers=1, functions="name").coordinator.schedule(np.mean, args=(np.arange(4.0),))
+    authenticated = cluster(ps=1, workers=1, secret=b"s3cret").coordinator
+    assert authenticated.schedule(np.mean, args=(np.arange(4.0),)).fetch(timeout=10) == 1.5
 
 
 # -- failures -----------------------------------------------------------------------------------------------------
@@ -318,7 +316,7 @@ def test_options_and_roles():
 
 
 def test_docstring_examples():
-    for module in (parameter_server_module, coordinator_module, worker_module, functions_module):
+    for module in (parameter_server_module, coordinator_module, worker_module):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0, f"{module.__name__}: {result.failed} failed"
 

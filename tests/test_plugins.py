@@ -25,13 +25,13 @@ import pytest
 
 import stratagem
 from stratagem import ClusterSpec, ConfigurationError, IncompatibleError, PluginError, StratagemError, TaskId
-from stratagem.core.strategy import Strategy, check_compatible
+from stratagem.strategies.base import Strategy, check_compatible
 from stratagem.plugins import PluginSpec, hookimpl
 from stratagem.plugins import builtin
 from stratagem.plugins import report as info_report
+from stratagem.core.options import TRANSPORT_ENV, constructor_options
 from stratagem.plugins.manager import (
-    DISABLE_AUTOLOAD_ENV, TRANSPORT_ENV, PluginManager, autoload_disabled, constructor_options, plugin_manager,
-    reset_plugin_manager, transport_or_default,
+    DISABLE_AUTOLOAD_ENV, PluginManager, autoload_disabled, plugin_manager, reset_plugin_manager, transport_or_default,
 )
 from stratagem.transports.local import LocalFabric, LocalTransport
 
@@ -214,6 +214,34 @@ def test_third_party_strategy_runs_a_step_over_third_party_transport(example_plu
     assert "strategy 'solo' cannot run over transport 'zmq'" in out["incompatible"]
 
 
+def test_third_party_compressor_is_listed_and_compresses_a_mirrored_all_reduce(example_plugin, tmp_path):
+    sign = _row(_info_json(tmp_path), "compressor", "sign")
+    assert sign is not None and sign["source"] == PLUGIN_SOURCE and sign["usable"], sign
+    proc = _python("""
+        import json, threading, numpy as np, stratagem
+        from stratagem.core.cluster import ClusterSpec
+        from stratagem.transports.local import LocalFabric
+        cluster, fabric, out = ClusterSpec({"worker": ["local:0", "local:1"]}), LocalFabric(), {}
+        def replica(i):
+            s = stratagem.strategy("mirrored", transport="local", cluster=cluster, task=f"worker:{i}",
+                                   transport_options={"fabric": fabric, "timeout": 30}, compression="sign")
+            with s.scope():
+                w = stratagem.Variable(np.zeros(4, np.float32), name="w")
+                opt = stratagem.optimizers.SGD(learning_rate=1.0)
+            opt.apply_gradients([(np.array([1.0, -3.0, 2.0, 2.0], np.float32) * (i + 1), w)])
+            out[i] = [type(s.compressor).__module__, w.value.tolist()]
+            s.shutdown()
+        threads = [threading.Thread(target=replica, args=(i,)) for i in range(2)]
+        [t.start() for t in threads]; [t.join(60) for t in threads]
+        print(json.dumps(out))
+    """, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # each replica sends the signs of its share of the mean gradient and their mean magnitude (1, then 2):
+    # the sum is 3 x the signs
+    assert out["0"] == out["1"] == ["stratagem_example_plugin.sign", [-3.0, 3.0, -3.0, -3.0]]
+
+
 def test_autoload_disabled_hides_third_party_plugin(example_plugin, tmp_path):
     data = _info_json(tmp_path, **{DISABLE_AUTOLOAD_ENV: "1"})
     assert data["autoload"] is False
@@ -236,9 +264,9 @@ def test_listing_imports_no_plugin_module(example_plugin, tmp_path):
         from stratagem.plugins.report import report
         data = report()
         assert any(r["name"] == "loopback" for r in data["plugins"]), data
-        loaded = [m for m in ("stratagem.transports.zmq", "zmq", "stratagem.transports.local",
+        loaded = [m for m in ("stratagem.transports.zmq.transport", "zmq", "stratagem.transports.local",
                               "stratagem_example_plugin.loopback", "stratagem_example_plugin.solo",
-                              "stratagem.core.strategy") if m in sys.modules]
+                              "stratagem.strategies.base") if m in sys.modules]
         print(loaded)
     """, tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -555,7 +583,7 @@ def test_the_default_transport_comes_from_the_environment_and_an_explicit_one_wi
 
 
 def test_reduce_across_replicas_in_threads(manager):
-    pytest.importorskip("stratagem.core.communicator")
+    pytest.importorskip("stratagem.collectives.communicator")
     fabric = LocalFabric()
     strategies = [Strategy("local", cluster=TWO_WORKERS, task=f"worker:{i}", plugins=manager,
                            transport_options={"fabric": fabric, "timeout": 30}) for i in range(2)]
@@ -631,10 +659,10 @@ def test_info_cut_short_by_its_reader_ends_quietly(args):
 
 
 def test_errors_users_catch_are_exported_and_every_public_name_resolves():
-    from stratagem.core.checkpoint import CheckpointError
-    from stratagem.core.ps_coordinator import ClosureError
-    from stratagem.core.ps_protocol import ShardLostError
-    from stratagem.strategies.in_graph_client import ReplicaError
+    from stratagem.training.checkpoint import CheckpointError
+    from stratagem.strategies.ps.coordinator import ClosureError
+    from stratagem.ps.protocol import ShardLostError
+    from stratagem.strategies.in_graph.client import ReplicaError
 
     for name in stratagem.__all__:
         assert getattr(stratagem, name) is not None, name

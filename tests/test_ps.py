@@ -1,4 +1,4 @@
-"""The parameter-server service (core/ps_*.py) and the placement (core/placement.py), over the ``local``
+"""The parameter-server service (core/ps_*.py) and the placement (ps/placement.py), over the ``local``
 transport: servers and clients are threads of this process, so these tests are fast.
 
 - placement: round-robin, greedy by bytes (with its load bound), explicit device, device setters,
@@ -23,15 +23,14 @@ import pytest
 
 import stratagem
 from stratagem import ConfigurationError, PeerLostError, StratagemError, TaskId
-from stratagem.core import placement as placement_module
-from stratagem.core import ps as ps_module
-from stratagem.core import ps_checkpoint as checkpoint_module
-from stratagem.core import ps_client as client_module
-from stratagem.core import ps_consistency as consistency_module
-from stratagem.core import ps_protocol as protocol_module
-from stratagem.core import ps_server as server_module
-from stratagem.core import ps_strategy as ps_strategy_module
-from stratagem.core.placement import (
+from stratagem.ps import placement as placement_module
+from stratagem.strategies.ps import checkpoint as checkpoint_module
+from stratagem.ps import client as client_module
+from stratagem.ps import consistency as consistency_module
+from stratagem.ps import protocol as protocol_module
+from stratagem.ps import server as server_module
+from stratagem.strategies.ps import base as ps_strategy_module
+from stratagem.ps.placement import (
     GreedyByBytes,
     Placer,
     RoundRobin,
@@ -40,7 +39,9 @@ from stratagem.core.placement import (
     min_slice_partitioner,
     replica_device_setter,
 )
-from stratagem.core.ps import ParameterServer, PSClient, RemoteError, ShardLostError
+from stratagem.ps.client import PSClient
+from stratagem.ps.protocol import RemoteError, ShardLostError
+from stratagem.ps.server import ParameterServer
 from stratagem.core.transport import SendHandle
 from stratagem.transports.local import LocalFabric, LocalTransport
 
@@ -91,6 +92,24 @@ def test_greedy_by_bytes_keeps_loads_within_the_largest_piece():
     largest = max(p.nbytes for name, shape in MIXED for p in Placer(4, "greedy", 64 << 10).place(name, shape, "float32"))
     assert max(split.loads) - min(split.loads) <= largest < 300_000
     assert max(split.loads) / (sum(split.loads) / 4) < 1.3
+
+
+def test_pieces_larger_than_the_transport_delivers_whole_are_cut_on_their_shard():
+    placer = Placer(2, "round_robin", partition_bytes=2000, piece_bytes=500)
+    cut = placer.place("w", (10, 30), "float32")              # 1200 bytes, not partitioned: one shard
+    assert [(p.name, p.ps, p.part, p.parts, p.lo, p.hi, p.nbytes) for p in cut] == [
+        ("w/part_0", 0, 0, 3, 0, 4, 480), ("w/part_1", 0, 1, 3, 4, 7, 360), ("w/part_2", 0, 2, 3, 7, 10, 360)]
+    split = placer.place("emb", (20, 30), "float32")          # 2400 bytes: partitioned, then each slice cut
+    assert [(p.ps, p.lo, p.hi) for p in split] == [(1, 0, 4), (1, 4, 7), (1, 7, 10), (0, 10, 14), (0, 14, 17),
+                                                  (0, 17, 20)]
+    assert [p.part for p in split] == list(range(6)) and {p.parts for p in split} == {6}
+    assert max(p.nbytes for p in cut + split) <= 500 and placer.loads == [1200 + 1200, 1200]
+    assert [p.name for p in placer.place("small", (4, 30), "float32")] == ["small"]     # 480 bytes: whole
+    assert len(placer.place("wide", (2, 1000), "float32")) == 2                       # a row over: one each
+    with device("/job:ps/task:1"):
+        assert {p.ps for p in placer.place("pinned", (10, 30), "float32")} == {1}
+    with pytest.raises(ConfigurationError, match="piece_bytes must be an integer >= 1"):
+        Placer(2, piece_bytes=0)
 
 
 def test_partitioning_rules_and_setters():
@@ -162,7 +181,7 @@ def test_a_partitioned_variable_reassembles_exactly(tmp_path):
     assert not zeroed.any()
     np.testing.assert_array_equal(after, value - 1.0)                 # restored after the zero assign
     assert step == 1
-    saved = stratagem.core.checkpoint.load(path)                      # one ordinary, whole array
+    saved = stratagem.training.checkpoint.load(path)                      # one ordinary, whole array
     np.testing.assert_array_equal(saved.variables["emb"], value - 1.0)
     assert saved.step == 1 and saved.extra["ps_tasks"] == 3
 
@@ -486,11 +505,10 @@ class _Unfinished(SendHandle):
         self.finished = True
 
 
-def test_a_reply_still_being_sent_keeps_its_version(service):
-    svc = service(ps=1)
-    svc.init(ASYNC, optimizer=SGD1)
-    server, client = svc.servers[0], svc.clients[0]
-    sends = []                                       # (handle, the arrays the reply sends, by reference)
+def _unfinished_replies(server) -> list:
+    """Make every reply of ``server`` look unfinished until a test says otherwise; returns the list of
+    ``(handle, the arrays the reply sends, by reference)``, one per reply."""
+    sends = []
     deliver = server.transport.send_async
 
     def unfinished_send(dst, tag, msg, timeout=None):
@@ -498,6 +516,16 @@ def test_a_reply_still_being_sent_keeps_its_version(service):
         sends.append((_Unfinished(), list(msg.buffers)))
         return sends[-1][0]
     server.transport.send_async = unfinished_send
+    return sends
+
+
+def test_a_reply_still_being_sent_keeps_its_version(service):
+    # TorchSGD's rule (an _update in place) may not write over the gradient: the server updates its
+    # own arrays, into a spare while a reply reads the current one.
+    svc = service(ps=1)
+    svc.init(ASYNC, optimizer=stratagem.optimizers.TorchSGD(learning_rate=1.0).get_config())
+    server, client = svc.servers[0], svc.clients[0]
+    sends = _unfinished_replies(server)
 
     def push():
         return client.push({0: (["w0"], [np.ones(4, np.float32)])}, pull=True)[0].buffers[0][0]
@@ -518,6 +546,24 @@ def test_a_reply_still_being_sent_keeps_its_version(service):
     assert push() == -5.0 and server.values["w0"] is current    # nothing reads it: in place
 
 
+def test_an_update_over_the_received_gradient_leaves_sent_versions_alone(service):
+    # SGD writes its result over the pushed gradient, which becomes the piece's array: every version
+    # a reply sent stays as it was, without a spare array and without waiting for any reply.
+    svc = service(ps=1)
+    svc.init(ASYNC, optimizer=SGD1)
+    server, client = svc.servers[0], svc.clients[0]
+    sends = _unfinished_replies(server)
+    arrays = []
+    for step in range(1, 5):
+        got = client.push({0: (["w0"], [np.full(4, 0.5, np.float32)])}, pull=True)[0].buffers[0]
+        assert got.tolist() == [-0.5 * step] * 4
+        arrays.append(server.values["w0"])
+    assert [a.tolist() for _, (a,) in sends] == [[-0.5 * step] * 4 for step in range(1, 5)]
+    assert [sent is held for (_, (sent,)), held in zip(sends, arrays)] == [True] * 4   # sent by reference
+    assert len({id(a) for a in arrays}) == 4 and server.replies.allocated == 0
+    assert not any(handle.finished for handle, _ in sends)                            # nothing waited
+
+
 def test_mode_options_are_checked():
     check = protocol_module.check_mode
     assert check("bounded", None, None, 2, 3)["staleness"] == 2
@@ -532,7 +578,7 @@ def test_mode_options_are_checked():
 
 
 def test_docstring_examples():
-    for module in (placement_module, ps_module, client_module, protocol_module, server_module, ps_strategy_module,
+    for module in (placement_module, client_module, protocol_module, server_module, ps_strategy_module,
                    consistency_module, checkpoint_module):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0, f"{module.__name__}: {result.failed} doctest example(s) failed"

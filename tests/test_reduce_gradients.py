@@ -15,7 +15,7 @@ import pytest
 import stratagem
 from stratagem.core.cluster import ClusterSpec
 from stratagem.core.errors import ConfigurationError
-from stratagem.strategies.between_graph import BetweenGraphStrategy
+from stratagem.strategies.ps.between_graph import BetweenGraphStrategy
 from stratagem.strategies.mirrored import MirroredStrategy
 from stratagem.transports.local import LocalFabric
 

@@ -32,16 +32,16 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from stratagem.core import collectives as coll
+from stratagem.collectives import algorithms as coll
 from stratagem.core import wire
 from stratagem.core.cluster import ClusterSpec
-from stratagem.core.communicator import Communicator
+from stratagem.collectives.communicator import Communicator
 from stratagem.core.errors import CollectiveMismatchError, ConfigurationError, PeerLostError, TransportClosed
 from stratagem.core.transport import Message
 from stratagem.testing.peer import spawn_peer
 from stratagem.testing.world import local_cluster, run_ranks, transport_world
-from stratagem.transports import shm_rendezvous
-from stratagem.transports.shm import ShmTransport, socket_address
+from stratagem.transports.shm import rendezvous as shm_rendezvous
+from stratagem.transports.shm.transport import ShmTransport, socket_address
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the shm transport is Linux-only")]

@@ -127,7 +127,7 @@ def test_without_a_port_the_step_has_no_addresses_and_socket_transports_say_how_
     found = ClusterResolver.from_env(step_env(2, STRATAGEM_PORT=None))
     assert found.task == TaskId("worker", 2) and found.cluster.address("worker:0") is None
     assert "no STRATAGEM_PORT" in found.source
-    from stratagem.transports.zmq import ZmqTransport
+    from stratagem.transports.zmq.transport import ZmqTransport
 
     raises(lambda: ZmqTransport(found.cluster, found.task), "no network address", "STRATAGEM_PORT", "srun",
            "transport='mpi'")

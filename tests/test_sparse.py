@@ -10,7 +10,7 @@ import pytest
 
 import stratagem
 from stratagem import ClusterSpec, ConfigurationError, IndexedSlices
-from stratagem.core.sparse import densify
+from stratagem.training.sparse import densify
 from stratagem.strategies.mirrored import MirroredStrategy
 from stratagem.transports.local import LocalFabric
 

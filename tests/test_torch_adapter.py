@@ -1,6 +1,6 @@
 """stratagem.torch: a torch module trained through ``DistributedOptimizer`` equals plain single-process torch.
 
-Real jobs (``stratagem.core.launcher.launch``, processes over zmq) run tests/scripts/torch_adapter_train.py:
+Real jobs (``stratagem.launch.launcher.launch``, processes over zmq) run tests/scripts/torch_adapter_train.py:
 2 and 3 replicas under ``mirrored`` (the gradients all-reduced, then the torch optimizer's own
 ``step()``) and under ``between_graph`` in sync mode (the torch optimizer translated to torch's exact
 rule, run on the ps tasks). The final parameters of every replica must equal, within 1e-6, those of
@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip insta
 
 import stratagem  # noqa: E402
 from stratagem.core.errors import ConfigurationError  # noqa: E402
-from stratagem.core.launcher import launch  # noqa: E402
+from stratagem.launch.launcher import launch  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "torch_adapter_train.py"
 STEPS = 20
@@ -290,7 +290,7 @@ def test_device_variables_are_viewed_through_dlpack(fake_cupy):
     through DLPack, sharing memory. (Without a CUDA build of torch, cupy.from_dlpack of a CUDA tensor,
     the other direction, does not run in these tests.)"""
     from stratagem.adapters.torch_tensors import as_tensor
-    from stratagem.core.variables import Variable, is_device_array
+    from stratagem.training.variables import Variable, is_device_array
 
     var = Variable(fake_cupy.zeros(3, dtype=np.float32), name="on_device")
     assert is_device_array(var.value)
@@ -305,7 +305,7 @@ def test_parameter_server_strategy_is_refused_with_the_way_to_train_there():
 
     import stratagem.torch as st
     from stratagem.core.cluster import ClusterSpec
-    from stratagem.strategies.parameter_server import ParameterServerStrategy
+    from stratagem.strategies.ps.parameter_server import ParameterServerStrategy
     from stratagem.transports.local import LocalFabric
 
     cluster = ClusterSpec({"chief": ["local:0"], "worker": ["local:1"], "ps": ["local:2"]})

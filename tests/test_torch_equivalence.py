@@ -1,6 +1,6 @@
 """Equivalence for the PyTorch MLP of examples/mlp_torch.py.
 
-N mirrored replicas (N = 2, 3), real processes under ``stratagem.core.launcher.launch`` over zmq, train
+N mirrored replicas (N = 2, 3), real processes under ``stratagem.launch.launcher.launch`` over zmq, train
 the example's torch module (parameters are views of stratagem Variables; gradients from
 ``loss.backward()`` go through ``opt.apply_gradients``) with stratagem's SGD on their shards of each
 global batch. They must end with the parameters that one process gets by training the same module on
@@ -24,7 +24,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch): the torch example is not tested")
 
-from stratagem.core.launcher import launch  # noqa: E402
+from stratagem.launch.launcher import launch  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "torch_mlp_train.py"
 STEPS, BATCH = 15, 25

@@ -13,9 +13,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from stratagem.core import variables as variables_module
+from stratagem.training import variables as variables_module
 from stratagem.core.errors import ConfigurationError
-from stratagem.core.variables import (
+from stratagem.training.variables import (
     LocalStore,
     Variable,
     VariableStore,
@@ -33,7 +33,7 @@ class FakeStrategy:
         self.variables: list[Variable] = []
         self.refuse = refuse
 
-    def _register_variable(self, var):
+    def on_variable(self, var):
         if var.name == self.refuse:
             raise ConfigurationError(f"refusing {var.name}")
         self.variables.append(var)
@@ -288,8 +288,8 @@ class RemoteStore(VariableStore):
 
 
 class ShardingStrategy(FakeStrategy):
-    def _register_variable(self, var):
-        super()._register_variable(var)
+    def on_variable(self, var):
+        super().on_variable(var)
         var._set_store(RemoteStore(var.value))
 
 
@@ -345,9 +345,9 @@ def test_device_value_assigned_to_a_host_variable_is_copied_to_the_host(fake_cup
 def test_numpy_path_never_imports_cupy():
     code = (
         "import sys, numpy as np, tempfile\n"
-        "from stratagem.core.variables import Variable\n"
-        "from stratagem.core.optimizers import Adam\n"
-        "from stratagem.core import checkpoint\n"
+        "from stratagem.training.variables import Variable\n"
+        "from stratagem.training.optimizers.rules import Adam\n"
+        "from stratagem.training import checkpoint\n"
         "w = Variable(np.ones(3, np.float32), name='w')\n"
         "opt = Adam(0.1); opt.apply_gradients([(np.ones(3, np.float32), w)])\n"
         "d = tempfile.mkdtemp(); checkpoint.save(d, {'w': w.value}, opt.state_dict(), 1); checkpoint.load(d)\n"

@@ -3,7 +3,7 @@
 Small frames travel as one part (header, envelope and buffers: ``wire.encode_bytes``), larger ones
 as ``[head, buffer...]``, buffers over 4 MiB as a stream of pieces; every shape must arrive intact,
 in order, and a malformed or unauthenticated one-part frame must be dropped like any other. Received
-message memory is reused rather than page-faulted in afresh (``transports/zmq_malloc.py``), measured
+message memory is reused rather than page-faulted in afresh (``transports/zmq/malloc.py``), measured
 with the process's page-fault counter in a fresh interpreter.
 """
 
@@ -26,7 +26,7 @@ from stratagem.core.errors import TransportTimeout
 from stratagem.core.transport import Message
 from stratagem.core.wire import Kind
 from stratagem.testing.world import local_cluster, still_serves, wait_for
-from stratagem.transports.zmq import PART_BYTES, SINGLE_PART_BYTES, ZmqTransport
+from stratagem.transports.zmq.transport import PART_BYTES, SINGLE_PART_BYTES, ZmqTransport
 
 TIMEOUT = 20.0
 
@@ -110,7 +110,7 @@ def test_a_one_part_frame_whose_length_lies_is_dropped(trio, raw_dealer, caplog,
     _join_as_worker_2(cluster, peer)
     frame = wire.encode_bytes(Kind.DATA, "lie", {}, [np.arange(8, dtype=np.float32)])
     frame = frame[:cut] if cut < 0 else frame + b"\x00" * cut
-    with caplog.at_level(logging.WARNING, logger="stratagem.transports.zmq"):
+    with caplog.at_level(logging.WARNING, logger="stratagem.transports.zmq.transport"):
         peer.send(frame)
         assert wait_for(lambda: b.stats["rejected_frames"] >= 1)
     assert any("malformed frame" in r.getMessage() for r in caplog.records)
@@ -122,7 +122,7 @@ def test_a_one_part_frame_whose_length_lies_is_dropped(trio, raw_dealer, caplog,
 def test_a_one_part_data_frame_before_the_handshake_is_dropped(trio, raw_dealer, caplog):
     _, a, b = trio
     attacker = raw_dealer(b.address)
-    with caplog.at_level(logging.WARNING, logger="stratagem.transports.zmq"):
+    with caplog.at_level(logging.WARNING, logger="stratagem.transports.zmq.transport"):
         attacker.send(wire.encode_bytes(Kind.DATA, "ok", {"forged": True}, [np.arange(3)]))
         assert wait_for(lambda: b.stats["rejected_frames"] >= 1)
     assert any("handshake" in r.getMessage() for r in caplog.records)
@@ -136,7 +136,7 @@ _FAULTS = textwrap.dedent("""
     import numpy as np
     from stratagem.core.transport import Message
     from stratagem.testing.world import local_cluster
-    from stratagem.transports.zmq import ZmqTransport
+    from stratagem.transports.zmq.transport import ZmqTransport
 
     tuning = sys.argv[1] == "on"
     cluster = local_cluster(2)
@@ -178,7 +178,7 @@ def test_received_message_memory_is_reused_not_faulted_in_again():
 
 
 def test_the_tuning_leaves_a_user_choice_alone(monkeypatch):
-    from stratagem.transports.zmq_malloc import keep_message_memory
+    from stratagem.transports.zmq.malloc import keep_message_memory
 
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000")
     assert keep_message_memory(PART_BYTES) is False

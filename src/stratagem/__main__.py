@@ -1,5 +1,5 @@
 """``python -m stratagem`` is the ``stratagem`` command."""
 
-from .cli import main
+from stratagem.cli import main
 
 raise SystemExit(main())

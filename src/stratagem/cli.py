@@ -1,4 +1,4 @@
-"""The ``stratagem`` command: ``info``, ``launch``, ``k8s`` (and ``bench``).
+"""The ``stratagem`` command: ``info``, ``launch``, ``k8s``, ``timeline`` (and ``bench``, ``advise``).
 
 Each subcommand's arguments and behaviour live beside the code they drive (``add_arguments`` and
 ``run`` in its module); this file only wires them together, so ``stratagem --help`` stays cheap.
@@ -14,9 +14,11 @@ import sys
 #: subcommand -> (module that implements it, one-line help)
 SUBCOMMANDS = {
     "info": ("stratagem.plugins.report", "list the plugins, where each came from, and whether it is usable here"),
-    "launch": ("stratagem.core.launcher", "start a local cluster: one process per task, output prefixed by task"),
+    "launch": ("stratagem.launch.launcher", "start a local cluster: one process per task, output prefixed by task"),
     "bench": ("stratagem.bench.cli", "compare strategies x transports training a model here (and `bench collectives`)"),
-    "k8s": ("stratagem.engines.k8s", "write Kubernetes manifests for a job (`k8s manifest`: a Kubeflow TFJob or MPIJob)"),
+    "advise": ("stratagem.advise.cli", "measure this machine, predict every strategy x transport x ps count, recommend one"),
+    "timeline": ("stratagem.timeline.cli", "merge the tasks' timelines (launch --timeline) and name the straggler"),
+    "k8s": ("stratagem.launch.k8s", "write Kubernetes manifests for a job (`k8s manifest`: a Kubeflow TFJob or MPIJob)"),
 }
 
 
@@ -27,7 +29,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         prog="stratagem",
         description="Stratagem: data-parallel training across processes and machines.",
     )
-    from . import __version__
+    from stratagem import __version__
 
     parser.add_argument("--version", action="version", version=f"stratagem {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -32,6 +32,6 @@ from __future__ import annotations
 
 import jax as _jax  # noqa: F401 - this module needs JAX: fail here, with JAX's ImportError
 
-from .adapters.jax_tree import TreeVariables, broadcast_parameters, leaf_names
+from stratagem.adapters.jax_tree import TreeVariables, broadcast_parameters, leaf_names
 
 __all__ = ["TreeVariables", "broadcast_parameters", "leaf_names"]

@@ -2,7 +2,7 @@
 ``TorchSGD``, ``TorchAdam``, ``TorchAdagrad`` (``torch.optim``'s rules, without torch).
 
 Create them inside ``strategy.scope()`` so that ``apply_gradients`` synchronises the replicas; see
-:mod:`stratagem.core.optimizers` for the update rules and :mod:`stratagem.core.optimizer_base` for
+:mod:`stratagem.training.optimizers.rules` for the update rules and :mod:`stratagem.training.optimizers.base` for
 precision.
 
 >>> import numpy as np, stratagem
@@ -15,6 +15,6 @@ array([0.9, 0.9], dtype=float32)
 SGD(learning_rate=0.1, momentum=0.0, nesterov=False)
 """
 
-from .core.optimizers import SGD, Adagrad, Adam, Optimizer, TorchAdagrad, TorchAdam, TorchSGD, from_config
+from stratagem.training.optimizers.rules import SGD, Adagrad, Adam, Optimizer, TorchAdagrad, TorchAdam, TorchSGD, from_config
 
 __all__ = ["SGD", "Adam", "Adagrad", "TorchSGD", "TorchAdam", "TorchAdagrad", "Optimizer", "from_config"]

@@ -46,9 +46,9 @@ from __future__ import annotations
 
 import torch as _torch  # noqa: F401 - this module needs torch: fail here, with torch's ImportError
 
-from .adapters.torch_optim import DistributedOptimizer, ps_rule_config
-from .adapters.torch_params import broadcast_parameters, variable_of, wrap_module, wrap_parameters
-from .adapters.torch_state import TorchOptimizerState, module_state_dict
+from stratagem.adapters.torch_optim import DistributedOptimizer, ps_rule_config
+from stratagem.adapters.torch_params import broadcast_parameters, variable_of, wrap_module, wrap_parameters
+from stratagem.adapters.torch_state import TorchOptimizerState, module_state_dict
 
 __all__ = ["wrap_module", "wrap_parameters", "variable_of", "DistributedOptimizer", "broadcast_parameters",
            "module_state_dict", "TorchOptimizerState", "ps_rule_config"]

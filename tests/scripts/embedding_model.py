@@ -12,7 +12,7 @@ import numpy as np
 
 import stratagem
 from stratagem import IndexedSlices
-from stratagem.core.sparse import densify
+from stratagem.training.sparse import densify
 
 VOCAB, DIM, BAG = 2000, 8, 3
 

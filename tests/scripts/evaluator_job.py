@@ -23,9 +23,9 @@ import time
 import numpy as np
 
 import stratagem
-from stratagem.core import checkpoint
+from stratagem.training import checkpoint
 from stratagem.core.cluster import ClusterResolver
-from stratagem.core.ps_protocol import RemoteError
+from stratagem.ps.protocol import RemoteError
 
 out, ckpt, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 kind = sys.argv[4] if len(sys.argv) > 4 else "between_graph"

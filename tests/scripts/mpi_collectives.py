@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 import stratagem
-from stratagem.core.communicator import Communicator
+from stratagem.collectives.communicator import Communicator
 from stratagem.core.errors import CollectiveMismatchError, TransportTimeout
 from stratagem.core.wire import DTYPES
 
@@ -188,7 +188,7 @@ def test_failures() -> None:
 def test_message_pieces() -> None:
     """Buffers bigger than an MPI message are sent in pieces (1 GiB; made tiny here to test it)."""
     from stratagem.core.transport import Message
-    from stratagem.transports import mpi_progress as mpi
+    from stratagem.transports.mpi import progress as mpi
 
     saved, mpi.MAX_PIECE_BYTES = mpi.MAX_PIECE_BYTES, 4097
     try:

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 import stratagem
-from stratagem.core.communicator import Communicator
+from stratagem.collectives.communicator import Communicator
 from stratagem.core.errors import PeerLostError
 
 mode = sys.argv[1]

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from stratagem.core.cluster import ClusterResolver
-from stratagem.core.communicator import Communicator
+from stratagem.collectives.communicator import Communicator
 from stratagem.core.transport import Message
 from stratagem.plugins.manager import plugin_manager
 

@@ -8,8 +8,8 @@ import sys
 import numpy as np
 
 from stratagem.core.cluster import ClusterSpec, TaskId
-from stratagem.core.communicator import Communicator
-from stratagem.transports.shm import ShmTransport
+from stratagem.collectives.communicator import Communicator
+from stratagem.transports.shm.transport import ShmTransport
 
 transport = ShmTransport(ClusterSpec.from_json(sys.argv[1]), TaskId.parse(sys.argv[2]), timeout=60, peer_timeout=3)
 transport.start()

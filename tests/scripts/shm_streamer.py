@@ -10,7 +10,7 @@ import numpy as np
 
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.transport import Message
-from stratagem.transports.shm import ShmTransport
+from stratagem.transports.shm.transport import ShmTransport
 
 cluster, task, target = ClusterSpec.from_json(sys.argv[1]), TaskId.parse(sys.argv[2]), TaskId.parse(sys.argv[3])
 transport = ShmTransport(cluster, task, timeout=60, peer_timeout=3)

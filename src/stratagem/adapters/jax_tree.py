@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from ..core.errors import ConfigurationError
-from ..core.replica_sync import allgather_json, broadcast_arrays, dtype_key
-from ..core.variables import Variable, current_strategy
+from stratagem.core.errors import ConfigurationError
+from stratagem.training.replica_sync import allgather_json, broadcast_arrays, dtype_key
+from stratagem.training.variables import Variable, current_strategy
 
 
 def _strategy(strategy, what: str):

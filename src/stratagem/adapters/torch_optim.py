@@ -9,7 +9,7 @@ in them.
 
 Under ``between_graph`` the update runs on the ps tasks, which have no torch:
 the torch optimizer is translated into the stratagem rule with torch's exact equations
-(:mod:`stratagem.core.optimizers_torch`) — ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight
+(:mod:`stratagem.training.optimizers.torch_rules`) — ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight
 decay, maximize), ``Adam`` and ``AdamW`` (weight decay, amsgrad, maximize) and ``Adagrad`` (lr decay,
 weight decay, initial accumulator) — and ``step()`` pushes the gradients; the new values come back
 into the parameters' buffers. Other optimizers are refused there with the list of supported ones.
@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.errors import ConfigurationError
-from .torch_params import resolve_strategy, variable_of, wrap_parameters
-from .torch_state import TorchOptimizerState
-from .torch_tensors import as_array, as_tensor
+from stratagem.core.errors import ConfigurationError
+from stratagem.core import timeline as _timeline
+from stratagem.adapters.torch_params import resolve_strategy, variable_of, wrap_parameters
+from stratagem.adapters.torch_state import TorchOptimizerState
+from stratagem.adapters.torch_tensors import as_array, as_tensor
 
 #: What runs on the ps tasks: torch optimizer class name -> the rule's name.
 PS_RULES = {"SGD": "TorchSGD", "Adam": "TorchAdam", "AdamW": "TorchAdam", "Adagrad": "TorchAdagrad"}
@@ -113,7 +114,7 @@ class DistributedOptimizer:
                 "pass the Variables and a stratagem optimizer to the step (stratagem.optimizers.TorchAdam, "
                 "TorchSGD, TorchAdagrad are torch's rules) and view them there with torch.from_numpy"
             )
-        from ..core.ps_strategy import PSStrategyBase   # the parameter-server strategies
+        from stratagem.strategies.ps.base import PSStrategyBase   # the parameter-server strategies
 
         self.on_parameter_servers = isinstance(strategy, PSStrategyBase)
         if self.on_parameter_servers:
@@ -135,13 +136,13 @@ class DistributedOptimizer:
         self._rule = None
         self._state = None
         if self.on_parameter_servers:
-            from ..core.optimizers import from_config
+            from stratagem.training.optimizers.rules import from_config
 
             with strategy.scope():
                 self._rule = from_config(self._rule_config)
         else:
             self._state = TorchOptimizerState(optimizer, named)
-            strategy._register_optimizer(self._state)   # strategy.save/restore keep its state
+            strategy.on_optimizer(self._state)   # strategy.save/restore keep its state
 
     @property
     def variables(self) -> dict:
@@ -172,7 +173,12 @@ class DistributedOptimizer:
             with torch.no_grad():
                 for (param, _), grad in zip(present, reduced):
                     param.grad.copy_(as_tensor(grad))
-            self.optimizer.step()
+            recorder = _timeline.RECORDER
+            if recorder is None:
+                self.optimizer.step()
+            else:
+                with recorder.span("optimizer", "optimizer", {"optimizer": type(self.optimizer).__name__}):
+                    self.optimizer.step()
             self._state.iterations += 1
         return loss
 

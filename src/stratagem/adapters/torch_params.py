@@ -13,10 +13,10 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from ..core.errors import ConfigurationError
-from ..core.replica_sync import allgather_json, broadcast_arrays, dtype_key
-from ..core.variables import Variable, current_strategy
-from .torch_tensors import as_array, as_tensor
+from stratagem.core.errors import ConfigurationError
+from stratagem.training.replica_sync import allgather_json, broadcast_arrays, dtype_key
+from stratagem.training.variables import Variable, current_strategy
+from stratagem.adapters.torch_tensors import as_array, as_tensor
 
 #: The attribute a wrapped parameter carries: its Variable.
 VARIABLE_ATTR = "_stratagem_variable"

@@ -10,7 +10,7 @@ Under ``mirrored`` the update runs in the torch optimizer, so its state is what 
 :class:`TorchOptimizerState` is what the strategy sees as its optimizer — ``state_dict()`` in
 stratagem's format (``{"iterations": step, "slots": {parameter name: {state key: array}}}``, the
 torch state's tensors under their own keys) and ``load_state_dict`` back into the torch optimizer.
-On parameter servers the ps tasks run :mod:`stratagem.core.optimizers_torch` rules whose slots carry
+On parameter servers the ps tasks run :mod:`stratagem.training.optimizers.torch_rules` rules whose slots carry
 the same keys, so a checkpoint written under either strategy restores under the other.
 """
 
@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..core.errors import ConfigurationError
+from stratagem.core.errors import ConfigurationError
 
 
 class TorchOptimizerState:
@@ -89,7 +89,7 @@ def module_state_dict(path, *, prefix: str = "") -> dict[str, Any]:
     takes it, in a plain torch program with no strategy."""
     import torch
 
-    from ..core import checkpoint
+    from stratagem.training import checkpoint
 
     loaded = checkpoint.load(path)
     return {name[len(prefix):]: torch.from_numpy(np.array(value, copy=True))

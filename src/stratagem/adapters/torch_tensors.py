@@ -20,7 +20,7 @@ import importlib
 
 import torch
 
-from ..core.variables import is_device_array
+from stratagem.training.variables import is_device_array
 
 
 def as_array(tensor):

@@ -30,7 +30,7 @@ def not_installed(reason: str, hint: str | None) -> str:
 
 def mpi_job_problem() -> str | None:
     """Why a local ``mpiexec`` job cannot start here (no mpiexec, no private network namespace), or None."""
-    from ..core.mpi_launch import find_mpiexec, no_mpiexec, private_netns
+    from stratagem.launch.mpi import find_mpiexec, no_mpiexec, private_netns
 
     if find_mpiexec() is None:
         return no_mpiexec()
@@ -44,7 +44,7 @@ def mpi_job_problem() -> str | None:
 def check_transport(name: str) -> TransportCheck:
     """What the bench needs to know of transport ``name`` (an unknown name raises ``PluginError``,
     listing the known ones)."""
-    from ..plugins.manager import plugin_manager
+    from stratagem.plugins.manager import plugin_manager
 
     pm = plugin_manager()
     spec = pm.spec("transport", name)

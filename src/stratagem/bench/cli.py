@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import collectives, train
+from stratagem.bench import collectives, train
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

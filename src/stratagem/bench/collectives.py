@@ -8,8 +8,8 @@
     python -m stratagem.bench.collectives ...                    # the same, without the CLI
 
 For every world size (``--np``) and every stratagem transport and baseline, one *job*: a fresh set of
-processes, one per rank (:func:`stratagem.core.launcher.launch`, or
-:func:`stratagem.core.mpi_launch.launch_mpi` for transports that run as an MPI job and for mpi4py),
+processes, one per rank (:func:`stratagem.launch.launcher.launch`, or
+:func:`stratagem.launch.mpi.launch_mpi` for transports that run as an MPI job and for mpi4py),
 that runs every size (:mod:`stratagem.bench.collectives_task` says how it is timed). Jobs run one
 after another, never two at once. A job that fails or passes ``--timeout`` is stopped (every process
 of it) and reported with the reason; the rest still run. A transport or baseline that cannot run
@@ -39,13 +39,14 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from .collectives_task import COLLECTIVES, elements_per_rank
-from .environment import describe_environment
-from .collectives_jobs import (
-    BASELINES, DEFAULT_BASELINES, DEFAULT_TIMEOUT, MAX_ITERS, MIN_ITERS, VOLUME, Contender, JobResult, baseline_contender,
+from stratagem.bench.collectives_task import COLLECTIVES, elements_per_rank
+from stratagem.bench.environment import describe_environment
+from stratagem.bench.collectives_jobs import (
+    BASELINES, DEFAULT_BASELINES, DEFAULT_TIMEOUT, MAX_ITERS, MIN_ITERS, VOLUME, Contender, JobResult,
+    baseline_contender,
     default_transports, run_job, schedule, stats, transport_contender,
 )
-from .units import human_bytes, parse_size, parse_sizes
+from stratagem.bench.units import human_bytes, parse_size, parse_sizes
 
 #: Sizes when ``--sizes`` is not given: 8 sizes, about a minute on 2 cores for zmq, grpc, mpi, gloo, mpi4py.
 DEFAULT_SIZES = "4K-64M"
@@ -460,7 +461,7 @@ def measure_from_args(args: argparse.Namespace) -> Report:
     Raises :class:`UsageError` for options that do not go together and for unknown transport or
     baseline names (with the known ones).
     """
-    from ..core.errors import PluginError
+    from stratagem.core.errors import PluginError
 
     problem = _check(args)
     if problem:

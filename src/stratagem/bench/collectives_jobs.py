@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .availability import check_transport, mpi_job_problem
-from .collectives_task import COLLECTIVES, PROGRESS_MARK
+from stratagem.bench.availability import check_transport, mpi_job_problem
+from stratagem.bench.collectives_task import COLLECTIVES, PROGRESS_MARK
 
 #: Seconds a job may run before it is stopped.
 DEFAULT_TIMEOUT = 120.0
@@ -82,7 +82,7 @@ def baseline_contender(name: str) -> Contender:
 
 def default_transports() -> list[str]:
     """Every registered transport that runs across processes (``local`` is in-process only)."""
-    from ..plugins.manager import plugin_manager
+    from stratagem.plugins.manager import plugin_manager
 
     pm = plugin_manager()
     names = []
@@ -199,6 +199,21 @@ def child_env(extra: dict | None = None) -> dict:
     return env
 
 
+class _NoDisplay:
+    """What :func:`run_job` reports progress to when its caller shows none."""
+
+    echo = None
+
+    def job_started(self, job, sizes: int) -> None:
+        pass
+
+    def size_done(self, job, progress: dict) -> None:
+        pass
+
+    def job_done(self, job) -> None:
+        pass
+
+
 def run_job(contender: Contender, np_: int, plan: list[dict], *, collective: str = "allreduce",
             timeout: float = DEFAULT_TIMEOUT, options: dict | None = None, display=None) -> JobResult:
     """Run one job and return its figures; a job that fails or times out is a result, not an error.
@@ -207,14 +222,12 @@ def run_job(contender: Contender, np_: int, plan: list[dict], *, collective: str
     ``transport_options``...). Status ``interrupted``: SIGINT/SIGTERM stopped the job (its processes
     are gone); the caller should stop too. ``display``: the live progress (default: none).
     """
-    from ..core.errors import ConfigurationError
-    from ..core.launcher import launch
-    from ..core.mpi_launch import launch_mpi
+    from stratagem.core.errors import ConfigurationError
+    from stratagem.launch.launcher import launch
+    from stratagem.launch.mpi import launch_mpi
 
     if display is None:
-        from .collectives import _Display  # here, not at the top: collectives imports this module
-
-        display = _Display(quiet=True)
+        display = _NoDisplay()
     result = JobResult(contender, np_, loadavg=list(os.getloadavg()))
     if contender.skip_for(np_):
         result.status, result.reason = "skipped", contender.skip_for(np_)

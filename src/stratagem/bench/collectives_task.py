@@ -5,8 +5,8 @@
 ``BACKEND`` is how this rank talks to the others:
 
 - ``stratagem``: ``stratagem.communicator(transport=...)``; the world comes from the environment
-  (``STRATAGEM_CONFIG`` under :func:`stratagem.core.launcher.launch`, the MPI rank variables under
-  :func:`stratagem.core.mpi_launch.launch_mpi` for the ``mpi`` transport);
+  (``STRATAGEM_CONFIG`` under :func:`stratagem.launch.launcher.launch`, the MPI rank variables under
+  :func:`stratagem.launch.mpi.launch_mpi` for the ``mpi`` transport);
 - ``gloo``: ``torch.distributed`` over gloo, rank and world size read from ``STRATAGEM_CONFIG`` (the
   ranks are started by ``launch()``), rendezvous through a file, so no socket listens beyond the
   loopback interface gloo itself binds (``GLOO_SOCKET_IFNAME=lo``);
@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from .pyzmq_ring import PyzmqBackend
+from stratagem.bench.pyzmq_ring import PyzmqBackend
 
 #: Starts a progress line on rank 0's stdout; the rest of the line is a JSON object.
 PROGRESS_MARK = "@stratagem-bench "

@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..core.errors import ConfigurationError
+from stratagem.core.errors import ConfigurationError
 
 REQUIRED = ("name", "batch_size", "learning_rate", "init_params", "batch", "loss_and_grads")
 

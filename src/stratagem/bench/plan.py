@@ -1,10 +1,12 @@
-"""Which strategy x transport combinations a bench runs, the cluster each needs, and why any is skipped.
+"""Which strategy x transport (x compression) combinations a bench runs, the cluster each needs, and
+why any is skipped.
 
 A combination is a strategy (with its consistency mode for the parameter-server strategies, written
-``parameter_server:sync``) on a transport. Every combination asked for is either run or listed as
+``parameter_server:sync``) on a transport, with the gradients compressed by a compressor plugin or not
+(``--compression none,fp16,topk``). Every combination asked for is either run or listed as
 skipped with the reason: a transport that is not usable here (with the install hint), one that only
 works inside one process, a strategy the bench has no driver for, a parameter-server strategy
-without ps tasks.
+without ps tasks, a compressor given to a strategy that takes none (``in_graph``).
 
     >>> [c.label for c in parse_strategies("mirrored,parameter_server:sync")]
     ['mirrored', 'parameter_server:sync']
@@ -18,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.errors import ConfigurationError
-from .availability import TransportCheck
+from stratagem.core.errors import ConfigurationError
+from stratagem.bench.availability import TransportCheck
 
 #: Strategies the bench knows how to drive (see train_task.py), with their modes.
 MODES = {"mirrored": (), "in_graph": (), "between_graph": ("async", "sync", "bounded"),
@@ -30,6 +32,8 @@ NEEDS_PS = ("between_graph", "parameter_server")
 DEFAULT_STRATEGIES = "mirrored,in_graph,between_graph:sync,between_graph:async,parameter_server:async"
 #: Staleness for ``bounded`` runs.
 BOUNDED_STALENESS = 2
+#: What ``--compression`` says for uncompressed gradients.
+NO_COMPRESSION = "none"
 
 
 @dataclass(frozen=True)
@@ -65,10 +69,12 @@ class Combination:
     cluster: Cluster | None = None
     skipped: str | None = None
     mpi_job: bool = False      # launched as one mpiexec job (the transport's ``launcher``)
+    compression: str | None = None   # a compressor's registered name; None: uncompressed
 
     @property
     def label(self) -> str:
-        return f"{self.strategy.label} x {self.transport}"
+        suffix = f" + {self.compression}" if self.compression else ""
+        return f"{self.strategy.label} x {self.transport}{suffix}"
 
 
 def _split(text: str) -> list[str]:
@@ -100,6 +106,16 @@ def parse_transports(text: str) -> list[str]:
     return list(dict.fromkeys(_split(text)))
 
 
+def parse_compressions(text: str) -> list[str | None]:
+    """``"none,fp16,topk"`` -> ``[None, "fp16", "topk"]`` (names are checked against the plugins by
+    :func:`plan`, so third-party compressors count).
+
+    >>> parse_compressions("none, topk,powersgd")
+    [None, 'topk', 'powersgd']
+    """
+    return [None if name == NO_COMPRESSION else name for name in dict.fromkeys(_split(text))]
+
+
 def cluster_for(strategy: StrategyChoice, mpi_job: bool, workers: int, ps: int) -> Cluster:
     """The launch shape: ``workers`` replicas train; ps tasks only for the strategies that use them; the
     parameter_server coordinator is a task of its own (in an MPI job, rank 0: one more worker)."""
@@ -111,13 +127,15 @@ def cluster_for(strategy: StrategyChoice, mpi_job: bool, workers: int, ps: int) 
     return Cluster(workers, ps)
 
 
-def check_names(strategies: list[StrategyChoice], transports: list[str], manager) -> None:
-    """Refuse a strategy or transport name no plugin registers (a typo, most likely: ``mirored``),
-    with the known ones and a did-you-mean: a usage error, not a bench of nothing."""
-    from ..core.errors import PluginError
+def check_names(strategies: list[StrategyChoice], transports: list[str], manager,
+                compressions: list[str | None] = ()) -> None:
+    """Refuse a strategy, transport or compressor name no plugin registers (a typo, most likely:
+    ``mirored``), with the known ones and a did-you-mean: a usage error, not a bench of nothing."""
+    from stratagem.core.errors import PluginError
 
     for option, kind, names in (("--strategies", "strategy", [s.name for s in strategies]),
-                                ("--transports", "transport", transports)):
+                                ("--transports", "transport", transports),
+                                ("--compression", "compressor", [c for c in compressions if c])):
         for name in names:
             try:
                 manager.spec(kind, name)
@@ -126,16 +144,19 @@ def check_names(strategies: list[StrategyChoice], transports: list[str], manager
 
 
 def plan(strategies: list[StrategyChoice], transports: list[str], *, workers: int, ps: int,
-         manager) -> list[Combination]:
-    """Every combination, in strategy-major order, each with its cluster or the reason it is skipped.
+         manager, compressions: list[str | None] = (None,)) -> list[Combination]:
+    """Every combination, in strategy-major order (then transport, then compression), each with its
+    cluster or the reason it is skipped.
 
-    ``manager`` is the plugin manager: it says which strategies and transports exist (an unknown name
-    raises ``ConfigurationError``: :func:`check_names`); each transport is checked once
-    (:func:`~stratagem.bench.availability.check_transport`, importing it)."""
-    from ..core.errors import PluginError
-    from .availability import check_transport
+    ``manager`` is the plugin manager: it says which strategies, transports and compressors exist (an
+    unknown name raises ``ConfigurationError``: :func:`check_names`); each transport is checked once
+    (:func:`~stratagem.bench.availability.check_transport`, importing it), each compressor's usability
+    too, and a strategy without a ``compression`` option is skipped with the reason it gives."""
+    from stratagem.core.errors import PluginError
+    from stratagem.bench.availability import check_transport
 
-    check_names(strategies, transports, manager)
+    check_names(strategies, transports, manager, compressions)
+    unusable = {name: manager.usable("compressor", name, check=True) for name in compressions if name}
     checks: dict[str, TransportCheck] = {}
     for transport in transports:
         try:
@@ -154,11 +175,23 @@ def plan(strategies: list[StrategyChoice], transports: list[str], *, workers: in
             problem = "in_graph needs at least one worker"
         else:
             problem = None
+        refusal = _compression_refusal(strategy.name, manager) if strategy.name in MODES else None
         for transport in transports:
             check = checks[transport]
             reason = problem or check.skip
             if reason is None and check.max_np is not None and workers + ps + 1 > check.max_np:
                 reason = f"needs one GPU per task: up to {workers + ps + 1} tasks, {check.max_np} GPU(s) visible"
-            cluster = None if reason else cluster_for(strategy, check.mpi_job, workers, ps)
-            combinations.append(Combination(strategy, transport, cluster, reason, check.mpi_job))
+            for compression in compressions:
+                why = reason or (compression and (unusable[compression] or refusal))
+                cluster = None if why else cluster_for(strategy, check.mpi_job, workers, ps)
+                combinations.append(Combination(strategy, transport, cluster, why or None, check.mpi_job,
+                                                compression))
     return combinations
+
+
+def _compression_refusal(strategy: str, manager) -> str | None:
+    """Why ``strategy`` cannot compress gradients (it has no ``compression`` option), or None."""
+    cls = manager.strategy_class(strategy)
+    if "compression" in cls.option_defaults():
+        return None
+    return f"{strategy} cannot compress gradients: {cls.compression_refusal}"

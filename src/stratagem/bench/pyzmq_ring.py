@@ -83,7 +83,7 @@ class PyzmqBackend:
     """The bench backend (see :mod:`stratagem.bench.collectives_task`) over :class:`PyzmqRing`."""
 
     def __init__(self, spec: dict):
-        from ..core.cluster import ClusterResolver
+        from stratagem.core.cluster import ClusterResolver
 
         resolved = ClusterResolver.from_env()
         replicas = resolved.cluster.replicas()

@@ -1,6 +1,7 @@
 """The training bench's results: the table, the JSON document and the PNG plot.
 
-The table has one row per combination that ran: samples per second (``*`` marks the fastest), the
+The table has one row per combination that ran (with a ``compression`` column when the run compared
+compressors): samples per second (``*`` marks the fastest), the
 median step time split into compute (the model's forward and backward) and the rest (reading and
 applying the variables: communication, waiting for the others, the optimizer update), the bytes a
 global step moved over the network, the final loss, and the seconds until the loss first reached the
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .runner import Outcome
-from .units import human_bytes
+from stratagem.bench.runner import Outcome
+from stratagem.bench.units import human_bytes
 
 
 def _fastest(outcomes: Sequence[Outcome]) -> Outcome | None:
@@ -26,15 +27,17 @@ def _first_to_target(outcomes: Sequence[Outcome]) -> Outcome | None:
     return min(reached, key=lambda o: o.figures["time_to_target_s"]) if reached else None
 
 
-def print_table(outcomes: Sequence[Outcome], header: str, console) -> None:
-    """Render the results on ``console`` (a ``rich.console.Console``)."""
+def print_table(outcomes: Sequence[Outcome], header: str, console, compression: bool = False) -> None:
+    """Render the results on ``console`` (a ``rich.console.Console``); ``compression``: with a
+    column naming each combination's compressor."""
     from rich.table import Table
 
     fastest, first = _fastest(outcomes), _first_to_target(outcomes)
     target = next((o.figures["target_loss"] for o in outcomes if o.status == "ok"), None)
     console.print(header, markup=False, highlight=False)
     table = Table(box=None, pad_edge=False)
-    for name, justify in (("strategy", "left"), ("transport", "left"), ("samples/s", "right"),
+    columns = [("strategy", "left"), ("transport", "left")] + ([("compression", "left")] if compression else [])
+    for name, justify in (*columns, ("samples/s", "right"),
                           ("step ms", "right"), ("compute", "right"), ("other", "right"),
                           ("bytes/step", "right"), ("final loss", "right"),
                           (f"to loss {target:.3g}" if target is not None else "to target", "right")):
@@ -44,7 +47,10 @@ def print_table(outcomes: Sequence[Outcome], header: str, console) -> None:
             continue
         f = o.figures
         to_target = "-" if f["time_to_target_s"] is None else f"{f['time_to_target_s']:.2f} s"
-        table.add_row(o.combination.strategy.label, o.combination.transport,
+        cells = [o.combination.strategy.label, o.combination.transport]
+        if compression:
+            cells.append(o.combination.compression or "none")
+        table.add_row(*cells,
                       f"{f['samples_per_s']:,.0f}" + (" *" if o is fastest else "  "),
                       f"{f['step_ms']:.1f}", f"{f['compute_ms']:.1f}", f"{f['other_ms']:.1f}",
                       human_bytes(int(round(f["bytes_per_step"]))), f"{f['final_loss']:.4g}",

@@ -1,7 +1,7 @@
 """Run each combination of a training bench as its own local cluster, one after another.
 
-Each combination is one job of :func:`stratagem.core.launcher.launch` (or, for the ``mpi`` transport,
-:func:`stratagem.core.mpi_launch.launch_mpi`), every task running :mod:`stratagem.bench.train_task`
+Each combination is one job of :func:`stratagem.launch.launcher.launch` (or, for the ``mpi`` transport,
+:func:`stratagem.launch.mpi.launch_mpi`), every task running :mod:`stratagem.bench.train_task`
 with the run's spec. The job's output is captured, not shown: its ``@bench`` lines feed the live
 progress display, and the last lines are kept for the report when a job fails. A job that fails or
 outlives ``timeout`` is stopped (the launcher reaps every process) and reported; the next one runs.
@@ -22,9 +22,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..core.errors import ConfigurationError
-from . import measure
-from .plan import Combination
+from stratagem.core.errors import ConfigurationError
+from stratagem.bench import measure
+from stratagem.bench.plan import Combination
 
 TRAIN_TASK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_task.py")
 #: Lines of a failed job's output kept for its report, and exception lines kept for the table.
@@ -63,7 +63,7 @@ class Outcome:
     def as_dict(self) -> dict:
         c = self.combination
         record = {"label": c.label, "strategy": c.strategy.name, "mode": c.strategy.mode,
-                  "transport": c.transport, "status": self.status, "reason": self.reason,
+                  "transport": c.transport, "compression": c.compression, "status": self.status, "reason": self.reason,
                   "cluster": c.cluster.as_dict() if c.cluster else None, "seconds": round(self.seconds, 3)}
         record.update(self.figures)
         if self.output_tail:
@@ -110,11 +110,11 @@ def _launch(combination: Combination, spec_path: str, settings: RunSettings, cap
     env = {"STRATAGEM_BENCH_SPEC": spec_path, **ONE_THREAD}
     command = [sys.executable, TRAIN_TASK]
     if combination.mpi_job:
-        from ..core.mpi_launch import launch_mpi
+        from stratagem.launch.mpi import launch_mpi
 
         return launch_mpi(command, workers=cluster.workers, ps=cluster.ps, transport="mpi", env=env,
                           timeout=settings.timeout, output=capture, error_output=capture)
-    from ..core.launcher import launch
+    from stratagem.launch.launcher import launch
 
     return launch(command, workers=cluster.workers, ps=cluster.ps, chief=cluster.chief,
                   transport=combination.transport, env=env, timeout=settings.timeout, output=capture,
@@ -130,6 +130,7 @@ def run_combination(combination: Combination, settings: RunSettings,
     with tempfile.TemporaryDirectory(prefix="stratagem-bench-") as out:
         spec = {"strategy": combination.strategy.name, "mode": combination.strategy.mode,
                 "options": combination.strategy.options(), "transport": combination.transport,
+                "compression": combination.compression,
                 "model": settings.model, "steps": settings.steps, "seed": settings.seed,
                 # Blocking calls wait as long as the whole job may: a hang is stopped by --timeout and
                 # reported as one (a dead peer is still an error at once, whatever the timeout).

@@ -7,6 +7,7 @@
                     --transports zmq,grpc,mpi --worker 3 --ps 2 --model mlp --steps 300 \\
                     --json results.json --plot results.png
     stratagem bench --model embedding              # a 100k-row table a step reads ~2K rows of
+    stratagem bench --strategies mirrored --transports zmq --compression none,fp16,topk,powersgd
     stratagem bench --model mypkg.models:build     # your own model (see stratagem.bench.models)
 
 Every combination runs as a local cluster of its own (``stratagem launch``; ``mpiexec`` for ``mpi``),
@@ -14,7 +15,9 @@ one after another: ``--worker`` replicas train (the ``parameter_server`` coordin
 ``--ps`` tasks hold the variables of ``between_graph`` and ``parameter_server``. Every replica trains
 on the same data (each its own batches of ``batch_size`` rows, drawn by replica index and step) from
 the same initial values, with plain SGD, for ``--steps`` steps each; the first ``--warmup`` steps are
-left out of the timings. See :mod:`stratagem.bench.measure` for what each figure means and
+left out of the timings. ``--compression LIST`` runs each combination once per compressor (``none``:
+uncompressed), with the compressor's default options: the table then shows bytes per step and time to
+the target loss for each. See :mod:`stratagem.bench.measure` for what each figure means and
 :mod:`stratagem.bench.report` for the table.
 
 While it runs, stderr shows which combination runs, its step and its samples per second. A
@@ -36,11 +39,11 @@ import sys
 import time
 from typing import Sequence
 
-from ..core.errors import ConfigurationError
-from . import plan as planning
-from .models import BUILTIN, build_model
-from .runner import RunSettings, run_combination
-from .units import human_bytes
+from stratagem.core.errors import ConfigurationError
+from stratagem.bench import plan as planning
+from stratagem.bench.models import BUILTIN, build_model
+from stratagem.bench.runner import RunSettings, run_combination
+from stratagem.bench.units import human_bytes
 
 DEFAULT_TRANSPORTS_NOTE = "every registered transport (those not usable here are listed as skipped)"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -55,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", type=int, default=2, metavar="N", help="training replicas (default 2)")
     parser.add_argument("--ps", type=int, default=1, metavar="M",
                         help="ps tasks for between_graph and parameter_server (default 1)")
+    parser.add_argument("--compression", default=planning.NO_COMPRESSION, metavar="LIST",
+                        help="comma-separated compressors for the gradients, 'none' for none: each combination "
+                             "runs once per compressor (default: none)")
     parser.add_argument("--model", default="mlp", metavar="NAME",
                         help=f"{', '.join(BUILTIN)}, or package.module:build (default mlp)")
     parser.add_argument("--steps", type=int, default=200, metavar="N", help="steps per replica (default 200)")
@@ -129,9 +135,9 @@ def run(args: argparse.Namespace) -> int:
     """``stratagem bench`` with parsed ``args``; returns the exit status."""
     from rich.console import Console
 
-    from ..plugins.manager import plugin_manager
-    from . import report
-    from .environment import describe_environment
+    from stratagem.plugins.manager import plugin_manager
+    from stratagem.bench import report
+    from stratagem.bench.environment import describe_environment
 
     err = Console(stderr=True, soft_wrap=True)   # messages stay whole lines (grep, logs)
     try:
@@ -140,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
         strategies = planning.parse_strategies(args.strategies)
         manager = plugin_manager()
         transports = planning.parse_transports(args.transports) if args.transports else manager.names("transport")
-        combinations = planning.plan(strategies, transports, workers=args.worker, ps=args.ps, manager=manager)
+        compressions = planning.parse_compressions(args.compression)
+        combinations = planning.plan(strategies, transports, workers=args.worker, ps=args.ps, manager=manager,
+                                     compressions=compressions)
     except ConfigurationError as exc:
         err.print(f"stratagem bench: {exc}", markup=False, highlight=False)
         return EXIT_USAGE
@@ -163,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         display.done(outcome)
         outcomes.append(outcome)
     out = Console(file=sys.stdout, width=max(120, Console(file=sys.stdout).width))
-    report.print_table(outcomes, header, out)
+    report.print_table(outcomes, header, out, compression=compressions != [None])
     err.print(f"stratagem bench: {len(combinations)} combinations in {time.monotonic() - started:.0f} s",
               markup=False, highlight=False)
 
@@ -171,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
               "batch_size": model.batch_size, "learning_rate": model.learning_rate, "steps": args.steps,
               "warmup": args.warmup, "seed": args.seed, "workers": args.worker, "ps": args.ps,
               "target_loss": target, "strategies": [s.label for s in strategies], "transports": transports,
+              "compression": [c or planning.NO_COMPRESSION for c in compressions],
               "timeout": args.timeout}
     if args.json:
         document = report.to_json(outcomes, config, environment)

@@ -111,6 +111,8 @@ def make_strategy():
     options = {"transport_options": {"timeout": SPEC["timeout"]}}
     if SPEC.get("mode"):
         options["mode"] = SPEC["mode"]
+    if SPEC.get("compression"):
+        options["compression"] = SPEC["compression"]
     options.update(SPEC.get("options") or {})
     return stratagem.strategy(SPEC["strategy"], transport=SPEC["transport"], **options)
 

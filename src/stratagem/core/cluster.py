@@ -24,8 +24,9 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping
 
-from . import slurm
-from .errors import ConfigurationError
+from stratagem.core import slurm
+from stratagem.core.errors import ConfigurationError
+from stratagem.core.options import secret_from_env
 
 #: Jobs whose tasks compute on replicas of the model, in rank order.
 REPLICA_JOBS = ("chief", "worker")
@@ -224,7 +225,7 @@ class ClusterSpec:
             raise ConfigurationError(
                 f"{task} is not in the cluster (it lists no 'evaluator' job), so it cannot reach the training "
                 f"tasks: an evaluator outside the cluster reads the checkpoints the chief writes "
-                f"(stratagem.core.checkpoint.latest_checkpoint(dir) and load(path).variables); to read the "
+                f"(stratagem.training.checkpoint.latest_checkpoint(dir) and load(path).variables); to read the "
                 f"variables from the ps tasks instead, list it in every task's cluster "
                 f"(\"evaluator\": [\"host:port\"])"
             )
@@ -366,8 +367,7 @@ class ClusterResolver:
     @staticmethod
     def from_env(environ: Mapping[str, str] | None = None) -> ResolvedCluster:
         env = os.environ if environ is None else environ
-        secret = env.get("STRATAGEM_SECRET") or None
-        secret_bytes = secret.encode() if secret else None
+        secret_bytes = secret_from_env(env)
         for var in ("STRATAGEM_CONFIG", "TF_CONFIG"):
             if env.get(var):
                 return ClusterResolver.from_config(env[var], source=var, secret=secret_bytes)

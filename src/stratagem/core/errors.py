@@ -23,6 +23,10 @@ class IncompatibleError(StratagemError):
     """A strategy cannot run over the chosen transport (or another combination that cannot work)."""
 
 
+class FunctionNotFound(ConfigurationError):
+    """A task cannot find, or refuses, the function a peer named (see :mod:`stratagem.core.remote_code`)."""
+
+
 class ProtocolError(StratagemError):
     """A frame is malformed, oversized, of another protocol version, or fails authentication."""
 
@@ -59,3 +63,24 @@ class PeerLostError(CommunicationError):
 
 class CollectiveMismatchError(CommunicationError):
     """Ranks called different collectives (or with different dtypes/shapes) at the same step."""
+
+
+class TimelineError(StratagemError, ValueError):
+    """A timeline file (``STRATAGEM_TIMELINE``, ``stratagem timeline ...``) cannot be written, read or
+    understood; the message names the file and what to do."""
+
+
+class WorldChangedError(CommunicationError):
+    """The members of an elastic world changed in the middle of a step (``on_failure="shrink"``).
+
+    ``lost`` names the tasks that were lost (empty when a restarted worker is joining). Inside
+    ``strategy.elastic(fn)`` it is handled for you: every member rolls back to the last commit, the
+    world is re-formed and ``fn`` runs again. Raised outside of it, the message says so.
+    """
+
+    def __init__(self, message: str, lost=()):
+        self.lost = tuple(lost)
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.lost))

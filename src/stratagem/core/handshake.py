@@ -30,11 +30,14 @@ import hashlib
 import hmac
 import os
 
-from .cluster import TaskId
-from .errors import AuthenticationError, ConfigurationError, ProtocolError
-from .wire import VERSION
+from stratagem.core.cluster import TaskId
+from stratagem.core.errors import AuthenticationError, ConfigurationError, ProtocolError
+from stratagem.core.wire import VERSION, Limits
 
 NONCE_BYTES = 16
+#: Limits for the frames of the handshake and the other control frames: no buffers, a small envelope.
+#: A connection is held to them until it is admitted (see :mod:`stratagem.core.acceptor`).
+CONTROL_LIMITS = Limits(max_envelope_bytes=64 << 10, max_payload_bytes=0, max_buffers=0)
 
 
 def _mac(secret: bytes, role: bytes, cluster_id: str, connector: TaskId, acceptor: TaskId,

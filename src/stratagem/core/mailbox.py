@@ -13,8 +13,9 @@ import time
 from collections import defaultdict, deque
 from typing import Callable
 
-from .cluster import TaskId
-from .errors import PeerLostError, TransportClosed, TransportTimeout
+from stratagem.core.cluster import TaskId
+from stratagem.core.errors import PeerLostError, TransportClosed, TransportTimeout
+from stratagem.core import timeline as _timeline
 
 
 #: Seconds a waiter that could not read sleeps before trying to read again.
@@ -38,6 +39,7 @@ class Mailbox:
         self._sources_by_tag: dict[str, set[TaskId]] = defaultdict(set)
         self._arrival = itertools.count()
         self._lost: dict[TaskId, str] = {}
+        self._losses: dict[TaskId, int] = {}   # times each task was declared lost; never goes down
         self._closed: str | None = None
         self._sleeping = 0  # threads in get() waiting on the condition (put notifies only them)
         self._sweep_at = _SWEEP_AT
@@ -88,9 +90,12 @@ class Mailbox:
     def _wait(self, src: TaskId | None, tag: str, timeout: float | None, pump):
         """``get``'s waiting loop (lock held)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        waiting_since = None  # when this call started to wait on ``src``, if a timeline records it
         while True:
             message = self._pop(src, tag)
             if message is not None:
+                if waiting_since is not None:
+                    _timeline.RECORDER.wait(src, tag, waiting_since, _timeline.now())
                 return message
             if self._closed is not None:
                 raise TransportClosed(f"{self.owner}: transport closed while waiting for {tag!r} ({self._closed})")
@@ -98,11 +103,15 @@ class Mailbox:
                 raise PeerLostError(src, f"{self._lost[src]} (while {self.owner} waited for {tag!r})")
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
+                if waiting_since is not None:
+                    _timeline.RECORDER.wait(src, tag, waiting_since, _timeline.now(), timed_out=True)
                 who = "any peer" if src is None else str(src)
                 raise TransportTimeout(
                     f"{self.owner}: no message {tag!r} from {who} within {timeout:g} s "
                     f"(is that task running and calling the same operation?)"
                 )
+            if waiting_since is None and src is not None and _timeline.RECORDER is not None:
+                waiting_since = _timeline.now()   # only the waits on a named peer: see timeline
             if pump is None:
                 self._sleep(remaining)
                 continue
@@ -149,12 +158,19 @@ class Mailbox:
         """Declare ``task`` gone; its waiters raise once its pending messages are consumed."""
         with self._cond:
             self._lost[task] = reason
+            self._losses[task] = self._losses.get(task, 0) + 1
             self._cond.notify_all()
 
     def mark_alive(self, task: TaskId) -> None:
         """A new incarnation of ``task`` connected: stop reporting it lost."""
         with self._cond:
             self._lost.pop(task, None)
+
+    def losses(self, task: TaskId) -> int:
+        """How many times ``task`` was declared lost, including losses a new process of it since
+        made good (``mark_alive``): a waiter can tell that the process it waits for was replaced."""
+        with self._cond:
+            return self._losses.get(task, 0)
 
     def lost(self) -> dict[TaskId, str]:
         with self._cond:

@@ -20,7 +20,7 @@ import os
 import random
 import socket
 
-from .errors import ConfigurationError
+from stratagem.core.errors import ConfigurationError
 
 #: Lowest port drawn: above the well-known and most registered service ports.
 MIN_PORT = 20000

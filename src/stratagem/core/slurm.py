@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-from .errors import ConfigurationError
+from stratagem.core.errors import ConfigurationError
 
 #: Where a step's nodes and tasks per node are read, in order: the step's own, then the job's.
 NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")

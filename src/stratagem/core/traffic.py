@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from .cluster import TaskId
+from stratagem.core.cluster import TaskId
 
 #: Per peer: [bytes sent, messages sent, bytes received, messages received].
 _SENT_BYTES, _SENT_MESSAGES, _RECEIVED_BYTES, _RECEIVED_MESSAGES = range(4)
@@ -66,11 +66,6 @@ class TrafficSnapshot:
     def received_bytes(self, jobs: Iterable[str] | None = None, native: bool = True) -> int:
         """Payload bytes received from peers of ``jobs`` (all if None), plus native collectives' if ``native``."""
         return self._total(_RECEIVED_BYTES, jobs, native)
-
-    def messages(self) -> tuple[int, int]:
-        """(messages sent, messages received), every peer."""
-        return (sum(c[_SENT_MESSAGES] for c in self.peers.values()),
-                sum(c[_RECEIVED_MESSAGES] for c in self.peers.values()))
 
     def as_dict(self) -> dict:
         """Plain JSON-able form: ``{"worker:1": {"sent_bytes": ..., ...}, "native": {...}}``."""

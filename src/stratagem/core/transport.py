@@ -29,14 +29,15 @@ from __future__ import annotations
 import abc
 import copy
 import logging
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping, TypeVar
 
-from .cluster import ClusterSpec, TaskId
-from .errors import ConfigurationError, PeerLostError
-from .lifecycle import end_at_exit
-from .traffic import Traffic
-from .wire import Limits
+from stratagem.core.cluster import ClusterSpec, TaskId
+from stratagem.core.errors import ConfigurationError, PeerLostError, TransportClosed
+from stratagem.core.lifecycle import end_at_exit
+from stratagem.core.traffic import Traffic
+from stratagem.core.wire import Limits
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 300.0
 #: Default seconds of silence after which a connected peer is declared lost.
 DEFAULT_PEER_TIMEOUT = 30.0
+
+_Peer = TypeVar("_Peer")
 
 
 @dataclass
@@ -89,8 +92,9 @@ COMPLETED = SendHandle()
 class Transport(abc.ABC):
     """Base class of every transport plugin.
 
-    Subclasses implement :meth:`start`, :meth:`close`, :meth:`send` and :meth:`recv`; they may
-    override :meth:`native_collectives`. Construct with the cluster and this task; options that a
+    Subclasses implement :meth:`start`, :meth:`_shutdown`, :meth:`send` and :meth:`recv`; they may
+    override :meth:`native_collectives`. :meth:`close` and :meth:`abort` are this class's: each ends
+    the transport once (``_shutdown(graceful)``), whichever comes first and from whatever thread. Construct with the cluster and this task; options that a
     transport does not know are refused with the list of those it does.
 
     Args:
@@ -109,6 +113,12 @@ class Transport(abc.ABC):
     device_buffers: ClassVar[bool] = False
     #: True if all endpoints of a world must live in one process (the ``local`` transport).
     in_process: ClassVar[bool] = False
+    #: True if a world over it may change (elastic training, ``on_failure="shrink"``): a dead peer
+    #: is reported as ``PeerLostError``, and a new process for a lost task is accepted as that peer.
+    elastic: ClassVar[bool] = False
+    #: The largest buffer that arrives as it was sent, without a copy (``None``: any size). A larger
+    #: one is received in parts and joined. A parameter server keeps its pieces within it.
+    whole_buffer_bytes: ClassVar[int | None] = None
 
     def __init__(self, cluster: ClusterSpec, task: TaskId | str, *, secret: bytes | str | None = None,
                  timeout: float = DEFAULT_TIMEOUT, peer_timeout: float = DEFAULT_PEER_TIMEOUT,
@@ -127,6 +137,8 @@ class Transport(abc.ABC):
         self.limits = limits or Limits()
         #: Payload bytes and messages moved, per peer (see :mod:`stratagem.core.traffic`).
         self.traffic = Traffic()
+        self._closed = False                     # set once, by the first close() or abort()
+        self._closed_lock = threading.Lock()
         # A script that never closes its transport still ends cleanly (stratagem.core.lifecycle).
         end_at_exit(self)
 
@@ -149,13 +161,29 @@ class Transport(abc.ABC):
     def start(self) -> None:
         """Bind this task's address and start serving. Idempotent."""
 
-    @abc.abstractmethod
     def close(self) -> None:
-        """Tell peers we are leaving, release every resource, and wake blocked callers. Idempotent."""
+        """Tell peers we are leaving, release every resource, and wake blocked callers. Idempotent:
+        a second call, or a call after :meth:`abort`, does nothing."""
+        self._end(graceful=True)
 
     def abort(self) -> None:
-        """Stop abruptly, as a crash would (no goodbye to peers). Used by failure tests."""
-        self.close()
+        """Stop abruptly, as a crash would (no goodbye to peers). Used by failure tests. Idempotent,
+        like :meth:`close`."""
+        self._end(graceful=False)
+
+    def _end(self, graceful: bool) -> None:
+        with self._closed_lock:
+            if self._closed:
+                return
+            self._closed = True
+        # Outside the lock: a shutdown joins threads that may themselves call close() (a no-op then).
+        self._shutdown(graceful)
+
+    @abc.abstractmethod
+    def _shutdown(self, graceful: bool) -> None:
+        """End the transport, once (``_closed`` is already set): with ``graceful``, say goodbye to
+        peers and let queued messages go first; else drop everything at once, as a crash would.
+        Called even if the transport never started."""
 
     def _end_at_exit(self, error: str | None) -> None:
         """Called once at interpreter exit if still open (``error``: the uncaught exception ending the
@@ -216,6 +244,12 @@ class Transport(abc.ABC):
         """Peers known to be gone, with the reason."""
         return {}
 
+    def peer_losses(self, task: TaskId) -> int:
+        """How many times ``task`` was declared lost, even if a new process of it was accepted since
+        (a counter that never goes down): an elastic communicator waiting on a member sees that the
+        process it waits for was replaced (:mod:`stratagem.core.elastic`). The default counts none."""
+        return 0
+
     def flush(self, timeout: float | None = None, tasks=None) -> None:
         """Wait (up to ``timeout`` s, best effort) until what was sent to ``tasks`` (default: every
         peer) has left this process, so that it arrives even if the process ends right after. The
@@ -238,6 +272,37 @@ class Transport(abc.ABC):
             raise PeerLostError(dst, reason)
         self.traffic.count_sent(dst, msg.nbytes)
         return dst
+
+    def _own_address(self) -> str:
+        """This task's ``host:port``, for a transport that listens on the network; a clear error where
+        the cluster has no addresses."""
+        address = self.cluster.address(self.task)
+        if address is None:
+            raise ConfigurationError(
+                f"{self.task} has no network address (the cluster came from an MPI or Slurm world): use "
+                f"transport='mpi' under mpiexec, set STRATAGEM_PORT under srun (each task listens on its "
+                f"node at STRATAGEM_PORT + SLURM_LOCALID), or give addresses through STRATAGEM_CONFIG/TF_CONFIG"
+            )
+        return address
+
+    def _connection(self, peers: dict[TaskId, _Peer], lock, task: TaskId,
+                    connect: Callable[[TaskId, str], _Peer]) -> tuple[_Peer, bool]:
+        """Our connection to ``task`` from ``peers``, else a new one, ``connect(task, address)``, made and
+        filed under ``lock`` (once, whatever the threads); returns it and whether it is new."""
+        peer = peers.get(task)
+        if peer is not None:
+            return peer, False
+        with lock:
+            peer = peers.get(task)
+            if peer is not None:
+                return peer, False
+            if self._closed:
+                raise TransportClosed(f"{self.task}: transport closed")
+            address = self.cluster.address(task)
+            if address is None:
+                raise ConfigurationError(f"{task} has no network address in the cluster spec")
+            peer = peers[task] = connect(task, address)
+        return peer, True
 
     def _check_peer(self, task: TaskId | str) -> TaskId:
         task = TaskId.parse(task)

@@ -25,7 +25,7 @@ import sys
 import sysconfig
 import types
 
-from .errors import ConfigurationError
+from stratagem.core.errors import ConfigurationError
 
 NOT_USER = ("functions are found by name only in your own code (the script, or modules outside the "
             "standard library and site-packages); {name!r} is not: wrap the call in a function of your script")

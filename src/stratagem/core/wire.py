@@ -35,7 +35,7 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
-from .errors import ProtocolError
+from stratagem.core.errors import ProtocolError
 
 MAGIC = b"STRG"
 #: Protocol version; peers of another version are refused at the handshake. 2: zmq answers a HELLO

@@ -15,7 +15,7 @@ registry is :func:`plugin_manager` (built-ins plus entry-point plugins); ``strat
 
 from __future__ import annotations
 
-from .hookspecs import ENTRY_POINT_GROUP, KINDS, PROJECT_NAME, PluginSpec, hookimpl, hookspec
+from stratagem.plugins.hookspecs import ENTRY_POINT_GROUP, KINDS, PROJECT_NAME, PluginSpec, hookimpl, hookspec
 
 __all__ = [
     "ENTRY_POINT_GROUP", "KINDS", "PROJECT_NAME", "PluginInfo", "PluginManager", "PluginSpec",
@@ -27,7 +27,7 @@ _LAZY = {"PluginInfo", "PluginManager", "plugin_manager", "reset_plugin_manager"
 
 def __getattr__(name: str):
     if name in _LAZY:
-        from . import manager
+        from stratagem.plugins import manager
 
         return getattr(manager, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,7 @@
 """The plugin hooks and the description every hook returns (README: "Writing a plugin").
 
-Stratagem's strategies and transports are plugins, found through two `pluggy`_ hooks. A plugin is any
+Stratagem's strategies, transports and gradient compressors are plugins, found through three `pluggy`_
+hooks, one per kind. A plugin is any
 module (or object) with functions marked :data:`hookimpl`; built-ins are registered by
 :mod:`stratagem.plugins.builtin`, third-party packages by an entry point in the group ``stratagem``::
 
@@ -33,14 +34,14 @@ from typing import Union
 
 import pluggy
 
-from ..core.errors import PluginError
+from stratagem.core.errors import PluginError
 
 #: pluggy project name: the marker of every hook and hook implementation.
 PROJECT_NAME = "stratagem"
 #: The entry-point group third-party plugins declare.
 ENTRY_POINT_GROUP = "stratagem"
 #: The kinds of plugin, each with its own hook.
-KINDS = ("transport", "strategy")
+KINDS = ("transport", "strategy", "compressor")
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 #: Marks a plugin's hook implementations: ``@hookimpl def stratagem_add_transports(): ...``.
@@ -52,18 +53,18 @@ _TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 @dataclass(frozen=True)
 class PluginSpec:
-    """One strategy or transport a plugin provides.
+    """One strategy, transport or compressor a plugin provides.
 
     Args:
         name: the short name users pass (``stratagem.strategy("mirrored", transport="zmq")``).
         target: the class, or a lazy import path ``"package.module:Class"`` imported on first use.
-        kind: ``"transport"`` or ``"strategy"``.
+        kind: ``"transport"``, ``"strategy"`` or ``"compressor"``.
         requires: modules that must be importable for the plugin to work (``("mpi4py",)``). They are
             looked up with :func:`importlib.util.find_spec`, never imported, when plugins are listed.
         install_hint: the command that makes the plugin usable (``"pip install 'stratagem[mpi]'"``).
         description: one line for ``stratagem info``.
 
-    >>> spec = PluginSpec("mpi", "stratagem.transports.mpi:MpiTransport", "transport",
+    >>> spec = PluginSpec("mpi", "stratagem.transports.mpi.transport:MpiTransport", "transport",
     ...                   requires=("definitely_missing_module",), install_hint="pip install 'stratagem[mpi]'")
     >>> spec.missing()
     "No module named 'definitely_missing_module'"
@@ -170,6 +171,20 @@ def stratagem_add_strategies() -> list[PluginSpec]:
 
     Called once per plugin manager, the first time a strategy or transport is looked up or listed,
     after built-ins and entry-point plugins are registered. Return an empty list if the plugin adds
-    none. Each class must subclass :class:`stratagem.core.strategy.Strategy`, and may refuse
+    none. Each class must subclass :class:`stratagem.strategies.base.Strategy`, and may refuse
     transports it cannot run over with its ``supports(transport_class)`` classmethod.
+    """
+
+
+@hookspec
+def stratagem_add_compressors() -> list[PluginSpec]:
+    """Return the gradient compressors this plugin provides, as ``PluginSpec(..., kind="compressor")``.
+
+    Called once per plugin manager, the first time any plugin is looked up or listed
+    (``stratagem.compressor(...)``, a strategy given ``compression="NAME"``, ``stratagem info``), after
+    built-ins and entry-point plugins are registered. Return an empty list if the plugin adds none.
+    Targets should be lazy (``"package.module:Class"``); a compressor that needs a library names it in
+    ``requires`` with an ``install_hint``, and is listed as unusable (with both) where it is missing.
+    Each class must subclass :class:`stratagem.compression.base.Compressor`; check it with
+    :class:`stratagem.testing.compressor_contract.CompressorContract`.
     """

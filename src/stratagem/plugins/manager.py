@@ -1,4 +1,4 @@
-"""The plugin registry: which strategies and transports exist, where each came from, and creating them.
+"""The plugin registry: which strategies, transports and compressors exist, where each came from, and creating them.
 
 :func:`plugin_manager` is the process's registry, built on first use: the built-ins
 (:mod:`stratagem.plugins.builtin`) plus every plugin declared in the entry-point group ``stratagem``,
@@ -21,35 +21,34 @@ as ``PYTEST_DISABLE_PLUGIN_AUTOLOAD`` does for pytest.
 from __future__ import annotations
 
 import difflib
-import inspect
 import os
 import threading
 import warnings
-from typing import Any, Mapping, NamedTuple
+from typing import Mapping, NamedTuple
 
 import pluggy
 
-from ..core.errors import ConfigurationError, PluginError
-from . import hookspecs
-from .hookspecs import ENTRY_POINT_GROUP, KINDS, PROJECT_NAME, PluginSpec
+from stratagem.core.errors import ConfigurationError, PluginError
+from stratagem.core.options import (
+    DEFAULT_TRANSPORT,
+    TRANSPORT_ENV,
+    constructor_options,
+    reject_unknown_options,
+    secret_from_env,
+    transport_name_from_env,
+)
+from stratagem.plugins import hookspecs
+from stratagem.plugins.hookspecs import ENTRY_POINT_GROUP, KINDS, PROJECT_NAME, PluginSpec
 
 #: Set to a non-empty value (other than 0/false/no) to load no third-party plugin.
 DISABLE_AUTOLOAD_ENV = "STRATAGEM_DISABLE_PLUGIN_AUTOLOAD"
-#: The environment variable holding the cluster secret (read by ``ClusterResolver`` too).
-SECRET_ENV = "STRATAGEM_SECRET"
-#: The environment variable naming the transport a script gets when it names none
-#: (``stratagem launch --transport T`` sets it; ``launch --mpi`` sets it to ``mpi``).
-TRANSPORT_ENV = "STRATAGEM_TRANSPORT"
-#: The transport a script gets when neither its code nor its environment names one.
-DEFAULT_TRANSPORT = "zmq"
 #: The source recorded for the plugins of :mod:`stratagem.plugins.builtin`.
 BUILTIN_SOURCE = "builtin"
 #: The pluggy name the built-in plugin module is registered under.
 BUILTIN_PLUGIN_NAME = "stratagem.builtin"
 
-_HOOKS = {"transport": "stratagem_add_transports", "strategy": "stratagem_add_strategies"}
-#: Marks a constructor option with no default in :func:`constructor_options`.
-REQUIRED = inspect.Parameter.empty
+_HOOKS = {"transport": "stratagem_add_transports", "strategy": "stratagem_add_strategies",
+          "compressor": "stratagem_add_compressors"}
 
 
 class PluginInfo(NamedTuple):
@@ -94,51 +93,22 @@ def autoload_disabled(environ: Mapping[str, str] | None = None) -> bool:
     return value.strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def constructor_options(cls: type, skip: tuple = ("self", "cluster", "task")) -> dict[str, Any] | None:
-    """The keyword options ``cls(...)`` accepts, with their defaults (:data:`REQUIRED` if none).
-
-    Follows ``**kwargs`` up the class hierarchy: a subclass that forwards ``**common`` to its base
-    accepts the base's options too. ``None`` means the signature cannot be read (accept anything).
-
-    >>> from stratagem.transports.local import LocalTransport
-    >>> sorted(constructor_options(LocalTransport))
-    ['fabric', 'limits', 'peer_timeout', 'secret', 'timeout']
-    """
-    found: dict[str, Any] = {}
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        if klass is object:
-            break
-        try:
-            signature = inspect.signature(init)
-        except (TypeError, ValueError):
-            return None
-        forwards = False
-        for param in signature.parameters.values():
-            if param.kind is inspect.Parameter.VAR_KEYWORD:
-                forwards = True
-            elif param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
-                if param.name not in skip:
-                    found.setdefault(param.name, param.default)
-        if not forwards:
-            break
-    return found
-
-
 def _base_class(kind: str) -> type:
     if kind == "transport":
-        from ..core.transport import Transport
+        from stratagem.core.transport import Transport
 
         return Transport
-    from ..core.strategy import Strategy
+    if kind == "compressor":
+        from stratagem.compression.base import Compressor
+
+        return Compressor
+    from stratagem.strategies.base import Strategy
 
     return Strategy
 
 
 class PluginManager:
-    """A registry of strategy and transport plugins, on top of a :class:`pluggy.PluginManager`.
+    """A registry of strategy, transport and compressor plugins, on top of a :class:`pluggy.PluginManager`.
 
     Args:
         autoload: load third-party plugins from the entry-point group ``stratagem``. Default: yes,
@@ -176,7 +146,7 @@ class PluginManager:
         #: Entry-point plugins that could not be loaded: (entry-point name, source) -> what went wrong.
         self.load_errors: dict[tuple[str, str], _LoadError] = {}
         if builtins:
-            from . import builtin
+            from stratagem.plugins import builtin
 
             self.register(builtin, name=BUILTIN_PLUGIN_NAME, source=BUILTIN_SOURCE)
         if self.autoload:
@@ -201,7 +171,7 @@ class PluginManager:
         return registered
 
     def unregister(self, name: str) -> None:
-        """Remove the plugin registered as ``name`` (its strategies and transports disappear)."""
+        """Remove the plugin registered as ``name`` (its strategies, transports and compressors disappear)."""
         if self.hooks.get_plugin(name) is None:
             raise PluginError(f"no plugin registered as {name!r}; registered: {', '.join(self.sources())}")
         self.hooks.unregister(name=name)
@@ -261,7 +231,7 @@ class PluginManager:
         message = f"plugin {name!r} of {source} failed to load: {reason}"
         self.load_errors[(name, source)] = _LoadError(name, source, target, message)
         warnings.warn(
-            f"stratagem: {message}. Its strategies and transports are unavailable; fix or uninstall it, "
+            f"stratagem: {message}. Its plugins are unavailable; fix or uninstall it, "
             f"or set {DISABLE_AUTOLOAD_ENV}=1 to use the built-in plugins only",
             RuntimeWarning, stacklevel=4,
         )
@@ -320,7 +290,8 @@ class PluginManager:
         return list(specs)
 
     def names(self, kind: str) -> list[str]:
-        """The names of every registered plugin of ``kind`` (``"transport"`` or ``"strategy"``), sorted."""
+        """The names of every registered plugin of ``kind`` (``"transport"``, ``"strategy"`` or
+        ``"compressor"``), sorted."""
         return sorted(self._catalog_of(kind))
 
     def _catalog_of(self, kind: str) -> dict[str, _Entry]:
@@ -334,8 +305,8 @@ class PluginManager:
             return entries[name]
         known = sorted(entries)
         message = f"unknown {kind} {name!r}; known: {', '.join(known) or 'none'}"
-        other = next(k for k in KINDS if k != kind)
-        if isinstance(name, str) and name in self._collect()[other]:
+        other = next((k for k in KINDS if k != kind and isinstance(name, str) and name in self._collect()[k]), None)
+        if other is not None:
             message += f" ({name!r} is a {other}, not a {kind})"
         elif isinstance(name, str):
             close = difflib.get_close_matches(name, known, n=1)
@@ -381,6 +352,10 @@ class PluginManager:
     def strategy_class(self, name: str) -> type:
         """The strategy class registered as ``name`` (see :meth:`plugin_class`)."""
         return self.plugin_class("strategy", name)
+
+    def compressor_class(self, name: str) -> type:
+        """The compressor class registered as ``name`` (see :meth:`plugin_class`)."""
+        return self.plugin_class("compressor", name)
 
     def _load(self, entry: _Entry) -> tuple[type | None, str | None]:
         spec = entry.spec
@@ -479,32 +454,74 @@ class PluginManager:
             reject_unknown_options(f"transport {name!r}", options, accepted)
         secret = None
         if cluster is None or task is None:
-            from ..core.cluster import ClusterResolver
+            from stratagem.core.cluster import ClusterResolver
 
             resolved = ClusterResolver.from_env()
             cluster = resolved.cluster if cluster is None else cluster
             task = resolved.task if task is None else task
             secret = resolved.secret
         else:
-            secret = os.environ.get(SECRET_ENV) or None
+            secret = secret_from_env()
         if secret is not None and "secret" not in options and (accepted is None or "secret" in accepted):
             options["secret"] = secret
         cls.check_usable()
         return cls(cluster, task, **options)
+
+    def create_compressor(self, name: str, **options):
+        """A new compressor ``name`` with ``options``. An unknown name is a ``PluginError`` listing the
+        registered compressors; an option it does not take, a ``ConfigurationError`` listing those it does.
+
+        >>> pm = PluginManager(autoload=False)
+        >>> pm.create_compressor("topk", ratio=0.05).config
+        {'error_feedback': True, 'ratio': 0.05}
+        >>> pm.create_compressor("top_k")
+        Traceback (most recent call last):
+        ...
+        stratagem.core.errors.PluginError: unknown compressor 'top_k'; known: bf16, fp16, powersgd, topk (did you mean 'topk'?)
+        >>> pm.create_compressor("topk", rank=4)
+        Traceback (most recent call last):
+        ...
+        stratagem.core.errors.ConfigurationError: compressor 'topk' does not accept option(s) 'rank'; it accepts: error_feedback, ratio
+        """
+        cls = self.compressor_class(name)
+        cls.check_usable()
+        return cls(**options)
+
+    def transport_or_default(self, transport=None):
+        """``transport`` if the caller named one (a name or a ``Transport``), else the environment's choice.
+
+        The one place the default transport is decided, for ``stratagem.strategy()``,
+        ``stratagem.communicator()`` and every ``Strategy(...)``: ``STRATAGEM_TRANSPORT`` (set by
+        ``stratagem launch --transport T``), else ``zmq``. A name in the environment that is not a
+        registered transport is refused with the known ones, saying where it came from.
+        """
+        if transport is not None:
+            return transport
+        name = transport_name_from_env()
+        if name is None:
+            return DEFAULT_TRANSPORT
+        try:
+            self.spec("transport", name)
+        except PluginError as exc:
+            raise ConfigurationError(
+                f"{TRANSPORT_ENV}={name!r} in the environment (stratagem launch --transport sets it) names no "
+                f"transport: {exc}. Fix or unset it, or pass transport= explicitly"
+            ) from None
+        return name
 
     def create_strategy(self, name: str, transport=None, **options):
         """Create strategy ``name`` over ``transport`` (a transport name, or a ``Transport`` instance;
         default: :func:`transport_or_default`, i.e. ``STRATAGEM_TRANSPORT``, else ``zmq``).
 
         The strategy resolves the cluster and creates and starts its transport; see
-        :class:`stratagem.core.strategy.Strategy` for the options every strategy takes. A strategy that
+        :class:`stratagem.strategies.base.Strategy` for the options every strategy takes. A strategy that
         cannot run over the transport raises one ``IncompatibleError`` naming both, before anything
         is created.
         """
-        from ..core.strategy import check_compatible
+        from stratagem.strategies.base import check_compatible
 
         cls = self.strategy_class(name)
-        transport = transport_or_default(transport, self)
+        transport = self.transport_or_default(transport)
         if isinstance(transport, str):
             check_compatible(cls, self.transport_class(transport), strategy_name=name, transport_name=transport)
         options.setdefault("plugins", self)
@@ -518,44 +535,14 @@ class PluginManager:
         return f"<PluginManager {counts}; plugins: {', '.join(self.sources())}>"
 
 
-def reject_unknown_options(what: str, options: Mapping[str, Any], accepted) -> None:
-    """Raise ``ConfigurationError`` naming the options ``what`` does not accept and those it does."""
-    unknown = sorted(set(options) - set(accepted))
-    if not unknown:
-        return
-    message = f"{what} does not accept option(s) {', '.join(repr(o) for o in unknown)}"
-    close = difflib.get_close_matches(unknown[0], list(accepted), n=1)
-    if close:
-        message += f" (did you mean {close[0]!r}?)"
-    message += f"; it accepts: {', '.join(sorted(accepted)) or 'none'}"
-    raise ConfigurationError(message)
-
-
 def transport_or_default(transport=None, manager: PluginManager | None = None):
-    """``transport`` if the caller named one (a name or a ``Transport``), else the environment's choice.
-
-    The one place the default transport is decided, for ``stratagem.strategy()``,
-    ``stratagem.communicator()`` and every ``Strategy(...)``: ``STRATAGEM_TRANSPORT`` (set by
-    ``stratagem launch --transport T``), else ``zmq``. A name in the environment that is not a
-    registered transport is refused with the known ones, saying where it came from.
+    """``transport`` if the caller named one, else the environment's choice, checked against ``manager``
+    (default: the process's registry). See :meth:`PluginManager.transport_or_default`.
 
     >>> transport_or_default("grpc")    # an explicit choice always wins
     'grpc'
     """
-    if transport is not None:
-        return transport
-    name = os.environ.get(TRANSPORT_ENV, "").strip()
-    if not name:
-        return DEFAULT_TRANSPORT
-    manager = plugin_manager() if manager is None else manager
-    try:
-        manager.spec("transport", name)
-    except PluginError as exc:
-        raise ConfigurationError(
-            f"{TRANSPORT_ENV}={name!r} in the environment (stratagem launch --transport sets it) names no "
-            f"transport: {exc}. Fix or unset it, or pass transport= explicitly"
-        ) from None
-    return name
+    return (plugin_manager() if manager is None else manager).transport_or_default(transport)
 
 
 _manager: PluginManager | None = None

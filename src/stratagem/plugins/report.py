@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def report(manager=None, *, check: bool = False) -> dict:
     """What ``stratagem info --json`` prints, as a dict."""
-    from .. import __version__
-    from .manager import plugin_manager
+    from stratagem._version import __version__
+    from stratagem.plugins.manager import plugin_manager
 
     manager = plugin_manager() if manager is None else manager
     return {
@@ -46,7 +46,7 @@ def report(manager=None, *, check: bool = False) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..core.errors import PluginError
+    from stratagem.core.errors import PluginError
 
     try:
         data = report(check=getattr(args, "check", True))

@@ -10,11 +10,15 @@ chief's initial values, so they start identical. ``optimizer.apply_gradients`` i
    recorded by ``distribute_dataset``; ``1/N`` without it), so the sum is the whole batch's mean;
 2. the gradients are packed into flat buckets of at most ``bucket_bytes`` (one dtype per bucket,
    laid out by variable name, the buffers kept from step to step);
-3. each bucket is all-reduced in place (``compression="fp16"`` sends float32 buckets as float16);
+3. each bucket is all-reduced in place; with ``compression`` (a compressor plugin: ``"fp16"``,
+   ``"bf16"``, ``"topk"``, ``"powersgd"``...) its floating-point gradients go through
+   ``compressor.allreduce`` instead, which sums their compressed payloads (one collective per payload
+   dtype and phase for the whole bucket), keeping each variable's error-feedback residual here;
 4. every replica applies the same averaged gradients with ``optimizer.apply_dense``.
 
-The all-reduce hands every replica the same bits, and the update is deterministic, so replicas stay
-bitwise identical step after step.
+The all-reduce hands every replica the same bits (compressed ones too: every compressor's reduction
+gives every replica the same sum), and the update is deterministic, so replicas stay bitwise identical
+step after step.
 
 Two replicas as threads of one process (the ``local`` transport); across processes, run the same
 script under ``stratagem launch --worker 2`` with ``transport="zmq"``::
@@ -47,49 +51,85 @@ from typing import Any
 
 import numpy as np
 
-from ..core.errors import ConfigurationError
-from ..core.replica_sync import allgather_json, broadcast_arrays, dtype_key
-from ..core.cluster import is_evaluator
-from ..core.strategy import Strategy, evaluator_refusal
-from ..core.variables import array_module, is_device_array
+from stratagem.core.errors import ConfigurationError
+from stratagem.training.replica_sync import allgather_json, broadcast_arrays, dtype_key
+from stratagem.core.cluster import is_evaluator
+from stratagem.compression.base import FLOAT_DTYPES
+from stratagem.strategies.base import Strategy, evaluator_refusal
+from stratagem.strategies.compressing import Compressing
+from stratagem.training.variables import array_module, is_device_array
+from stratagem.core import timeline as _timeline
+from stratagem.strategies.mirrored_elastic import ElasticMirrored, ElasticTraining, check_elastic_transport
 
 #: Default largest bucket of fused gradients, in bytes (before any compression).
 DEFAULT_BUCKET_BYTES = 25 << 20
-#: What ``compression`` may be.
-COMPRESSIONS = (None, "fp16")
 #: Bucket layouts kept (one per distinct set of gradients); the oldest is dropped beyond this.
 MAX_PLANS = 8
 #: Differences between replicas listed in one error message.
 MAX_LISTED = 10
+#: What ``on_failure`` may be: ``raise`` (a lost replica fails the others) or ``shrink`` (elastic).
+ON_FAILURE = ("raise", "shrink")
 
 
-class MirroredStrategy(Strategy):
+class MirroredStrategy(Compressing, ElasticMirrored, Strategy):
     """Synchronous data parallelism: mirrored variables, all-reduced gradients (see the module doc).
 
     Options:
         bucket_bytes: largest bucket of fused gradients, in bytes (default 25 MiB). Fewer, larger
             buckets mean fewer all-reduce calls; a gradient larger than this gets a bucket of its own.
-        compression: ``None``, or ``"fp16"`` to send float32 buckets as float16 (half the bytes; the
-            sum is rounded to float16, and values beyond float16's range, about 65504, overflow).
-            Replicas stay identical either way.
-        chunk_bytes, small_bytes, timeout: the replicas' :class:`~stratagem.core.communicator.Communicator`
+        compression: ``None``, a compressor's name (``"fp16"``, ``"bf16"``: half the bytes; ``"topk"``;
+            ``"powersgd"``; any registered one) with ``compression_options={...}``, or a compressor from
+            ``stratagem.compressor(name, **options)``. Floating-point gradients are all-reduced
+            compressed (:mod:`stratagem.compression.base`); replicas stay identical either way. Each
+            replica keeps its own error-feedback residuals, which ``save()`` does not write.
+        chunk_bytes, small_bytes, timeout: the replicas' :class:`~stratagem.collectives.communicator.Communicator`
             settings (default: the communicator's, and the transport's timeout).
+        on_failure: ``"raise"`` (default): a lost replica makes the others raise ``PeerLostError``
+            naming it. ``"shrink"``: elastic training (:mod:`stratagem.strategies.mirrored_elastic`):
+            the training function runs in ``strategy.elastic(fn)``; when a replica is lost the
+            survivors roll back to the last ``commit()``, go on without it and retry, and a restarted
+            worker joins at the next commit. Needs a transport whose world can change (``zmq``,
+            ``grpc``, ``shm``, ``local``), not ``mpi`` or ``nccl``; the chief must survive.
+        commit_every: under shrink, commit before every ``commit_every``-th batch that
+            ``distribute_dataset`` yields (default 1; ``None``: only your ``commit()`` calls).
 
     Plus every strategy's keywords (``cluster``, ``task``, ``transport_options``, ``plugins``).
+
+    Elastic training, as a plain script run with ``stratagem launch --worker 3 --restart-workers 1 --
+    python3 train.py`` (``my_gradients`` and ``batches``, a list of global batches, are yours)::
+
+        strategy = stratagem.strategy("mirrored", on_failure="shrink")
+        with strategy.scope():
+            w = stratagem.Variable(np.zeros(10, np.float32), name="w")
+            opt = stratagem.optimizers.SGD(learning_rate=0.1)
+
+        @strategy.elastic                      # run again from the last commit when the world changes
+        def train():
+            for x, y in strategy.distribute_dataset(batches):   # commits every batch, fast-forwards
+                opt.apply_gradients([(my_gradients(w.value, x, y), w)])
+
+        strategy.on_reset(lambda change: print("now", change.size, "replicas; lost", change.lost))
+        train()
     """
 
     name = "mirrored"
     options = {
         "bucket_bytes": DEFAULT_BUCKET_BYTES,
-        "compression": None,
         "chunk_bytes": None,
         "small_bytes": None,
         "timeout": None,
+        "on_failure": "raise",
+        "commit_every": 1,
     }
 
     def __init__(self, transport=None, **kwargs):
+        self._elastic = None
+        if kwargs.get("on_failure") == "shrink":
+            check_elastic_transport(transport, kwargs.get("plugins"))
         super().__init__(transport, **kwargs)
         self._plans: dict[tuple, _Plan] = {}   # gradient signature -> buckets (buffers reused)
+        if self.config["on_failure"] == "shrink":
+            self._elastic = ElasticTraining(self, self.config["commit_every"])
         if self.task not in self.cluster.replicas():
             task = self.task
             self.shutdown()
@@ -100,15 +140,13 @@ class MirroredStrategy(Strategy):
                 f"(use the parameter_server strategy for clusters with 'ps' tasks, or start no "
                 f"strategy on them)"
             )
+        self._check_compressor_transport()
 
     # -- options -----------------------------------------------------------------------------------
-    def _check_config(self) -> None:
+    def check_config(self) -> None:
         config = self.config
         _check_int("bucket_bytes", config["bucket_bytes"], 1)
-        if config["compression"] not in COMPRESSIONS:
-            raise ConfigurationError(
-                f"unknown compression {config['compression']!r} for strategy 'mirrored'; use None or 'fp16'"
-            )
+        self._choose_compressor()
         for option, minimum in (("chunk_bytes", 1), ("small_bytes", 0)):
             if config[option] is not None:
                 _check_int(option, config[option], minimum)
@@ -116,15 +154,22 @@ class MirroredStrategy(Strategy):
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):
             raise ConfigurationError(f"timeout must be a number of seconds > 0 (or None), got {timeout!r}")
+        if config["on_failure"] not in ON_FAILURE:
+            raise ConfigurationError(f"unknown on_failure {config['on_failure']!r} for strategy 'mirrored'; use "
+                                     f"'raise' (a lost replica fails the others) or 'shrink' (go on without it)")
+        if config["commit_every"] is not None:
+            _check_int("commit_every", config["commit_every"], 1)
 
-    def _communicator_options(self) -> dict[str, Any]:
+    def communicator_options(self) -> dict[str, Any]:
         return {key: self.config[key] for key in ("chunk_bytes", "small_bytes", "timeout")
                 if self.config[key] is not None}
 
     # -- variables ---------------------------------------------------------------------------------
-    def _end_scope(self, created: list, *, first: bool) -> None:
+    def on_scope_end(self, created: list, *, first: bool) -> None:
         """Check the replicas created the same variables, then give them all the chief's values."""
-        if (created or first) and self.num_replicas_in_sync > 1:
+        if self._elastic is not None:
+            self._elastic.end_scope(created, first)
+        elif (created or first) and self.num_replicas_in_sync > 1:
             self._sync_variables(created)
 
     def _sync_variables(self, created: list) -> None:
@@ -148,14 +193,18 @@ class MirroredStrategy(Strategy):
                 variable.assign(value)
 
     # -- the sync point ----------------------------------------------------------------------------
-    def _apply_gradients(self, optimizer, pairs: list):
+    def on_apply_gradients(self, optimizer, pairs: list):
         """All-reduce the gradients (weighted mean over the replicas), then apply them on every replica."""
         self._check_open()
-        self._register_optimizer(optimizer)
+        self.on_optimizer(optimizer)
         pairs = list(pairs)
         if self.num_replicas_in_sync > 1 and pairs:
             pairs = self._average(pairs)
+        recorder = _timeline.RECORDER
+        started = recorder.now() if recorder is not None else 0
         result = optimizer.apply_dense(pairs)
+        if recorder is not None:
+            recorder.add("optimizer", "optimizer", started, recorder.now(), {"optimizer": optimizer.name})
         self._step += 1
         return result
 
@@ -174,7 +223,12 @@ class MirroredStrategy(Strategy):
                     f"in this strategy's scope(), without None gradients"
                 )
         if self.num_replicas_in_sync > 1 and pairs:
-            pairs = self._average(pairs)
+            recorder = _timeline.RECORDER
+            if recorder is None:
+                pairs = self._average(pairs)
+            else:
+                with recorder.span("sync", "reduce_gradients", {"gradients": len(pairs)}):
+                    pairs = self._average(pairs)
         self._step += 1
         return [grad for grad, _ in pairs]
 
@@ -184,9 +238,17 @@ class MirroredStrategy(Strategy):
         plan = self._plan_for(grads, [var for _, var in pairs])
         weight = self._gradient_weight()
         comm = self._comm()
+        recorder = _timeline.RECORDER
         for bucket in plan.buckets:
+            started = recorder.now() if recorder is not None else 0
             bucket.pack(grads, weight)
-            bucket.allreduce(comm)
+            if recorder is not None:
+                recorder.add("pack", "pack", started, recorder.now(),
+                             {"bytes": int(bucket.buffer.nbytes), "gradients": len(bucket.entries)})
+            if self.compressor is not None and bucket.buffer.dtype in FLOAT_DTYPES:
+                bucket.allreduce_compressed(comm, self.compressor, self.compression_states, plan.names)
+            else:
+                bucket.allreduce(comm)
         return [(plan.averaged(index), var) for index, (_, var) in enumerate(pairs)]
 
     def _plan_for(self, grads: list, variables: list) -> "_Plan":
@@ -200,8 +262,7 @@ class MirroredStrategy(Strategy):
             self._check_same_gradients(signature)
             if len(self._plans) >= MAX_PLANS:
                 del self._plans[next(iter(self._plans))]
-            plan = self._plans[signature] = _Plan(grads, [v.name for v in variables],
-                                                  self.config["bucket_bytes"], self.config["compression"])
+            plan = self._plans[signature] = _Plan(grads, [v.name for v in variables], self.config["bucket_bytes"])
         return plan
 
     def _check_same_gradients(self, signature: tuple) -> None:
@@ -220,13 +281,11 @@ class MirroredStrategy(Strategy):
 class _Bucket:
     """Gradients of one dtype fused into one flat buffer, all-reduced in place; reused every step."""
 
-    def __init__(self, xp, dtype: np.dtype, entries: list[tuple[int, int, int, tuple]], compression):
+    def __init__(self, xp, dtype: np.dtype, entries: list[tuple[int, int, int, tuple]]):
         #: ``(gradient index, offset, size, shape)`` of each gradient in the buffer.
         self.entries = entries
         length = sum(size for _, _, size, _ in entries)
         self.buffer = xp.empty(length, dtype)
-        #: float16 copy for the wire under ``compression="fp16"`` (float32 buckets only).
-        self.wire = xp.empty(length, np.float16) if compression == "fp16" and dtype == np.float32 else None
 
     def pack(self, grads: list, weight: float) -> None:
         """Copy each gradient, times ``weight``, into its place in the buffer."""
@@ -239,22 +298,25 @@ class _Bucket:
             xp.multiply(grads[index], scale, out=self.buffer[offset:offset + size].reshape(shape))
 
     def allreduce(self, comm) -> None:
-        """Sum the buffer over the replicas, in place (through the float16 wire buffer if compressing)."""
-        if self.buffer.size == 0:
-            return
-        if self.wire is None:
+        """Sum the buffer over the replicas, in place."""
+        if self.buffer.size:
             comm.allreduce(self.buffer, op="sum", out=self.buffer)
-            return
-        with np.errstate(over="ignore"):  # documented: beyond float16's range becomes inf
-            self.wire[...] = self.buffer
-        comm.allreduce(self.wire, op="sum", out=self.wire)
-        self.buffer[...] = self.wire
+
+    def allreduce_compressed(self, comm, compressor, states, names: list[str]) -> None:
+        """Sum the buffer over the replicas through ``compressor``, gradient by gradient (each with its
+        variable's state), in place."""
+        views = [self.buffer[offset:offset + size].reshape(shape) for _, offset, size, shape in self.entries]
+        chosen = [states.get(names[index], shape, self.buffer.dtype) for index, _, _, shape in self.entries]
+        for view, total in zip(views, compressor.allreduce(comm, views, chosen)):
+            view[...] = total
 
 
 class _Plan:
     """How one set of gradients is laid out in buckets: by dtype (and array module), then by name."""
 
-    def __init__(self, grads: list, names: list[str], bucket_bytes: int, compression):
+    def __init__(self, grads: list, names: list[str], bucket_bytes: int):
+        #: The variables' names, by gradient index.
+        self.names = list(names)
         groups: dict[tuple[str, str], list[int]] = {}
         for index in sorted(range(len(grads)), key=lambda i: names[i]):
             grad = grads[index]
@@ -263,16 +325,16 @@ class _Plan:
         self._where: dict[int, tuple[_Bucket, int, int, tuple]] = {}
         for key in sorted(groups):
             for members in _fill(groups[key], grads, bucket_bytes):
-                self._add_bucket(members, grads, compression)
+                self._add_bucket(members, grads)
 
-    def _add_bucket(self, members: list[int], grads: list, compression) -> None:
+    def _add_bucket(self, members: list[int], grads: list) -> None:
         entries, offset = [], 0
         for index in members:
             size, shape = int(grads[index].size), tuple(grads[index].shape)
             entries.append((index, offset, size, shape))
             offset += size
         first = grads[members[0]]
-        bucket = _Bucket(array_module(first), first.dtype, entries, compression)
+        bucket = _Bucket(array_module(first), first.dtype, entries)
         self.buckets.append(bucket)
         for index, offset, size, shape in entries:
             self._where[index] = (bucket, offset, size, shape)

@@ -23,16 +23,16 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ..core.cluster import TaskId
-from ..core.errors import (
+from stratagem.core.cluster import TaskId
+from stratagem.core.errors import (
     AuthenticationError,
     PeerLostError,
     TransportClosed,
     TransportTimeout,
 )
-from ..core.transport import Message
-from .peer import spawn_peer
-from .world import local_cluster, run_ranks, transport_world
+from stratagem.core.transport import Message
+from stratagem.testing.peer import spawn_peer
+from stratagem.testing.world import local_cluster, run_ranks, transport_world
 
 #: Seconds any single blocking call in the suite may wait.
 CALL_TIMEOUT = 30.0
@@ -53,7 +53,7 @@ class TransportContract:
         return transport_world(self.transport, size, **merged)
 
     def transport_class(self):
-        from ..plugins.manager import plugin_manager
+        from stratagem.plugins.manager import plugin_manager
 
         return plugin_manager().transport_class(self.transport)
 
@@ -266,12 +266,26 @@ class TransportContract:
             with pytest.raises(PeerLostError, match="closed"):
                 b.recv(a.task, "tail", timeout=CALL_TIMEOUT)
 
+    def test_close_and_abort_end_a_transport_once(self):
+        with self.world(2) as (a, b):
+            a.send(b.task, "hi", Message())
+            b.recv(a.task, "hi", timeout=CALL_TIMEOUT)
+            a.abort()
+            a.close()  # after abort(): nothing more to do (no goodbye either)
+            a.abort()
+            with pytest.raises(TransportClosed):
+                a.send(b.task, "hi", Message())
+            with pytest.raises(PeerLostError):
+                b.recv(a.task, "hi", timeout=CALL_TIMEOUT)
+            b.close()
+            b.close()
+
     def test_sigkilled_peer_process_raises_peer_lost(self):
         if self.transport_class().in_process:
             pytest.skip(f"the {self.transport} transport keeps every endpoint in one process")
         cluster = local_cluster(2)
         me, other = cluster.tasks()
-        from ..plugins.manager import plugin_manager
+        from stratagem.plugins.manager import plugin_manager
 
         t = plugin_manager().create_transport(self.transport, cluster=cluster, task=me, timeout=CALL_TIMEOUT,
                                               peer_timeout=PEER_TIMEOUT, **self.options)
@@ -296,7 +310,7 @@ class TransportContract:
         if self.transport_class().in_process:
             pytest.skip(f"the {self.transport} transport has no connections to authenticate")
         cluster = local_cluster(2)
-        from ..plugins.manager import plugin_manager
+        from stratagem.plugins.manager import plugin_manager
 
         pm = plugin_manager()
         a = pm.create_transport(self.transport, cluster=cluster, task=cluster.tasks()[0], secret=b"one",
@@ -322,25 +336,4 @@ class TransportContract:
             assert a.recv(b.task, "y", timeout=CALL_TIMEOUT).meta == {"back": 1}
 
 
-def run_contract(transport: str) -> type:
-    """Make a ``TransportContract`` test class for ``transport`` (for dynamic parametrisation).
-
-    A transport whose endpoints are ranks of an MPI job (its class says ``launcher = "mpiexec"``) gets
-    :class:`~stratagem.testing.mpi_contract.MpiTransportContract`: the same tests, run inside one.
-    """
-    from ..core.errors import PluginError
-    from ..plugins.manager import plugin_manager
-
-    base: type = TransportContract
-    try:
-        launcher = getattr(plugin_manager().transport_class(transport), "launcher", None)
-    except PluginError:
-        launcher = None
-    if launcher == "mpiexec":
-        from .mpi_contract import MpiTransportContract
-
-        base = MpiTransportContract
-    return type(f"TestContract_{transport}", (base,), {"transport": transport})
-
-
-__all__ = ["TransportContract", "run_contract", "CALL_TIMEOUT", "PEER_TIMEOUT", "TaskId"]
+__all__ = ["TransportContract", "CALL_TIMEOUT", "PEER_TIMEOUT", "TaskId"]

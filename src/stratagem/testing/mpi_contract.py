@@ -13,7 +13,7 @@ inside one:
   private MPI communicator as ``core/wire`` frames (nothing is pickled). Results go to PATH (JSON)
   after every test, so a job that dies still reports what it finished.
 * :class:`MpiTransportContract` is the pytest side: one test per contract test, each answered by an
-  ``mpiexec`` job of its own. ``contract.run_contract(name)`` returns it for a transport class that
+  ``mpiexec`` job of its own. ``stratagem.testing.run_contract(name)`` returns it for a transport class that
   declares ``launcher = "mpiexec"``, so ``tests/test_transport_contract.py`` covers such a transport
   with no change. Such a transport must accept a ``comm`` option: the mpi4py communicator of its
   world (one per test).
@@ -39,12 +39,12 @@ import traceback
 
 import pytest
 
-from ..core import errors as stratagem_errors
-from ..core import wire
-from ..core.cluster import ClusterSpec, TaskId
-from ..core.transport import COMPLETED, Message
-from ..core.wire import Kind
-from .contract import CALL_TIMEOUT, PEER_TIMEOUT, TransportContract
+from stratagem.core import errors as stratagem_errors
+from stratagem.core import wire
+from stratagem.core.cluster import ClusterSpec, TaskId
+from stratagem.core.transport import COMPLETED, Message
+from stratagem.core.wire import Kind
+from stratagem.testing.contract import CALL_TIMEOUT, PEER_TIMEOUT, TransportContract
 
 #: The MPI tag of requests (driver -> rank); a response comes back under ``_RESPONSE + call id``.
 _REQUEST = 1
@@ -187,7 +187,7 @@ class _Job:
 
     def make_world(self, size: int, options: dict):
         """Collective over the job: ranks below ``size`` start an endpoint of a fresh world."""
-        from ..plugins.manager import plugin_manager
+        from stratagem.plugins.manager import plugin_manager
 
         inside = self.rank < size
         self.sub = self.base.Split(0 if inside else self.MPI.UNDEFINED, self.rank)
@@ -397,11 +397,11 @@ def _make_test(name: str):
 class MpiTransportContract(TransportContract):
     """The contract for a transport whose endpoints are MPI ranks: each test runs in an mpiexec job.
 
-    Subclass and set ``transport`` (``contract.run_contract(name)`` does it). Each test gets a job of
+    Subclass and set ``transport`` (``stratagem.testing.run_contract(name)`` does it). Each test gets a job of
     its own and reports what happened to it there. One job per test, not per class, so that what a
     test leaves behind (a receive blocked until its timeout, a transport being torn down) cannot reach
     the next one: a fresh job inherits nothing. A failed test fails; it is not run again. Skipped,
-    with the reason, where ``mpiexec`` or a private network namespace (``stratagem.core.mpi_launch``)
+    with the reason, where ``mpiexec`` or a private network namespace (``stratagem.launch.mpi``)
     is not available.
     """
 
@@ -437,8 +437,8 @@ for _name in contract_tests():
 
 
 def _run_job(transport: str, names: list[str], ranks: int, timeout: float) -> dict:
-    from ..core.errors import ConfigurationError
-    from ..core.mpi_launch import run_mpi_job
+    from stratagem.core.errors import ConfigurationError
+    from stratagem.launch.mpi import run_mpi_job
 
     env = {k: v for k, v in os.environ.items() if k not in ("STRATAGEM_CONFIG", "TF_CONFIG", "STRATAGEM_SECRET")}
     env["PYTHONUNBUFFERED"] = "1"

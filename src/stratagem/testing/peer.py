@@ -17,9 +17,9 @@ import subprocess
 import sys
 from typing import Iterator
 
-from ..core.cluster import ClusterSpec, TaskId
-from ..core.errors import TransportClosed, TransportTimeout
-from ..core.transport import Message
+from stratagem.core.cluster import ClusterSpec, TaskId
+from stratagem.core.errors import TransportClosed, TransportTimeout
+from stratagem.core.transport import Message
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-timeout", type=float, default=30.0)
     parser.add_argument("--lifetime", type=float, default=120.0, help="exit after this many seconds")
     args = parser.parse_args(argv)
-    from ..plugins.manager import plugin_manager
+    from stratagem.plugins.manager import plugin_manager
 
     secret = os.environ.get("STRATAGEM_SECRET")
     transport = plugin_manager().create_transport(

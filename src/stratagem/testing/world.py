@@ -15,9 +15,10 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..core.cluster import ClusterSpec, TaskId
-from ..core.ports import reserve_ports
-from ..core.transport import Message
+from stratagem.core.cluster import ClusterSpec, TaskId
+from stratagem.core.errors import ConfigurationError
+from stratagem.core.ports import reserve_ports
+from stratagem.core.transport import Message
 
 #: Seconds the helpers below wait by default.
 WAIT = 20.0
@@ -49,7 +50,7 @@ def transport_world(name: str, size: int | dict[str, int], **options) -> Iterato
 
     Yields the started transports (ordered as ``cluster.tasks()``) and closes them all on exit.
     """
-    from ..plugins.manager import plugin_manager
+    from stratagem.plugins.manager import plugin_manager
 
     manager = plugin_manager()
     cls = manager.transport_class(name)
@@ -94,10 +95,6 @@ def run_ranks(world: list, fn: Callable, timeout: float = 60.0, args_for=None) -
     return results
 
 
-def task_of(rank: int, world: list) -> TaskId:
-    return world[rank].task
-
-
 def wait_for(predicate: Callable[[], bool], timeout: float = WAIT) -> bool:
     """Poll ``predicate`` until it is true (``True``) or ``timeout`` seconds pass (``False``)."""
     deadline = time.monotonic() + timeout
@@ -113,3 +110,30 @@ def still_serves(a, b, timeout: float = WAIT) -> bool:
     raises what ``recv`` raises otherwise."""
     a.send(b.task, "ok", Message({"still": "serving"}, [np.arange(4)]))
     return b.recv(a.task, "ok", timeout=timeout).meta == {"still": "serving"}
+
+
+def local_world(size: int, **options) -> list:
+    """``size`` communicators over the in-process transport, one per rank of a ``worker`` world.
+
+    For single-process multi-replica runs, examples and tests: drive each rank from its own thread.
+    ``options`` go to every Communicator; each owns (and closes) its transport.
+
+    >>> comms = local_world(2)
+    >>> [(c.rank, str(c.task)) for c in comms]
+    [(0, '/job:worker/task:0'), (1, '/job:worker/task:1')]
+    >>> for c in comms: c.close()
+    """
+    from stratagem.collectives.communicator import Communicator
+    from stratagem.transports.local import LocalTransport
+
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigurationError(f"a local world needs size >= 1, got {size!r}")
+    cluster = ClusterSpec({"worker": [f"local:{i + 1}" for i in range(size)]})
+    fabric = LocalTransport.world_options()
+    transport_options = {"timeout": options["timeout"]} if options.get("timeout") is not None else {}
+    comms = []
+    for index in range(size):
+        transport = LocalTransport(cluster, TaskId("worker", index), **fabric, **transport_options)
+        transport.start()
+        comms.append(Communicator(transport, owns_transport=True, **options))
+    return comms

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import threading
 
-from ..core.cluster import TaskId
-from ..core.errors import ConfigurationError, PeerLostError, TransportClosed
-from ..core.mailbox import Mailbox
-from ..core.transport import Message, Transport
+from stratagem.core.cluster import TaskId
+from stratagem.core.errors import ConfigurationError, PeerLostError, TransportClosed
+from stratagem.core.mailbox import Mailbox
+from stratagem.core.transport import Message, Transport
 
 
 class LocalFabric:
@@ -77,6 +77,7 @@ class LocalTransport(Transport):
     """In-process transport; every endpoint of a world shares one ``fabric``."""
 
     name = "local"
+    elastic = True   # a restarted peer is re-accepted (LocalFabric.join marks it alive)
     in_process = True
     device_buffers = True  # buffers are copied with their own array module, so cupy stays on device
 
@@ -95,20 +96,16 @@ class LocalTransport(Transport):
         return {"fabric": LocalFabric()}
 
     def start(self) -> None:
+        if self._closed:
+            raise TransportClosed(f"{self.task}: a closed transport cannot be started again")
         if self._mailbox is None:
             self._mailbox = self.fabric.join(self.task)
             self._mailbox.traffic = self.traffic
 
-    def close(self) -> None:
-        self._leave(f"{self.task} closed its transport")
-
-    def abort(self) -> None:
-        self._leave(f"{self.task} died")
-
-    def _leave(self, reason: str) -> None:
+    def _shutdown(self, graceful: bool) -> None:
         if self._mailbox is not None:
             self._mailbox = None
-            self.fabric.leave(self.task, reason)
+            self.fabric.leave(self.task, f"{self.task} closed its transport" if graceful else f"{self.task} died")
 
     def _box(self) -> Mailbox:
         if self._mailbox is None:
@@ -135,3 +132,6 @@ class LocalTransport(Transport):
 
     def lost_peers(self):
         return self._mailbox.lost() if self._mailbox is not None else {}
+
+    def peer_losses(self, task):
+        return self._mailbox.losses(TaskId.parse(task)) if self._mailbox is not None else 0

@@ -4,7 +4,7 @@ One process drives one GPU: by default the *local rank* (the position of this ta
 cluster's tasks on the same host, or ``LOCAL_RANK`` when set), modulo the visible devices; the
 ``device=`` option picks one explicitly.
 
-* **Control transport.** Every NCCL transport creates a :class:`~stratagem.transports.zmq.ZmqTransport`
+* **Control transport.** Every NCCL transport creates a :class:`~stratagem.transports.zmq.transport.ZmqTransport`
   on this task's own address. It carries the contract's point-to-point messages and the NCCL
   unique ids. cupy buffers of a message are staged to the host for the trip and come back as cupy
   arrays on this transport's device (a reserved metadata key says which buffers were on the device).
@@ -38,13 +38,13 @@ from typing import Callable, Mapping
 import msgpack
 import numpy as np
 
-from ..core import collectives as coll
-from ..core.cluster import TaskId
-from ..core.collective_session import CollectiveSession, describe, fingerprint
-from ..core.errors import (CollectiveMismatchError, ConfigurationError, PluginError, TransportClosed,
+from stratagem.collectives import algorithms as coll
+from stratagem.core.cluster import TaskId
+from stratagem.collectives.session import CollectiveSession, describe, fingerprint
+from stratagem.core.errors import (CollectiveMismatchError, ConfigurationError, PluginError, TransportClosed,
                            TransportTimeout)
-from ..core.transport import Message, SendHandle, Transport
-from ..core.wire import DTYPES, dtype_name
+from stratagem.core.transport import Message, SendHandle, Transport
+from stratagem.core.wire import DTYPES, dtype_name
 
 INSTALL_HINT = "pip install 'stratagem[gpu]'"
 #: Reserved metadata key: indices of the buffers that were cupy arrays when sent.
@@ -121,7 +121,7 @@ class NcclTransport(Transport):
             raise ConfigurationError(f"nccl: device must be a CUDA device index >= 0, got {device!r}")
         self._device_opt = device
         self.device: int | None = None
-        from .zmq import ZmqTransport
+        from stratagem.transports.zmq.transport import ZmqTransport
 
         self.control = ZmqTransport(self.cluster, self.task, **common, **(control_options or {}))
         self.traffic = self.control.traffic   # point-to-point goes over the control transport
@@ -129,7 +129,6 @@ class NcclTransport(Transport):
         self._streams: dict[tuple, object] = {}
         self._lock = threading.RLock()
         self._started = False
-        self._closed = False
 
     @classmethod
     def check_usable(cls) -> None:
@@ -174,24 +173,15 @@ class NcclTransport(Transport):
             self.control.start()
             self._started = True
 
-    def close(self) -> None:
-        self._shutdown(abort=False)
-
-    def abort(self) -> None:
-        self._shutdown(abort=True)
-
-    def _shutdown(self, abort: bool) -> None:
+    def _shutdown(self, graceful: bool) -> None:
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
             comms, self._comms = list(self._comms.values()), {}
         for comm in comms:
             try:
-                comm.abort() if abort else comm.destroy()
+                comm.destroy() if graceful else comm.abort()
             except Exception:
                 pass
-        self.control.abort() if abort else self.control.close()
+        self.control.close() if graceful else self.control.abort()
 
     def _require_started(self) -> None:
         if not self._started or self._closed:

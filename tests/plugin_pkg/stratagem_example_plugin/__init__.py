@@ -6,7 +6,7 @@ so ``stratagem info`` lists what these hooks return, and::
     import stratagem
     strategy = stratagem.strategy("solo", transport="loopback")
 
-works once the package is installed. Targets are lazy: listing plugins imports neither module below.
+works once the package is installed, and so does ``compression="sign"`` (a compressor). Targets are lazy: listing plugins imports neither module below.
 """
 
 from stratagem.plugins import PluginSpec, hookimpl
@@ -30,5 +30,15 @@ def stratagem_add_strategies():
         PluginSpec(
             "solo", "stratagem_example_plugin.solo:SoloStrategy", "strategy",
             description="runs each step as is on in-process transports (example plugin)",
+        ),
+    ]
+
+
+@hookimpl
+def stratagem_add_compressors():
+    return [
+        PluginSpec(
+            "sign", "stratagem_example_plugin.sign:SignCompressor", "compressor",
+            description="signs and one scale per gradient, with error feedback (example plugin)",
         ),
     ]

@@ -1,6 +1,6 @@
 """The ``solo`` strategy: runs each step as is and counts them; runs on in-process transports only."""
 
-from stratagem.core.strategy import Strategy
+from stratagem.strategies.base import Strategy
 
 
 class SoloStrategy(Strategy):

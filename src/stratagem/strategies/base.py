@@ -1,0 +1,627 @@
+"""The base class of every strategy (README: "Training with a strategy").
+
+A strategy decides how replicas stay in sync; it moves data only through its transport and core's
+collectives, never by importing a transport module. This base class owns what every strategy shares:
+finding the cluster and this task, creating and starting the transport through the plugin registry,
+``run``, ``reduce`` across the replicas, and shutting down. Strategies extend it (``mirrored``,
+``parameter_server``, ...) and are registered as plugins (:mod:`stratagem.plugins`).
+
+A one-task world over the in-process transport::
+
+    >>> import numpy as np
+    >>> from stratagem.core.cluster import ClusterSpec
+    >>> from stratagem.transports.local import LocalFabric
+    >>> with Strategy("local", cluster=ClusterSpec({"worker": ["local:0"]}), task="worker:0",
+    ...               transport_options={"fabric": LocalFabric()}) as strategy:
+    ...     with strategy.scope():
+    ...         pass                                  # stratagem.Variable(...)s are created here
+    ...     loss = strategy.run(lambda x: float(np.mean(x ** 2)), args=(np.arange(4.0),))
+    ...     strategy.reduce("mean", loss), strategy.num_replicas_in_sync, strategy.is_chief
+    (3.5, 1, True)
+
+The base also owns what every strategy shares around variables: ``scope()`` makes the strategy the
+one that new variables (``stratagem.Variable``) and optimizers belong to (the context variable read
+by ``current_strategy()``), ``variables`` lists them, ``distribute_dataset`` shards global batches
+over the replicas, and ``save``/``restore`` write and read checkpoints
+(:mod:`stratagem.training.checkpoint`) on the chief and share them with the other replicas.
+
+Without ``cluster``/``task`` the cluster comes from the environment (``stratagem launch``,
+``TF_CONFIG`` or ``mpiexec``); with several replicas ``reduce`` all-reduces over them with
+:class:`stratagem.collectives.communicator.Communicator`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping
+
+import numpy as np
+
+from stratagem.core.cluster import ClusterSpec, TaskId, is_evaluator
+from stratagem.core.errors import ConfigurationError, IncompatibleError, StratagemError
+from stratagem.core.lifecycle import end_at_exit
+from stratagem.core.transport import Transport
+from stratagem.core.options import reject_unknown_options
+from stratagem.core.transport_factory import default_factory
+from stratagem.training.replica_sync import broadcast_arrays, broadcast_json
+from stratagem.training.sharding import shard_batch
+from stratagem.strategies.checkpoints import Checkpointing
+from stratagem.training.variables import array_module, is_device_array, strategy_scope
+from stratagem.core import timeline as _timeline
+
+#: The reductions ``Strategy.reduce`` (and the collectives) know.
+REDUCE_OPS = ("sum", "mean", "min", "max", "prod")
+#: Keyword arguments every strategy takes besides its own ``options``.
+BASE_KEYWORDS = ("cluster", "task", "transport_options", "plugins")
+
+
+def check_compatible(strategy_cls: type, transport_cls: type, *, strategy_name: str | None = None,
+                     transport_name: str | None = None) -> None:
+    """Raise one ``IncompatibleError`` naming both plugins if the strategy cannot run over the transport.
+
+    >>> from stratagem.transports.local import LocalTransport
+    >>> class NeedsSockets(Strategy):
+    ...     name = "needs_sockets"
+    ...     @classmethod
+    ...     def supports(cls, transport_class):
+    ...         if transport_class.in_process:
+    ...             return "it needs one process per task; use transport='zmq'"
+    >>> check_compatible(NeedsSockets, LocalTransport)
+    Traceback (most recent call last):
+    ...
+    stratagem.core.errors.IncompatibleError: strategy 'needs_sockets' cannot run over transport 'local': it needs one process per task; use transport='zmq'
+    """
+    reason = strategy_cls.supports(transport_cls)
+    if reason:
+        strategy_name = strategy_name or strategy_cls.name
+        transport_name = transport_name or transport_cls.name
+        raise IncompatibleError(
+            f"strategy {strategy_name!r} cannot run over transport {transport_name!r}: {reason}"
+        )
+
+
+class Strategy(Checkpointing):
+    """Base class of every strategy plugin.
+
+    Args:
+        transport: the transport plugin's name (``"zmq"``, ``"local"``...), or a ``Transport`` instance
+            the caller created (and keeps: ``shutdown`` does not close it). Default: the environment's
+            ``STRATAGEM_TRANSPORT`` (``stratagem launch --transport``), else ``"zmq"``.
+        cluster, task: this task's cluster and task; default: ``ClusterResolver.from_env()``.
+        transport_options: options for the transport's constructor (``{"fabric": ...}`` for ``local``,
+            ``{"timeout": 60}``...).
+        plugins: where the transport named by ``transport`` comes from: a ``TransportFactory``
+            (:mod:`stratagem.core.transport_factory`; default: the process's plugin registry).
+        **options: the strategy's own options: the keys of its class attribute ``options``, whose
+            values are the defaults. Others are refused with the list of known ones. The resolved
+            values are in ``self.config``.
+
+    **Writing a strategy** (the extension API; README: "Writing a plugin"). A subclass sets the class
+    attributes ``name`` and ``options`` (its own options and their defaults) and overrides what it needs
+    of these hooks, each called by the base at one point and nowhere else:
+
+    - ``supports(transport_class)`` (classmethod): ``None``, or why this strategy cannot run over that
+      transport (one ``IncompatibleError`` names both, before anything is created);
+    - ``check_config()``: validate ``self.config`` (raise ``ConfigurationError``);
+    - ``on_variable(variable)``: every ``stratagem.Variable`` created inside ``scope()``;
+    - ``on_scope_end(created, first=...)``: the outermost ``scope()`` block ended, with the variables it
+      created (``first``: the first such block), e.g. to make the replicas agree on them;
+    - ``on_optimizer(optimizer)``: an optimizer created in the scope, or first applied;
+    - ``on_apply_gradients(optimizer, pairs)``: the sync point of ``optimizer.apply_gradients``: reduce
+      and apply ``[(gradient, variable), ...]`` as the strategy does;
+    - ``shard_batches(batches, rank, size)``: this replica's part of each global batch
+      (``distribute_dataset``);
+    - ``communicator_options()``: options of the replicas' communicator (``chunk_bytes``...);
+    - ``scope_context()``: a context manager entered by ``scope()`` around the user's block;
+    - ``run(fn, args, kwargs)`` when a step must run elsewhere (``in_graph``, ``parameter_server``);
+    - ``leave_with_error(error)``: the script is ending with an uncaught error: tell the peers
+      (the base closes the transport), and ``shutdown()`` for the normal end.
+
+    Subclasses use ``self.config``, ``self.transport``, ``self.cluster``, ``self.task`` and the
+    replicas' communicator (created on first use). ``stratagem.testing.strategy_contract`` is the
+    conformance suite a new strategy should pass.
+    """
+
+    #: The strategy's registered short name.
+    name: ClassVar[str] = "base"
+    #: The strategy's own options and their defaults (merged with those of its base classes).
+    options: ClassVar[Mapping[str, Any]] = {}
+    #: Why ``compression=`` is refused, for a strategy without that option (one ``IncompatibleError``).
+    compression_refusal: ClassVar[str] = ("it takes no compression= option (the strategies that all-reduce or "
+                                          "push gradients do: mirrored, between_graph, parameter_server)")
+
+    def __init__(self, transport: "str | Transport | None" = None, *, cluster=None, task=None,
+                 transport_options: Mapping[str, Any] | None = None, plugins=None, **options):
+        defaults = self.option_defaults()
+        if "compression" not in defaults and {"compression", "compression_options"} & set(options):
+            raise IncompatibleError(f"strategy {self.name!r} cannot compress gradients: {self.compression_refusal}")
+        reject_unknown_options(f"strategy {self.name!r}", options, [*defaults, *BASE_KEYWORDS])
+        #: The strategy's options: defaults updated with what the caller passed.
+        self.config: dict[str, Any] = {**defaults, **options}
+        factory = plugins if plugins is not None else default_factory()
+        self._plugins = factory     # where named plugins come from (transports; compressors: check_config)
+        self.check_config()
+        self._communicator = None
+        self._closed = False
+        self._variables: dict[str, Any] = {}      # name -> Variable, in creation order
+        self._unsynced: list = []                 # created since the last outermost scope() block ended
+        self._scope_depth = 0
+        self._scopes_ended = 0
+        self._optimizers: list = []               # optimizers seen (registered or applied), in order
+        self._pending_optimizer_state: dict | None = None  # restored before its optimizer was known
+        self._batch_share: float | None = None    # this replica's share of the last global batch
+        self._step = 0                            # updates applied through _apply_gradients
+        if _timeline.RECORDER is not None:
+            _timeline.RECORDER.check()   # an unwritable STRATAGEM_TIMELINE fails now, not at exit
+        transport = factory.transport_or_default(transport)   # None: STRATAGEM_TRANSPORT, else zmq
+        if isinstance(transport, Transport):
+            self._adopt(transport, cluster, task, transport_options)
+        elif isinstance(transport, str):
+            check_compatible(type(self), factory.transport_class(transport), transport_name=transport)
+            created = factory.create_transport(transport, cluster, task, **dict(transport_options or {}))
+            try:
+                created.start()
+            except BaseException:
+                created.close()
+                raise
+            self._transport, self._transport_name, self._owns_transport = created, transport, True
+        else:
+            raise ConfigurationError(
+                f"transport must be a transport name (e.g. 'zmq') or a Transport instance, "
+                f"not {type(transport).__name__}"
+            )
+        # The plain script never calls shutdown(): end this strategy as the script ends
+        # (stratagem.core.lifecycle): shut down after a normal end, leave with the error otherwise.
+        end_at_exit(self)
+        if _timeline.RECORDER is not None:
+            _timeline.RECORDER.attach(self._transport, strategy=self.name)
+
+    def _adopt(self, transport: Transport, cluster, task, transport_options) -> None:
+        if transport_options:
+            raise ConfigurationError(
+                "transport_options apply only when the strategy creates its transport; "
+                "pass them to the transport you created instead"
+            )
+        if cluster is not None and ClusterSpec(cluster) != transport.cluster:
+            raise ConfigurationError(
+                f"cluster {ClusterSpec(cluster)!r} differs from the transport's {transport.cluster!r}; "
+                f"leave cluster= out when passing a transport"
+            )
+        if task is not None and TaskId.parse(task) != transport.task:
+            raise ConfigurationError(
+                f"task {TaskId.parse(task)} differs from the transport's {transport.task}; "
+                f"leave task= out when passing a transport"
+            )
+        check_compatible(type(self), type(transport), transport_name=transport.name)
+        transport.start()
+        self._transport, self._transport_name, self._owns_transport = transport, transport.name, False
+
+    # -- class-level declarations ----------------------------------------------------------------
+    @classmethod
+    def option_defaults(cls) -> dict[str, Any]:
+        """The strategy's options and their defaults, from ``options`` of this class and its bases."""
+        merged: dict[str, Any] = {}
+        for klass in reversed(cls.__mro__):
+            merged.update(klass.__dict__.get("options", {}))
+        return merged
+
+    def check_config(self) -> None:
+        """Validate ``self.config`` (the options) before any transport exists; raise ``ConfigurationError``."""
+
+    @classmethod
+    def supports(cls, transport_class: type) -> str | None:
+        """``None`` if the strategy can run over ``transport_class``, else the reason it cannot
+        (e.g. ``"it needs native all-reduce; use transport='nccl'"``). The base runs over any."""
+        return None
+
+    @classmethod
+    def check_usable(cls) -> None:
+        """Raise ``PluginError`` with the reason and the install hint if the strategy cannot run here."""
+
+    # -- where this process sits -----------------------------------------------------------------
+    @property
+    def cluster(self) -> ClusterSpec:
+        """The cluster this task belongs to."""
+        return self._transport.cluster
+
+    @property
+    def task(self) -> TaskId:
+        """This process's task."""
+        return self._transport.task
+
+    @property
+    def is_chief(self) -> bool:
+        """True on the chief (``chief:0``, else ``worker:0``): it initialises variables and saves."""
+        return self.task == self.cluster.chief
+
+    @property
+    def is_evaluator(self) -> bool:
+        """True on TF's side-car ``evaluator`` task: not a replica; it trains nothing."""
+        return is_evaluator(self.task)
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas compute each step (the ``chief`` and ``worker`` tasks)."""
+        return len(self.cluster.replicas())
+
+    @property
+    def transport(self) -> Transport:
+        """The started transport this strategy moves data with."""
+        return self._transport
+
+    @property
+    def transport_name(self) -> str:
+        """The transport plugin's name (``"zmq"``...)."""
+        return self._transport_name
+
+    @property
+    def variables(self) -> list:
+        """The variables created in this strategy's ``scope()``, in creation order (a new list)."""
+        return list(self._variables.values())
+
+    # -- the user's API ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self):
+        """Context in which variables and optimizers are created by (and belong to) this strategy.
+
+        Inside it, ``current_strategy()`` is this strategy, so ``stratagem.Variable(...)`` registers
+        with it and an optimizer remembers it. Blocks may nest; when the outermost block ends without
+        an error, the strategy finishes the variables created in it (``mirrored``: checks that every
+        replica created the same ones, then copies the chief's initial values to all).
+
+        >>> from stratagem.core.cluster import ClusterSpec
+        >>> from stratagem.training.variables import current_strategy
+        >>> from stratagem.transports.local import LocalFabric
+        >>> with Strategy("local", cluster=ClusterSpec({"worker": ["local:0"]}), task="worker:0",
+        ...               transport_options={"fabric": LocalFabric()}) as strategy:
+        ...     with strategy.scope():
+        ...         inside = current_strategy() is strategy
+        ...     inside, current_strategy() is None
+        (True, True)
+        """
+        self._check_open()
+        outermost = self._scope_depth == 0
+        self._scope_depth += 1
+        try:
+            with strategy_scope(self), self.scope_context():
+                yield self
+        finally:
+            self._scope_depth -= 1
+        if outermost:
+            created, self._unsynced = self._unsynced, []
+            first = self._scopes_ended == 0
+            self._scopes_ended += 1
+            self.on_scope_end(created, first=first)
+
+    def scope_context(self):
+        """The context ``scope()`` enters; a subclass's hook (the base's does nothing)."""
+        return contextlib.nullcontext()
+
+    def on_scope_end(self, created: list, *, first: bool) -> None:
+        """Hook: the outermost ``scope()`` block ended without an error, having created the variables
+        ``created`` (``first``: it is the first block to end). The base does nothing."""
+
+    def on_variable(self, variable) -> None:
+        """Hook called by ``Variable(...)`` inside ``scope()``: record ``variable`` as this strategy's.
+
+        Names are unique per strategy. Subclasses may extend it to decide where the variable lives
+        (the base and ``mirrored`` keep the variable's own local value).
+        """
+        self._check_open()
+        name = variable.name
+        existing = self._variables.get(name)
+        if existing is not None and existing is not variable:
+            raise ConfigurationError(
+                f"strategy {self.name!r} already has a variable named {name!r}; give each variable a "
+                f"distinct name= (or leave name= out to get a unique default)"
+            )
+        self._variables[name] = variable
+        self._unsynced.append(variable)
+
+    def on_optimizer(self, optimizer) -> None:
+        """Record ``optimizer`` as one of this strategy's, so that ``save``/``restore`` include its state.
+
+        An optimizer created in ``scope()`` may call it; every optimizer is also recorded at its first
+        ``apply_gradients``. Optimizer state restored before the optimizer was known is loaded now.
+        """
+        if any(known is optimizer for known in self._optimizers):
+            return
+        self._optimizers.append(optimizer)
+        if self._pending_optimizer_state is not None:
+            state, self._pending_optimizer_state = self._pending_optimizer_state, None
+            optimizer.load_state_dict(state)
+
+    def on_apply_gradients(self, optimizer, pairs: list):
+        """The sync point of ``optimizer.apply_gradients``; ``pairs`` is a list of ``(grad, Variable)``.
+
+        The base applies them locally (``optimizer.apply_dense``); ``mirrored`` all-reduces them
+        first; a parameter-server strategy pushes them to the shards.
+        """
+        self._check_open()
+        self._check_trains()
+        self.on_optimizer(optimizer)
+        result = optimizer.apply_dense(pairs)
+        self._step += 1
+        return result
+
+    def _check_trains(self) -> None:
+        """Refuse to apply gradients on an evaluator (TF's semantics: it evaluates, never trains)."""
+        if self.is_evaluator:
+            raise ConfigurationError(
+                f"{self.task} is an evaluator: evaluators do not train, so it cannot apply_gradients(); "
+                f"it reads the variables (from the ps tasks under between_graph/parameter_server) or the "
+                f"checkpoints the chief writes. Train on 'chief' and 'worker' tasks"
+            )
+
+    def reduce_gradients(self, grads_and_vars) -> list:
+        """The replicas' gradients, reduced as ``apply_gradients`` would reduce them, but not applied.
+
+        ``grads_and_vars`` is a list of ``(gradient, Variable)`` pairs (numpy or cupy gradients of the
+        variables' shapes). Returns the reduced gradients, in order, for an update rule that runs
+        outside stratagem (``stratagem.torch.DistributedOptimizer`` hands them to a ``torch.optim``
+        optimizer); the call counts as a step for ``save``. Every replica must call it with gradients
+        for the same variables. The returned arrays may be views into buffers reused by the next call.
+
+        The base (a strategy that applies gradients locally) and a world of one return them as they are;
+        ``mirrored`` returns their weighted mean over the replicas. Strategies that reduce gradients
+        elsewhere (on parameter servers) refuse it.
+
+        >>> from stratagem.core.cluster import ClusterSpec
+        >>> from stratagem.training.variables import Variable
+        >>> from stratagem.transports.local import LocalFabric
+        >>> with Strategy("local", cluster=ClusterSpec({"worker": ["local:0"]}), task="worker:0",
+        ...               transport_options={"fabric": LocalFabric()}) as strategy:
+        ...     with strategy.scope():
+        ...         w = Variable(np.zeros(2), name="w")
+        ...     strategy.reduce_gradients([(np.ones(2), w)])
+        [array([1., 1.])]
+        """
+        self._check_open()
+        self._check_trains()
+        pairs = list(grads_and_vars)
+        if self.num_replicas_in_sync > 1:
+            raise ConfigurationError(
+                f"strategy {self.name!r} does not reduce gradients apart from applying them; use "
+                f"optimizer.apply_gradients (or the 'mirrored' strategy)"
+            )
+        self._step += 1
+        return [grad for grad, _ in pairs]
+
+    def distribute_dataset(self, dataset: Iterable) -> Iterator:
+        """Yield this replica's shard of every global batch of ``dataset``.
+
+        A batch is an array, or a tuple, list or dict of arrays with the same number of rows (numpy,
+        cupy, PyTorch: anything with ``shape`` that slices). Rows are split like ``np.array_split``:
+        with ``n`` rows and ``N`` replicas the first ``n % N`` replicas get ``n // N + 1`` rows, the
+        others ``n // N``; shards are views, not copies. Every replica must iterate the same global
+        batches (same data, same order: seed any shuffling alike). The strategy records each shard's
+        share of its global batch so that the gradient average weighs each replica by its rows: N
+        replicas then make the update one process would make on the whole batch.
+
+        >>> from stratagem.core.cluster import ClusterSpec
+        >>> from stratagem.transports.local import LocalFabric
+        >>> cluster = ClusterSpec({"worker": ["local:0", "local:1"]})
+        >>> with Strategy("local", cluster=cluster, task="worker:1",
+        ...               transport_options={"fabric": LocalFabric()}) as strategy:
+        ...     batches = [(np.arange(5), np.arange(5) * 10)]          # one global batch of 5 rows
+        ...     [(x.tolist(), y.tolist()) for x, y in strategy.distribute_dataset(batches)]
+        [([3, 4], [30, 40])]
+        """
+        self._check_open()
+        rank, size = self._replica_rank("distribute_dataset()"), self.num_replicas_in_sync
+        try:
+            batches = iter(dataset)
+        except TypeError:
+            raise ConfigurationError(
+                f"distribute_dataset() needs an iterable of global batches (a list, a generator...), "
+                f"got {type(dataset).__name__}"
+            ) from None
+        return self.shard_batches(batches, rank, size)
+
+    def shard_batches(self, batches: Iterator, rank: int, size: int) -> Iterator:
+        for index, batch in enumerate(batches):
+            shard, rows, total = shard_batch(batch, rank, size, what=f"global batch {index}")
+            self._batch_share = rows / total if total else 1.0 / size
+            yield shard
+
+    def _gradient_weight(self) -> float:
+        """This replica's weight in the gradient average: its share of the last global batch that
+        ``distribute_dataset`` yielded, else ``1 / num_replicas_in_sync``."""
+        if self._batch_share is None:
+            return 1.0 / self.num_replicas_in_sync
+        return self._batch_share
+
+    def fingerprint(self) -> str:
+        """A hex SHA-256 of every variable's name, dtype, shape and bytes (in name order).
+
+        Replicas holding identical variables have identical fingerprints (tests compare them after
+        every step). It reads only this replica's values: no communication.
+
+        >>> from stratagem.core.cluster import ClusterSpec
+        >>> from stratagem.transports.local import LocalFabric
+        >>> with Strategy("local", cluster=ClusterSpec({"worker": ["local:0"]}), task="worker:0",
+        ...               transport_options={"fabric": LocalFabric()}) as strategy:
+        ...     len(strategy.fingerprint())
+        64
+        """
+        digest = hashlib.sha256()
+        for name in sorted(self._variables):
+            value = np.ascontiguousarray(self._variables[name].numpy())
+            digest.update(json.dumps([name, value.dtype.str, list(value.shape)]).encode())
+            digest.update(value.tobytes())
+        return digest.hexdigest()
+
+    def run(self, fn: Callable, args: tuple = (), kwargs: Mapping[str, Any] | None = None):
+        """Run one step, ``fn(*args, **kwargs)``, on this replica and return its result.
+
+        Subclasses change where it runs (split over devices, scheduled onto workers).
+        """
+        self._check_open()
+        if not callable(fn):
+            raise TypeError(f"run() needs a callable step function, got {type(fn).__name__}")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"args must be a tuple of positional arguments, e.g. args=(x,), got {type(args).__name__}")
+        recorder = _timeline.RECORDER
+        if recorder is None:
+            return fn(*args, **dict(kwargs or {}))
+        started = recorder.now()
+        try:
+            return fn(*args, **dict(kwargs or {}))
+        finally:
+            recorder.add("step", "step", started, recorder.now(), {"step": self._step})
+
+    def reduce(self, op: str, value):
+        """Combine ``value`` across the replicas with ``op`` (sum, mean, min, max, prod).
+
+        Every replica must call it, in the same order. Returns the same kind of value it was given:
+        an array for an array, a Python number for a number.
+
+        After ``distribute_dataset``, ``mean`` weighs each replica by its share of the last global
+        batch (its rows over the batch's), as the gradient average does: for a per-row mean such as a
+        loss, the result is the whole batch's mean, what one process computes on the whole batch,
+        also when the rows do not split evenly (an empty shard counts for nothing). Without it, every
+        replica counts the same.
+        """
+        self._check_open()
+        op = _check_op(op)
+        self._replica_rank("reduce()")
+        if self.num_replicas_in_sync == 1:
+            return np.array(value, copy=True) if isinstance(value, np.ndarray) else value
+        # np.asarray, not np.ascontiguousarray: that one turns a number into a 1-element array
+        array = value if is_device_array(value) else np.asarray(value, order="C")
+        if op == "mean" and self._batch_share is not None:
+            result = self._comm().allreduce(_weighted(array, self._batch_share), op="sum")
+        else:
+            result = self._comm().allreduce(array, op=op)
+        if isinstance(value, np.ndarray) or np.ndim(result) != 0:
+            return result
+        return np.asarray(result).item()
+
+    def _comm(self):
+        """The replicas' communicator, created on first use with :meth:`_communicator_options`."""
+        if self._communicator is None:
+            from stratagem.collectives.communicator import Communicator
+
+            self._communicator = Communicator(self._transport, name=f"strategy.{self.name}",
+                                              **self.communicator_options())
+        return self._communicator
+
+    def communicator_options(self) -> dict[str, Any]:
+        """Keyword arguments for the replicas' Communicator (``timeout``, ``chunk_bytes``...); base: none."""
+        return {}
+
+    def _replica_rank(self, what: str) -> int:
+        """This task's rank among the replicas (chief first), or a ``ConfigurationError`` naming ``what``."""
+        replicas = self.cluster.replicas()
+        if self.task not in replicas:
+            if self.is_evaluator:
+                raise ConfigurationError(evaluator_refusal(self.task, self.name, what))
+            raise ConfigurationError(
+                f"{self.task} is not a replica (a 'chief' or 'worker' task) and cannot take part in {what}"
+            )
+        return replicas.index(self.task)
+
+    def _chief_rank(self) -> int:
+        return self.cluster.replicas().index(self.cluster.chief)
+
+    # -- sharing with the other replicas ---------------------------------------------------------------
+    def _share_from_chief(self, obj):
+        """The chief's ``obj`` (plain JSON data) on every replica; the others pass ``None``."""
+        if self.num_replicas_in_sync == 1:
+            return obj
+        return broadcast_json(self._comm(), obj, root=self._chief_rank())
+
+    def _share_arrays_from_chief(self, specs: list[tuple], arrays: list) -> list:
+        """The chief's ``arrays`` (of shapes and dtypes ``specs``: ``(shape, dtype)`` each) on every
+        replica, sent as one broadcast per dtype. The others pass ``arrays=[]``."""
+        if self.num_replicas_in_sync == 1:
+            return list(arrays)
+        return broadcast_arrays(self._comm(), specs, arrays if self.is_chief else None, root=self._chief_rank())
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Release the communicator and close the transport (unless the caller passed it). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        communicator, self._communicator = self._communicator, None
+        try:
+            close = getattr(communicator, "close", None)
+            if close is not None:
+                close()
+        finally:
+            if self._owns_transport:
+                self._transport.close()
+
+    def _end_at_exit(self, error: str | None) -> None:
+        """Called once at interpreter exit if the script did not shut the strategy down: ``shutdown()``
+        after a normal end; after an uncaught exception (``error``), :meth:`_leave_with_error`."""
+        if self._closed:
+            return
+        if error is None:
+            self.shutdown()
+        else:
+            self.leave_with_error(error)
+
+    def leave_with_error(self, error: str) -> None:
+        """Leave after this task failed with ``error``: peers must learn at once that this task is gone
+        rather than wait for it, so an owned transport ends as after a failure (with its goodbye; the
+        mpi transport also ends the process). Unlike ``shutdown()`` nothing is said to peers as if
+        training were over (an ``in_graph`` client does not release its replicas normally). Strategies
+        whose peers can be told why (the parameter servers) override this."""
+        if self._closed:
+            return
+        self._closed = True
+        self._communicator = None
+        if self._owns_transport:
+            self._transport._end_at_exit(error)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StratagemError(f"{self!r} was shut down; create a new strategy")
+
+    def __enter__(self) -> "Strategy":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = " (shut down)" if self._closed else ""
+        return (f"<{type(self).__name__} {self.name!r} over {self._transport_name!r} on {self.task}, "
+                f"{self.num_replicas_in_sync} replica(s){state}>")
+
+
+def evaluator_refusal(task, strategy_name: str, what: str) -> str:
+    """Why evaluator ``task`` cannot take part in ``what`` under ``strategy_name``, and what it does instead."""
+    return (
+        f"{task} is an evaluator, not a replica, so it cannot take part in {what} under {strategy_name!r}: "
+        f"an evaluator trains nothing and joins no all-reduce. Evaluate from the checkpoints the chief writes "
+        f"(strategy.save(dir) on the replicas; on the evaluator stratagem.training.checkpoint.latest_checkpoint(dir) "
+        f"and load(path).variables), or, with 'ps' tasks, read the variables from them under "
+        f"between_graph/parameter_server"
+    )
+
+
+def _weighted(array, share: float):
+    """``array`` times this replica's ``share`` of the batch, in a floating dtype; an empty shard's
+    (share 0) is zeros, whatever its value (the mean over no rows is NaN)."""
+    xp = array_module(array)
+    dtype = array.dtype if np.issubdtype(array.dtype, np.floating) else np.dtype(np.float64)
+    if share == 0:
+        return xp.zeros(array.shape, dtype)
+    weighted = xp.multiply(array, dtype.type(share), dtype=dtype)
+    return np.asarray(weighted) if xp is np else weighted  # numpy makes a 0-d product a scalar
+
+
+def _check_op(op) -> str:
+    name = op.lower() if isinstance(op, str) else None
+    if name not in REDUCE_OPS:
+        raise ConfigurationError(f"unknown reduce op {op!r}; use one of: {', '.join(REDUCE_OPS)}")
+    return name

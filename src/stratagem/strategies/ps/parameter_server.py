@@ -1,0 +1,277 @@
+"""The ``parameter_server`` strategy: a coordinator schedules step functions onto workers (TF2's
+``ParameterServerStrategy``; README: "Parameter servers").
+
+Every task runs the same script. Inside ``stratagem.strategy("parameter_server", ...)``:
+
+- ``ps`` tasks serve the variables until training ends, then exit (see ``between_graph``);
+- ``worker`` tasks serve *closures*: they run the step functions the coordinator sends them against
+  their own remote copies of the variables, and exit when the coordinator is done;
+- an ``evaluator`` task listed in the cluster runs its own script: it creates the coordinator's
+  variables in ``scope()`` (same names, shapes, order) and reads them from the ps tasks; it trains
+  nothing and runs no steps;
+- the chief (``chief:0``, else ``worker:0``) is the *coordinator*: the call returns, and the script goes
+  on to create the variables in ``scope()`` (placed on the ps tasks) and to schedule steps:
+
+  - ``strategy.schedule(fn, args=(...))`` returns a :class:`~stratagem.strategies.ps.coordinator.RemoteValue`
+    at once; a free worker runs ``fn(*args)`` (``remote.fetch()`` waits for its result);
+  - ``strategy.join()`` waits until every scheduled step has run, and raises the first error of a step
+    (the steps still queued are cancelled);
+  - ``strategy.create_per_worker_dataset(dataset_fn)``: each worker builds its own dataset with
+    ``dataset_fn(context)`` (``context.worker_index``, ``context.num_workers``); pass
+    ``iter(dataset)`` to the steps and each worker reads its own.
+
+Arguments and results are numbers, strings, arrays, lists, tuples, dicts, and references to the
+strategy's variables, its optimizer and per-worker iterators (resolved on the worker): nothing is
+pickled. Step functions go *by name* (a module-level function, defined before the
+``stratagem.strategy(...)`` call in the script, or in a module of your own code) — or, only when the
+cluster is authenticated by a secret (``STRATAGEM_SECRET``, which ``stratagem launch`` sets), *by value*
+with cloudpickle (lambdas, closures, functions of installed packages). See
+:mod:`stratagem.core.remote_code` for the rules and why.
+
+When a worker dies, the steps it was running run again on the others, and it is used again as soon
+as a new process of that task is back (steps run at least once). A lost ps task makes ``join()``, and
+every worker, raise :class:`~stratagem.ps.protocol.ShardLostError` naming it.
+
+Options: those of :class:`~stratagem.strategies.ps.base.PSStrategyBase` (``pull_with_push`` is off:
+each step pulls when it starts; ``mode``: ``async`` by default; under ``sync`` and ``bounded`` a
+worker without a step to run does not hold the others up),
+plus ``functions``: ``"auto"`` (by name when possible, else cloudpickle on an authenticated cluster),
+``"name"`` or ``"cloudpickle"``.
+
+One ps task, one worker and the coordinator as threads of one process; the step is a lambda, so it
+travels with cloudpickle, which needs the cluster secret::
+
+    >>> import threading
+    >>> import numpy as np
+    >>> import stratagem
+    >>> from stratagem.core.cluster import ClusterSpec
+    >>> from stratagem.transports.local import LocalFabric
+    >>> cluster = ClusterSpec({"chief": ["local:0"], "worker": ["local:1"], "ps": ["local:2"]})
+    >>> fabric = LocalFabric()
+    >>> def start(task):
+    ...     return ParameterServerStrategy("local", cluster=cluster, task=task, exit_after_serving=False,
+    ...                                    transport_options={"fabric": fabric, "timeout": 30,
+    ...                                                       "secret": b"example-secret"})
+    >>> servers = [threading.Thread(target=start, args=(t,)) for t in ("ps:0", "worker:0")]
+    >>> for t in servers: t.start()
+    >>> coordinator = start("chief:0")
+    >>> with coordinator.scope():
+    ...     w = stratagem.Variable(np.zeros(2, np.float32), name="w")
+    ...     opt = stratagem.optimizers.SGD(learning_rate=0.5)
+    >>> descend = lambda w, opt, g: opt.apply_gradients([(np.full(w.shape, g, w.dtype), w)])
+    >>> results = [coordinator.schedule(descend, args=(w, opt, 1.0)) for _ in range(3)]
+    >>> coordinator.join()
+    >>> [r.fetch() for r in results], w.numpy()
+    ([1, 2, 3], array([-1.5, -1.5], dtype=float32))
+    >>> coordinator.shutdown()
+    >>> for t in servers: t.join()
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from stratagem.core.errors import ConfigurationError, StratagemError, TransportTimeout
+from stratagem.training.optimizers.rules import from_config
+from stratagem.ps.placement import Piece
+from stratagem.strategies.ps.coordinator import FUNCTION_MODES, Coordinator, PerWorkerDataset, RemoteValue
+from stratagem.ps.protocol import ShardLostError, spec_dtype, task_key
+from stratagem.strategies.ps.base import READY_POLL, PSStrategyBase
+from stratagem.strategies.ps.worker import Worker
+from stratagem.training.variables import Variable, strategy_scope
+
+#: What ``functions=`` may be.
+FUNCTIONS = tuple(FUNCTION_MODES)
+
+
+class ParameterServerStrategy(PSStrategyBase):
+    """A coordinator schedules steps onto workers; variables on ps tasks (see the module doc)."""
+
+    name = "parameter_server"
+    # A worker pulls fresh values when each step starts (it may have been idle, others pushed since),
+    # so values riding back on the push reply would be thrown away: a third of a step's bytes.
+    options = {"functions": "auto", "pull_with_push": False}
+
+    def __init__(self, transport=None, **kwargs):
+        self._coordinator: Coordinator | None = None
+        self._adopting: dict[str, list] = {}
+        super().__init__(transport, **kwargs)
+        if self.task.job == "ps":
+            return                                   # served (exit_after_serving=False)
+        if self.is_chief:
+            self._coordinator = Coordinator(self, self._worker_tasks(), functions=self.config["functions"])
+        elif not self.is_evaluator:          # an evaluator runs its own script, reading the variables
+            self._serve_closures()
+
+    def check_config(self) -> None:
+        super().check_config()
+        if self.config["functions"] not in FUNCTIONS:
+            raise ConfigurationError(f"functions must be one of {', '.join(map(repr, FUNCTIONS))}, "
+                                     f"got {self.config['functions']!r}")
+
+    def _setup(self) -> None:
+        if not self._worker_tasks():
+            raise ConfigurationError(
+                f"the parameter_server strategy needs worker tasks besides the coordinator "
+                f"({self.cluster.chief}): launch with --chief --worker N, or --worker N+1"
+            )
+        super()._setup()
+
+    def _worker_tasks(self) -> list:
+        """The tasks that run closures: every replica except the coordinator."""
+        return [t for t in self.cluster.replicas() if t != self.cluster.chief]
+
+    def _pushers(self) -> list:
+        return [task_key(t) for t in self._worker_tasks()]
+
+    # -- the coordinator's API ------------------------------------------------------------------------
+    def _require_coordinator(self, what: str) -> Coordinator:
+        self._check_open()
+        if self._coordinator is None:
+            raise ConfigurationError(f"{what} is called on the coordinator ({self.cluster.chief}), not on {self.task}")
+        return self._coordinator
+
+    def schedule(self, fn: Callable, args: tuple = (), kwargs: Mapping[str, Any] | None = None) -> RemoteValue:
+        """Queue ``fn(*args, **kwargs)`` to run on a free worker; return its :class:`RemoteValue`.
+
+        Raises at once if the function or an argument cannot be sent (and says how to fix it), or if a
+        step scheduled earlier failed (that error is raised once).
+        """
+        return self._require_coordinator("schedule()").schedule(fn, args, kwargs)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until every scheduled step has run; raise the first step error (once), or
+        ``ShardLostError`` if a ps task is gone."""
+        self._require_coordinator("join()").join(timeout)
+
+    def run(self, fn: Callable, args: tuple = (), kwargs: Mapping[str, Any] | None = None):
+        """On the coordinator: schedule ``fn`` and wait for its result."""
+        return self.schedule(fn, args, kwargs).fetch()
+
+    def create_per_worker_dataset(self, dataset_fn: Callable) -> PerWorkerDataset:
+        """A dataset each worker builds itself with ``dataset_fn(context)``; pass ``iter()`` of it to steps."""
+        return self._require_coordinator("create_per_worker_dataset()").create_per_worker_dataset(dataset_fn)
+
+    @property
+    def coordinator(self) -> Coordinator | None:
+        """The scheduling machinery (counters ``executed``, ``retried``), on the coordinator."""
+        return self._coordinator
+
+    # -- workers ---------------------------------------------------------------------------------------
+    def _serve_closures(self) -> None:
+        try:
+            ran = Worker(self).serve()
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        self.shutdown()
+        #: On a worker (``exit_after_serving=False``): how many closures it ran.
+        self.served = ran
+        if self.config["exit_after_serving"]:
+            raise SystemExit(0)
+
+    def _adopt_variables(self, count: int) -> None:
+        """On a worker: make remote copies of the coordinator's variables (at least ``count``)."""
+        if len(self._variables) >= count:
+            return
+        deadline = time.monotonic() + self._timeout
+        while True:
+            catalogs = self._client.catalog()
+            groups: dict[str, list] = {}
+            for index, meta in sorted(catalogs.items()):
+                for spec in meta["vars"]:
+                    groups.setdefault(spec["var"], []).append((index, spec))
+            if all(meta["ready"] for meta in catalogs.values()) and len(groups) >= count:
+                break
+            if time.monotonic() > deadline:
+                raise TransportTimeout(f"{self.task}: the coordinator's variables did not appear on the ps "
+                                       f"tasks within {self._timeout:g} s")
+            time.sleep(READY_POLL)
+        for name in sorted(groups):
+            if name in self._variables:
+                continue
+            pieces = sorted(groups[name], key=lambda item: item[1]["part"])
+            spec = pieces[0][1]
+            dtype = spec_dtype(spec)
+            row = int(np.prod(spec["shape"][1:], dtype=np.int64)) * dtype.itemsize
+            self._adopting[name] = [Piece(s["name"], name, index, s["part"], s["parts"], s["lo"], s["hi"],
+                                          (s["hi"] - s["lo"]) * row) for index, s in pieces]
+            with strategy_scope(self):
+                Variable(np.zeros(tuple(spec["shape"]), dtype), name=name)
+            self._initialized.add(name)
+        self._mark_stale()
+
+    def _place(self, variable) -> list:
+        adopted = self._adopting.pop(variable.name, None)
+        if adopted is not None:
+            return adopted
+        if not self.is_chief and not self.is_evaluator:   # an evaluator declares them to read them
+            raise ConfigurationError(
+                f"under parameter_server only the coordinator ({self.cluster.chief}) creates variables; "
+                f"{self.task} serves the steps it sends"
+            )
+        return super()._place(variable)
+
+    def _variable_named(self, name: str):
+        if name not in self._variables:
+            self._adopt_variables(len(self._variables) + 1)
+        try:
+            return self._variables[name]
+        except KeyError:
+            raise StratagemError(f"{self.task} has no variable {name!r} (the coordinator did not create it)") from None
+
+    def _make_optimizer(self, config: dict):
+        with strategy_scope(self):
+            return from_config(config)
+
+    def _reference_for_result(self, obj):
+        if isinstance(obj, Variable) and obj.strategy is self:
+            return {"__var__": obj.name}
+        return None
+
+    def _resolve_local(self, ref: dict):
+        if "__var__" in ref and ref["__var__"] in self._variables:
+            return self._variables[ref["__var__"]]
+        raise StratagemError(f"a step returned a reference {ref!r} the coordinator does not know")
+
+    def _check_shards(self) -> None:
+        """Raise ``ShardLostError`` if a ps task is known to be gone."""
+        lost = self.transport.lost_peers()
+        for index, shard in enumerate(self._client.shards):
+            if shard in lost:
+                raise ShardLostError(shard, self._client.pieces.get(index, []), lost[shard])
+
+    def _worker_idle(self, worker, idle: bool) -> None:
+        """The coordinator has nothing for ``worker`` (``idle``), or has again: sync rounds and staleness
+        bounds skip idle workers."""
+        if self.consistency["mode"] != "async" and not self._closed:
+            try:
+                self._client.broadcast({"op": "idle", "tasks": [task_key(worker)], "idle": idle})
+            except Exception:  # noqa: BLE001 - the next join()/push reports a real failure
+                pass
+
+    def _fresh(self, name: str) -> bool:
+        if self._coordinator is not None:
+            return False            # the workers update the variables: the coordinator reads them fresh every time
+        return super()._fresh(name)
+
+    def leave_with_error(self, error: str) -> None:
+        if getattr(self, "_coordinator", None) is None or self._closed:
+            super().leave_with_error(error)
+            return
+        # The coordinator failed: the shards learn why, and the workers must not take the end for
+        # a normal one (which tells them to exit 0): they see the coordinator gone, naming it.
+        self._exit_error = error
+        self._say_goodbye()
+        # Past PSStrategyBase's override, whose shutdown() would tell the workers to exit normally.
+        super(PSStrategyBase, self).leave_with_error(error)
+
+    def shutdown(self) -> None:
+        """On the coordinator: cancel what is queued, tell the workers to exit; then leave the shards."""
+        coordinator = getattr(self, "_coordinator", None)
+        if coordinator is not None and not self._closed:
+            coordinator.shutdown()
+        super().shutdown()

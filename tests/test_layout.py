@@ -1,0 +1,78 @@
+"""The package layout: the import contracts hold (import-linter, imports inside functions included) and
+the README's map names every package and module of the tree."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "stratagem"
+
+
+def test_the_import_contracts_hold():
+    """Layers, strategies kept off the transports, no cycle at any level: see pyproject.toml."""
+    command = shutil.which("lint-imports")
+    if command is None:
+        pytest.fail("lint-imports not found: pip install -e '.[test]' installs import-linter")
+    done = subprocess.run([command, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def _readme_map() -> dict[str, str]:
+    """``{"strategies/ps/": "base (what both share) · ...", "": "...", ...}`` from the README's Layout block."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    entries: dict[str, str] = {}
+    current = None
+    for line in block.splitlines()[1:]:
+        match = re.match(r"^  (\S+/)\s+(.*)$", line)
+        top = re.match(r"^  ((?:[\w.]+\.py,? ?)+)\s+(.*)$", line)
+        if match and not line.startswith("   "):
+            current = match.group(1)
+            entries[current] = match.group(2)
+        elif top and not line.startswith("   "):
+            current = ""
+            entries[""] = entries.get("", "") + " " + top.group(1) + " " + top.group(2)
+        elif current is not None and line.startswith("   "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return entries
+
+
+def test_the_readme_map_names_every_package_and_module():
+    entries = _readme_map()
+    missing = []
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        package = init.parent.relative_to(PACKAGE).as_posix()
+        key = "" if package == "." else package + "/"
+        if key not in entries:
+            missing.append(f"package {key or 'stratagem'} has no line")
+            continue
+        for module in sorted(init.parent.glob("*.py")):
+            name = module.stem
+            if name == "__init__":
+                continue
+            if not re.search(rf"(?<![\w/]){re.escape(name)}(?:\.py)?(?!\w)", entries[key]):
+                missing.append(f"{key}{name}.py is not named on the {key or 'top-level'} line")
+    stale = [key for key in entries if key and not (PACKAGE / key / "__init__.py").exists()]
+    assert not missing and not stale, (
+        "README.md's Layout does not match src/stratagem: " + "; ".join(missing + [f"{k} does not exist" for k in stale])
+    )
+
+
+def test_core_imports_nothing_above_it_even_lazily():
+    """A direct check of the rule the layers contract states, for the layer everything stands on: no module
+    of stratagem.core names another stratagem package, at the top or inside a function."""
+    offenders = []
+    for path in sorted((PACKAGE / "core").glob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            found = re.search(r"^\s*(?:from|import)\s+stratagem\.(\w+)", line)
+            if found and found.group(1) not in ("core", "_version"):
+                offenders.append(f"core/{path.name}:{number}: {line.strip()}")
+    assert not offenders, offenders
