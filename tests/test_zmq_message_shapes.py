@@ -132,33 +132,41 @@ def test_a_one_part_data_frame_before_the_handshake_is_dropped(trio, raw_dealer,
 
 
 _FAULTS = textwrap.dedent("""
-    import resource, sys
+    import resource, sys, threading
     import numpy as np
-    from stratagem.core.transport import Message
+    from stratagem.collectives.communicator import Communicator
     from stratagem.testing.world import local_cluster
     from stratagem.transports.zmq.transport import ZmqTransport
 
     tuning = sys.argv[1] == "on"
-    cluster = local_cluster(2)
-    a = ZmqTransport(cluster, "worker:0", timeout=30, malloc_tuning=tuning)
-    b = ZmqTransport(cluster, "worker:1", timeout=30, malloc_tuning=tuning)
-    a.start(); b.start()
-    data = np.ones((4 << 20) - 4096, np.uint8)
+    cluster = local_cluster(3)
+    comms = []
+    for i in range(3):
+        t = ZmqTransport(cluster, f"worker:{i}", timeout=60, malloc_tuning=tuning)
+        t.start()
+        comms.append(Communicator(t, owns_transport=True))
+    x = np.ones(4 << 20, np.float32)  # 16 MiB: 4 MiB messages, several alive at once
+    outs = [np.zeros_like(x) for _ in comms]  # written before the count starts
 
-    def rounds(n):  # four large messages alive at once, then dropped: an all-reduce's pattern
-        for _ in range(n):
-            for _ in range(4):
-                a.send(b.task, "t", Message({}, [data]))
-            got = [b.recv(a.task, "t") for _ in range(4)]
-            assert all(m.buffers[0].nbytes == data.nbytes for m in got)
-            del got
+    def run(calls):
+        def rank(comm, out):
+            for _ in range(calls):
+                comm.allreduce(x, out=out)
+                assert out[0] == 3.0 and out[-1] == 3.0
+        threads = [threading.Thread(target=rank, args=(c, o)) for c, o in zip(comms, outs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
-    rounds(3)
+    run(2)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    rounds(10)
+    run(6)
     print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    a.close(); b.close()
+    for c in comms:
+        c.close()
 """)
+
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the tuning is glibc's mallopt")
@@ -172,9 +180,9 @@ def test_received_message_memory_is_reused_not_faulted_in_again():
         return int(done.stdout.split()[-1])
 
     untuned, tuned = faults("off"), faults("on")
-    # 40 messages of 4 MiB: with glibc's defaults a good part of every one is faulted in afresh
-    # (thousands of faults); kept memory is faulted in about once.
-    assert untuned > 4 * tuned, (untuned, tuned)
+    # Six 16 MiB all-reduces over 3 ranks (4 MiB messages): with glibc's defaults tens of thousands of
+    # pages are faulted in afresh; with the memory kept, a few thousand at most.
+    assert untuned > 3 * tuned, (untuned, tuned)
 
 
 def test_the_tuning_leaves_a_user_choice_alone(monkeypatch):

@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 ABORT_SEND_TIMEOUT = 2.0
 #: An elastic session's receive looks at the peer's loss count at least this often (seconds).
 WATCH_SECONDS = 0.25
+#: The timeout of a receive that only takes what is already delivered.
+_NO_WAIT = 1e-3
 
 
 def fingerprint(collective: str, **fields) -> dict:
@@ -298,6 +300,13 @@ class CollectiveCall:
         deadline = None if s.timeout is None else time.monotonic() + s.timeout
         while True:
             if s.transport.peer_losses(task) != s.losses.get(task, 0):
+                # What it delivered before it went is still its part of this call (the transport
+                # contract keeps it): a task that finished its last collective and closed must not
+                # fail a rank that had not yet read its message (the direct and pairwise algorithms
+                # read from every rank, not only from a partner that leaves last).
+                message = self._already_delivered(task)
+                if message is not None:
+                    return message
                 raise PeerLostError(task, f"{task} was lost while {s.who(s.rank)} waited for it in "
                                           f"{describe(self.fp)} (a new process may have taken its place)")
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -313,6 +322,19 @@ class CollectiveCall:
             gen = fp.get("gen") if fp is not None else None
             if not (isinstance(gen, int) and gen < s.generation):
                 return message   # older generations' leftovers are dropped: never reduced
+
+    def _already_delivered(self, task: TaskId) -> Message | None:
+        """``task``'s next message of this generation if it is already here, else None (no waiting)."""
+        s = self.session
+        while True:
+            try:
+                message = s.transport.recv(task, s.tag, timeout=_NO_WAIT)
+            except (PeerLostError, TransportTimeout):
+                return None
+            fp = unpack_fingerprint(message.meta.get("fp"))
+            gen = fp.get("gen") if fp is not None else None
+            if not (isinstance(gen, int) and gen < s.generation):
+                return message
 
     def _check_fingerprint(self, src: int, theirs: dict | None) -> None:
         s = self.session
