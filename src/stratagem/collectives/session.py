@@ -1,8 +1,9 @@
 """How one collective call talks: its fingerprint, its messages, and what happens when it fails.
 
 Every message of a collective carries the call's *fingerprint* (sequence number, collective, op,
-dtype, shape and algorithm settings) under the communicator's single tag. A receiver compares it with
-its own and raises :class:`CollectiveMismatchError` naming both sides instead of hanging or reducing
+dtype, shape and algorithm settings) under the communicator's single tag, packed once per call
+(msgpack bytes). A receiver compares it with its own (one comparison of bytes; the fields are read
+only when they differ) and raises :class:`CollectiveMismatchError` naming both sides instead of hanging or reducing
 garbage. A rank that fails a call sends an *abort* notice to every other rank so they raise the same
 kind of error now instead of at their timeout. The algorithms (``collectives.py``) only call
 :meth:`CollectiveCall.send`, ``send_async`` and ``recv``.
