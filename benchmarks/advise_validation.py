@@ -21,8 +21,9 @@ predictions:
 
 The second is the test of the cost model; the first shows what a changing load does to any
 prediction made in advance. Over the rounds, each cell's entry is the median of its measured
-samples/s and the median of each prediction; the error is predicted / measured - 1. The load average
-is printed per round.
+samples/s and the median of each prediction; the error is the median over the rounds of
+predicted / measured - 1 (each round's prediction is for that round's load). The load average is
+printed per round; ``--from FILE --round 3`` evaluates one round.
 
 No constant is fitted per cell: every cell is predicted by :func:`stratagem.advise.costmodel.predict`
 from the measured figures alone.
@@ -166,11 +167,13 @@ def figures(probe_doc: dict, sensor_s: list | None = None) -> tuple:
     return host, work, measured.transports
 
 
-def evaluate(doc: dict) -> list[dict]:
+def evaluate(doc: dict, rounds: list[int] | None = None) -> list[dict]:
     """Per cell: the median measured samples/s over the rounds, the median of each prediction, their
     errors, and the drift (the cell's compute time over the advise prediction's)."""
     by_cell: dict[tuple, dict] = {}
-    for round_doc in doc["rounds"]:
+    for number, round_doc in enumerate(doc["rounds"], start=1):
+        if rounds and number not in rounds:
+            continue
         for result in round_doc["cells"]:
             cell = result["cell"]
             entry = by_cell.setdefault(key(cell), {"cell": cell, "measured": [], "advise": [], "model": [],
@@ -194,8 +197,12 @@ def evaluate(doc: dict) -> list[dict]:
             row.update(measured=measured, spread=(min(entry["measured"]), max(entry["measured"])),
                        advise=statistics.median(entry["advise"]), model=statistics.median(entry["model"]),
                        drift=statistics.median(entry["drift"]))
-            row["advise_error"] = row["advise"] / measured - 1
-            row["error"] = row["model"] / measured - 1
+            # each round's prediction is for that round's load: the error is the median of the rounds'
+            # ratios, not a ratio of medians taken over different loads
+            row["advise_error"] = statistics.median(a / m for a, m in zip(entry["advise"], entry["measured"])) - 1
+            row["runs_error"] = [p / m - 1 for p, m in zip(entry["model"], entry["measured"])]
+            row["runs_measured"] = list(entry["measured"])
+            row["error"] = statistics.median(row["runs_error"])
         rows.append(row)
     order = {"mirrored": 0, "in_graph": 1, "between_graph": 2, "parameter_server": 3}
     rows.sort(key=lambda r: (order.get(r["strategy"], 9), r["mode"] or "", r["transport"], r["workers"], r["ps"]))
@@ -203,20 +210,20 @@ def evaluate(doc: dict) -> list[dict]:
 
 
 def print_table(rows: list[dict], doc: dict, out=sys.stdout) -> None:
-    print("| strategy | transport | workers | ps | measured samples/s (min-max) | model | error | advise | error | drift |",
-          file=out)
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", file=out)
+    print("| strategy | transport | workers | ps | measured samples/s, each round | model's error, each round | "
+          "model (median) | advise (median) |", file=out)
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |", file=out)
     for r in rows:
         label = r["strategy"] + (f":{r['mode']}" if r["mode"] else "")
         if "measured" not in r:
             print(f"| {label} | {r['transport']} | {r['workers']} | {r['ps'] or '-'} | failed: "
-                  f"{(r['failed'] or ['?'])[0][:50]} | | | | | |", file=out)
+                  f"{(r['failed'] or ['?'])[0][:50]} | | | |", file=out)
             continue
-        lo, hi = r["spread"]
         miss = "" if abs(r["error"]) <= 0.15 else " **"
-        print(f"| {label} | {r['transport']} | {r['workers']} | {r['ps'] or '-'} | {r['measured']:,.0f} "
-              f"({lo:,.0f}-{hi:,.0f}) | {r['model']:,.0f} | {r['error'] * 100:+.0f}%{miss} | {r['advise']:,.0f} | "
-              f"{r['advise_error'] * 100:+.0f}% | {r['drift']:.2f} |", file=out)
+        runs = " / ".join(f"{m:,.0f}" for m in r["runs_measured"])
+        errors = " / ".join(f"{e * 100:+.0f}%" for e in r["runs_error"])
+        print(f"| {label} | {r['transport']} | {r['workers']} | {r['ps'] or '-'} | {runs} | {errors} | "
+              f"{r['error'] * 100:+.0f}%{miss} | {r['advise_error'] * 100:+.0f}% |", file=out)
     done = [r for r in rows if "measured" in r]
     if done:
         for name, column in (("model (load measured around each cell)", "error"), ("advise (the probe alone)", "advise_error")):
@@ -231,7 +238,7 @@ def print_table(rows: list[dict], doc: dict, out=sys.stdout) -> None:
         groups: dict[str, list] = {}
         for r in done:
             label = r["strategy"] + (f":{r['mode']}" if r["mode"] else "")
-            groups.setdefault(label, {}).setdefault(r["transport"], []).append(r["model"] / r["measured"])
+            groups.setdefault(label, {}).setdefault(r["transport"], []).append(r["error"] + 1)
         transports = sorted({t for g in groups.values() for t in g})
         print("| strategy | " + " | ".join(transports) + " | all |", file=out)
         print("| --- |" + " ---: |" * (len(transports) + 1), file=out)
@@ -286,13 +293,15 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the cells' shuffled order")
     parser.add_argument("--json", help="write every measurement here (after every round)")
     parser.add_argument("--from", dest="source", help="print the table of a saved run instead of running")
+    parser.add_argument("--round", dest="only", type=lambda s: [int(x) for x in s.split(",")],
+                        help="with --from: only these rounds (e.g. 3, or 1,2)")
     args = parser.parse_args(argv)
     if args.source:
         with open(args.source) as fh:
             doc = json.load(fh)
     else:
         doc = collect(args)
-    print_table(evaluate(doc), doc)
+    print_table(evaluate(doc, args.only), doc)
     return 0
 
 

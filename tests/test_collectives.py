@@ -550,6 +550,35 @@ def test_a_dead_peer_is_named_by_every_rank(make_world, algorithm):
         assert errors[rank].task == dead and str(dead) in str(errors[rank])
 
 
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling"])
+def test_a_dead_peer_is_named_even_after_the_rank_that_met_it_left(make_world, algorithm):
+    # Rank 0 meets rank 2's death, tells the others and leaves (as a script that does not catch the
+    # error ends) before rank 1 even starts the call: rank 1 then finds rank 0 gone, but must still
+    # name rank 2, from the notice rank 0 left behind, rather than blame rank 0.
+    comms = make_world(3)
+    dead = comms[2].task
+    rank0_left = threading.Event()
+
+    def run(c):
+        c.barrier()
+        if c.rank == 2:
+            c.transport.abort()
+            return None
+        if c.rank == 1:
+            assert rank0_left.wait(RECV_TIMEOUT)
+        try:
+            return c.allreduce(np.ones(1000, np.float32), algorithm=algorithm)
+        finally:
+            if c.rank == 0:
+                c.close()
+                rank0_left.set()
+
+    _, errors = run_ranks(comms, run, return_exceptions=True)
+    for rank in (0, 1):
+        assert isinstance(errors[rank], PeerLostError), f"rank {rank} raised {errors[rank]!r}"
+        assert errors[rank].task == dead and str(dead) in str(errors[rank]), f"rank {rank}: {errors[rank]}"
+
+
 def test_closed_communicator_refuses_calls(make_world):
     comms = make_world(1)
     comms[0].close()

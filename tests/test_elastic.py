@@ -119,8 +119,11 @@ def test_processes_a_restarted_worker_rejoins_and_all_finish_identical(tmp_path,
         assert record["iterations"] == STEPS and record["replicas"] == 3, (index, record)
         assert_close(params, reference["adam"])
     assert records[2][0]["restarted"] and records[2][0]["resets"] == []
-    assert records[0][0]["resets"] == [{"lost": ["worker:2"], "joined": [], "size": 2},
-                                       {"lost": [], "joined": ["worker:2"], "size": 3}]
+    # worker:2 is lost and rejoins: in two re-formations, or in one when its new process had already
+    # connected by the time the survivors re-formed (a fast restart replaces it in a single change).
+    assert records[0][0]["resets"] in ([{"lost": ["worker:2"], "joined": [], "size": 2},
+                                        {"lost": [], "joined": ["worker:2"], "size": 3}],
+                                       [{"lost": ["worker:2"], "joined": ["worker:2"], "size": 3}]), records[0][0]
     assert_identical([params for _, params in records])   # the newcomer got the committed state, bit for bit
 
 

@@ -120,7 +120,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``stratagem advise``'s options."""
     from stratagem.bench.models import BUILTIN
 
-    parser.description = __doc__.splitlines()[0]
+    parser.description = __doc__.splitlines()[0].replace("``", "")
+    parser.epilog = ("The model: the one stratagem bench trains (mlp), or yours as package.module:build, a "
+                     "function with no arguments returning an object with name, batch_size, learning_rate, "
+                     "init_params(seed), batch(seed, replica, step, rows) and loss_and_grads(params, batch) "
+                     "(see stratagem.bench.models).")
     parser.add_argument("--model", default="mlp", metavar="NAME",
                         help=f"{', '.join(BUILTIN)}, or package.module:build returning a model with the bench's "
                              f"interface (see stratagem.bench.models; default mlp)")
@@ -437,7 +441,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="stratagem advise", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="stratagem advise")
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

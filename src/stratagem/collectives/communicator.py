@@ -290,6 +290,8 @@ class Communicator:
                 return
             self._closed = True
         if self._owns_transport:
+            if _timeline.RECORDER is not None:
+                _timeline.RECORDER.settle(self.transport)
             self.transport.close()
 
     def __enter__(self) -> "Communicator":

@@ -28,8 +28,6 @@ log = logging.getLogger(__name__)
 ABORT_SEND_TIMEOUT = 2.0
 #: An elastic session's receive looks at the peer's loss count at least this often (seconds).
 WATCH_SECONDS = 0.25
-#: The timeout of a receive that only takes what is already delivered.
-_NO_WAIT = 1e-3
 
 
 def fingerprint(collective: str, **fields) -> dict:
@@ -179,8 +177,13 @@ class _Running:
 
     def __exit__(self, kind, exc, tb) -> bool:
         if exc is not None and isinstance(exc, Exception):
-            self.session.broken = exc
-            self.session._notify_peers(self.call, exc)
+            error = exc
+            if isinstance(exc, PeerLostError) and not hasattr(exc, "abort_meta"):
+                error = self.call.last_words(exc)
+            self.session.broken = error
+            self.session._notify_peers(self.call, error)
+            if error is not exc:
+                raise error from exc
         return False
 
 
@@ -279,6 +282,27 @@ class CollectiveCall:
                                       f"{count} of {np.dtype(dtype) if dtype is not None else 'any dtype'}")
         return data.reshape(-1)
 
+    def last_words(self, lost: PeerLostError) -> Exception:
+        """The error to raise for a lost peer: the abort notice it queued before it went, if any.
+
+        A rank that fails a call tells the others why, then its script ends; a rank that meets its
+        departure first (a send to it fails) would otherwise blame it instead of the member it lost.
+        """
+        s = self.session
+        try:
+            task = TaskId.parse(lost.task) if isinstance(lost.task, (str, TaskId)) else None
+        except ValueError:
+            return lost
+        if task is None or task not in s.members:
+            return lost
+        while True:
+            try:
+                message = s.transport.recv(task, s.tag, timeout=0)
+            except Exception:  # noqa: BLE001 - nothing (more) left from it: its loss is the error
+                return lost
+            if "abort" in message.meta:
+                return _error_from_abort(s, message.meta)
+
     def _receive(self, src: int) -> Message:
         s = self.session
         if s.generation is None:
@@ -300,42 +324,26 @@ class CollectiveCall:
         task = s.members[src]
         deadline = None if s.timeout is None else time.monotonic() + s.timeout
         while True:
-            if s.transport.peer_losses(task) != s.losses.get(task, 0):
-                # What it delivered before it went is still its part of this call (the transport
-                # contract keeps it): a task that finished its last collective and closed must not
-                # fail a rank that had not yet read its message (the direct and pairwise algorithms
-                # read from every rank, not only from a partner that leaves last).
-                message = self._already_delivered(task)
-                if message is not None:
-                    return message
-                raise PeerLostError(task, f"{task} was lost while {s.who(s.rank)} waited for it in "
-                                          f"{describe(self.fp)} (a new process may have taken its place)")
+            # A lost peer's last messages (an abort notice naming the member *it* lost) are still
+            # read: they say more than its loss does. Only an empty queue turns the loss into the error.
+            lost = s.transport.peer_losses(task) != s.losses.get(task, 0)
             remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
+            if not lost and remaining is not None and remaining <= 0:
                 raise TransportTimeout(f"{s.transport.task}: no message {s.tag!r} from {task} within "
                                        f"{s.timeout:g} s (is that task running and calling the same operation?)")
+            wait = 0 if lost else WATCH_SECONDS if remaining is None else min(WATCH_SECONDS, remaining)
             try:
-                message = s.transport.recv(task, s.tag, timeout=WATCH_SECONDS if remaining is None
-                                           else min(WATCH_SECONDS, remaining))
-            except TransportTimeout:
+                message = s.transport.recv(task, s.tag, timeout=wait)
+            except (TransportTimeout, PeerLostError) as exc:
+                if lost or isinstance(exc, PeerLostError):
+                    raise PeerLostError(task, f"{task} was lost while {s.who(s.rank)} waited for it in "
+                                              f"{describe(self.fp)} (a new process may have taken its place)"
+                                        ) from None
                 continue
             fp = unpack_fingerprint(message.meta.get("fp"))
             gen = fp.get("gen") if fp is not None else None
             if not (isinstance(gen, int) and gen < s.generation):
                 return message   # older generations' leftovers are dropped: never reduced
-
-    def _already_delivered(self, task: TaskId) -> Message | None:
-        """``task``'s next message of this generation if it is already here, else None (no waiting)."""
-        s = self.session
-        while True:
-            try:
-                message = s.transport.recv(task, s.tag, timeout=_NO_WAIT)
-            except (PeerLostError, TransportTimeout):
-                return None
-            fp = unpack_fingerprint(message.meta.get("fp"))
-            gen = fp.get("gen") if fp is not None else None
-            if not (isinstance(gen, int) and gen < s.generation):
-                return message
 
     def _check_fingerprint(self, src: int, theirs: dict | None) -> None:
         s = self.session

@@ -161,9 +161,14 @@ class Mailbox:
             self._losses[task] = self._losses.get(task, 0) + 1
             self._cond.notify_all()
 
-    def mark_alive(self, task: TaskId) -> None:
-        """A new incarnation of ``task`` connected: stop reporting it lost."""
+    def mark_alive(self, task: TaskId, *, replaced: bool = False) -> None:
+        """A new incarnation of ``task`` connected: stop reporting it lost. ``replaced``: it took the
+        place of a process that was not declared lost yet (it came back before its old connection's
+        loss was settled); that loss still counts, so that a waiter watching ``losses`` sees it."""
         with self._cond:
+            if replaced and task not in self._lost:
+                self._losses[task] = self._losses.get(task, 0) + 1
+                self._cond.notify_all()
             self._lost.pop(task, None)
 
     def losses(self, task: TaskId) -> int:

@@ -122,6 +122,10 @@ def path_problem(path: str) -> str | None:
     return None
 
 
+#: Seconds a normal shutdown waits for the clock exchange to finish (``Recorder.settle``).
+SETTLE_SECONDS = 10.0
+
+
 class Recorder:
     """One task's events, kept in memory until :meth:`flush` writes them (see the module doc).
 
@@ -146,6 +150,7 @@ class Recorder:
         self._peer_names: dict = {}       # peer -> (its name, the name of a wait on it)
         self._lock = threading.RLock()
         self._synced = False
+        self._sync_thread: threading.Thread | None = None
 
     #: The events' clock (``now()``), at hand where a hot path holds the recorder.
     now = staticmethod(now)
@@ -211,7 +216,17 @@ class Recorder:
             if self._synced or transport.task != self.task or getattr(transport, "in_process", False):
                 return
             self._synced = True
-        synchronise(self, transport)
+        self._sync_thread = synchronise(self, transport)
+
+    def settle(self, transport, timeout: float = SETTLE_SECONDS) -> None:
+        """Let the clock exchange over ``transport`` finish before it closes (a strategy's or
+        communicator's normal shutdown calls this): a short job would otherwise close the transport
+        under its own pings, or under the pings of the tasks the reference still answers, and the
+        files would fall back to the wall clocks. Bounded by ``timeout`` seconds; returns at once if
+        the exchange ran elsewhere or is over."""
+        thread = self._sync_thread
+        if thread is not None and transport.task == self.task and thread is not threading.current_thread():
+            thread.join(timeout)
 
     # -- writing -----------------------------------------------------------------------------------
     def document(self, ended: str | None = None) -> dict:

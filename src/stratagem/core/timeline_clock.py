@@ -60,7 +60,7 @@ def offset_and_round_trip(t0: int, t1: int, t2: int, t3: int) -> tuple[float, in
 
 def synchronise(recorder, transport) -> threading.Thread | None:
     """Start measuring ``recorder``'s offset to the reference over ``transport`` (a daemon thread);
-    on the reference itself, start answering the others."""
+    on the reference itself, start answering the others. Returns the thread (``None``: nothing to do)."""
     reference = transport.cluster.chief
     others = [task for task in transport.cluster.tasks() if task != reference]
     if transport.task == reference:
@@ -78,7 +78,10 @@ def synchronise(recorder, transport) -> threading.Thread | None:
 
 def _answer(recorder, transport, waiting: set) -> None:
     deadline = time.monotonic() + WINDOW
-    while waiting and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        waiting -= set(transport.lost_peers())   # a task that died will not ping again
+        if not waiting:
+            return
         try:
             ping = transport.recv(None, PING_TAG, timeout=1.0)
         except TransportTimeout:

@@ -553,6 +553,8 @@ class Strategy(Checkpointing):
                 close()
         finally:
             if self._owns_transport:
+                if _timeline.RECORDER is not None:
+                    _timeline.RECORDER.settle(self._transport)
                 self._transport.close()
 
     def _end_at_exit(self, error: str | None) -> None:

@@ -306,6 +306,40 @@ class TransportContract:
         finally:
             t.close()
 
+    def test_a_peer_restarted_at_once_counts_as_lost_once(self):
+        """A peer SIGKILLed and started again at once, possibly before its old connection's loss is
+        settled, still counts as one loss (``peer_losses``: what an elastic world watches to drop
+        the old process's generation), and its new process is served."""
+        cls = self.transport_class()
+        if cls.in_process or not cls.elastic:
+            pytest.skip(f"the {self.transport} transport keeps every endpoint in one process" if cls.in_process
+                        else f"the {self.transport} transport does not re-accept a restarted peer (elastic = False)")
+        cluster = local_cluster(2)
+        me, other = cluster.tasks()
+        from stratagem.plugins.manager import plugin_manager
+
+        t = plugin_manager().create_transport(self.transport, cluster=cluster, task=me, timeout=CALL_TIMEOUT,
+                                              peer_timeout=PEER_TIMEOUT, **self.options)
+        t.start()
+        try:
+            with spawn_peer(self.transport, cluster, other, me, peer_timeout=PEER_TIMEOUT) as first:
+                assert t.recv(other, "ready", timeout=60).meta["pid"] == first.pid
+                t.send(other, "echo", Message({"ping": 1}))
+                assert t.recv(other, "echo", timeout=CALL_TIMEOUT).meta == {"ping": 1}
+                assert t.peer_losses(other) == 0
+                first.kill()
+                first.wait(timeout=CALL_TIMEOUT)
+                with spawn_peer(self.transport, cluster, other, me, peer_timeout=PEER_TIMEOUT) as second:
+                    # From any source: a receive from a task declared lost fails until its new process is in.
+                    ready = t.recv(None, "ready", timeout=60)
+                    assert (ready.src, ready.meta["pid"]) == (other, second.pid)
+                    t.send(other, "echo", Message({"ping": 2}))
+                    assert t.recv(other, "echo", timeout=CALL_TIMEOUT).meta == {"ping": 2}
+                    assert t.peer_losses(other) == 1
+                    assert other not in t.lost_peers()
+        finally:
+            t.close()
+
     def test_secret_mismatch_is_refused(self):
         if self.transport_class().in_process:
             pytest.skip(f"the {self.transport} transport has no connections to authenticate")

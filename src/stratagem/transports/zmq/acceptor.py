@@ -151,7 +151,7 @@ class ZmqAcceptor:
                 # go, or it would reconnect to the new one without a handshake.
                 if action.again or self._mailbox.is_lost(action.task) is not None:
                     self._forget_peer(action.task)
-                self._mailbox.mark_alive(action.task)
+                self._mailbox.mark_alive(action.task, replaced=action.again)
                 watch = action.task
             elif isinstance(action, (Refused, Dropped)):
                 self.reject(routing_id, action.reason)
