@@ -155,10 +155,12 @@ class Mailbox:
             self._cond.notify_all()
 
     def mark_lost(self, task: TaskId, reason: str) -> None:
-        """Declare ``task`` gone; its waiters raise once its pending messages are consumed."""
+        """Declare ``task`` gone; its waiters raise once its pending messages are consumed. Declared
+        again before a new process of it came (each of its connections ends on its own): still one loss."""
         with self._cond:
-            self._lost[task] = reason
-            self._losses[task] = self._losses.get(task, 0) + 1
+            if task not in self._lost:
+                self._losses[task] = self._losses.get(task, 0) + 1
+                self._lost[task] = reason
             self._cond.notify_all()
 
     def mark_alive(self, task: TaskId, *, replaced: bool = False) -> None:
