@@ -6,9 +6,9 @@
     python benchmarks/allreduce.py --transports zmq,mpi --baselines mpi4py --sizes 1M-64Mx2
 
 The measuring is the package's (:mod:`stratagem.bench.collectives`, whose options this script takes);
-the defaults differ (``--np 2 3 --sizes 4K-256M --rounds 2 --transports zmq --timeout 600``), and after
-the tables this script states where the figures stand against the two targets (see
-benchmarks/README.md). Tables go to stdout, progress to stderr.
+the defaults differ (``--np 2 3 --sizes 4K-256M --rounds 2 --transports zmq --baselines gloo,mpi4py,pyzmq
+--timeout 600``), and after the tables this script states where the figures stand against the targets
+(issue 14's for zmq: see benchmarks/README.md). Tables go to stdout, progress to stderr.
 
 It also keeps the helpers that ``mlp_training.py`` imports from it.
 """
@@ -38,6 +38,10 @@ GOALS = {"mpi": [(TARGET_BW_BYTES, "bandwidth", "mpi4py", 0.9),   # mpi is held 
 DEFAULT_GOALS = [(TARGET_BW_BYTES, "bandwidth", "gloo", 1.0), (TARGET_LAT_BYTES, "latency", "gloo", 2.0)]
 #: Absolute targets, busbw GB/s at 2 processes: (bytes, bound) per transport (shm: issue 14).
 ABSOLUTE_GOALS = {"shm": [(TARGET_BW_BYTES, 5.0)]}
+#: Issue 14's targets for zmq (they replace the default ones above for it): busbw >= 1.0x gloo at every
+#: size from 64K at every world size measured, >= 1.5x gloo at 64M with 2 processes, and the 4K
+#: latency within 1.5x of a plain pyzmq ring (``--baselines pyzmq``).
+ZMQ_FLOOR_BYTES, ZMQ_FLOOR, ZMQ_BW, ZMQ_LAT = 64 << 10, 1.0, 1.5, 1.5
 
 
 def log(msg: str) -> None:
@@ -78,7 +82,8 @@ def run_process_job(cmd: list[str], env: dict, timeout: float) -> tuple[int, str
 # -- targets ---------------------------------------------------------------------------------------
 
 def targets(report: collectives.Report) -> list[dict]:
-    """The two figures we report against, for every stratagem transport that ran with np=2."""
+    """The figures we report against: issue 14's for zmq (:func:`zmq_targets`, every world size), the
+    default two (or the transport's own) for every other stratagem transport that ran with np=2."""
     out = []
 
     def find(label: str, size: int):
@@ -88,10 +93,12 @@ def targets(report: collectives.Report) -> list[dict]:
                 return entry, collectives.stats(entry, 2)
         return None, None
 
+    out += zmq_targets(report)
     for job in report.jobs:
         if job.contender.kind != "stratagem" or job.np != 2 or job.status == "skipped":
             continue
-        for size, kind, ref, bound in GOALS.get(job.label, DEFAULT_GOALS):
+        goals = [] if job.label == "zmq" else GOALS.get(job.label, DEFAULT_GOALS)
+        for size, kind, ref, bound in goals:
             se, s = find(job.label, size)
             _, g = find(ref, size)
             row = {"backend": job.label, "bytes": size, "kind": kind, "reference": ref}
@@ -129,13 +136,58 @@ def targets(report: collectives.Report) -> list[dict]:
     return out
 
 
+def zmq_targets(report: collectives.Report) -> list[dict]:
+    """Issue 14's targets for zmq, from every world size the report holds (medians; mins beside)."""
+    jobs = {(job.label, job.np): job for job in report.jobs if job.status != "skipped"}
+    out = []
+
+    def row(size, np_, kind, ref, bound, ratio, best, met, text):
+        return {"backend": "zmq", "bytes": size, "np": np_, "kind": kind, "reference": ref, "bound": bound,
+                "ratio_median": ratio, "ratio_best": best, "met": met, "verdict": "MET" if met else "MISSED",
+                "text": text}
+
+    for np_ in sorted({n for (label, n) in jobs if label == "zmq"}):
+        ours, gloo, ring = (jobs.get((name, np_)) for name in ("zmq", "gloo", "pyzmq"))
+        mine = ours.by_size() if ours else {}
+        if gloo is None:
+            out.append({"backend": "zmq", "np": np_, "verdict": "not measured",
+                        "text": f"zmq vs gloo at {np_} processes: not measured (needs --baselines gloo)"})
+        else:
+            theirs = gloo.by_size()
+            for size in sorted(b for b in mine if b >= ZMQ_FLOOR_BYTES and b in theirs):
+                if not (mine[size]["times_s"] and theirs[size]["times_s"]):
+                    continue
+                s, g = collectives.stats(mine[size], np_), collectives.stats(theirs[size], np_)
+                ratio, best = s["busbw_GBps"] / g["busbw_GBps"], s["busbw_best_GBps"] / g["busbw_best_GBps"]
+                bound = ZMQ_BW if (size == TARGET_BW_BYTES and np_ == 2) else ZMQ_FLOOR
+                met = ratio >= bound and mine[size]["correct"]
+                out.append(row(size, np_, "bandwidth", "gloo", bound, ratio, best, met,
+                               f"{human(size)}, {np_} processes: zmq busbw {s['busbw_GBps']:.3f} GB/s vs gloo "
+                               f"{g['busbw_GBps']:.3f} GB/s = {ratio:.2f}x (best-case {best:.2f}x); "
+                               f"target >= {bound}x"))
+        if ring is not None and TARGET_LAT_BYTES in mine and TARGET_LAT_BYTES in ring.by_size():
+            s = collectives.stats(mine[TARGET_LAT_BYTES], np_)
+            p = collectives.stats(ring.by_size()[TARGET_LAT_BYTES], np_)
+            ratio, best = s["median_s"] / p["median_s"], s["min_s"] / p["min_s"]
+            met = ratio <= ZMQ_LAT and mine[TARGET_LAT_BYTES]["correct"]
+            out.append(row(TARGET_LAT_BYTES, np_, "latency", "pyzmq", ZMQ_LAT, ratio, best, met,
+                           f"4K, {np_} processes: zmq latency {s['median_s'] * 1e6:.1f} us vs a plain pyzmq ring "
+                           f"{p['median_s'] * 1e6:.1f} us = {ratio:.2f}x (min {s['min_s'] * 1e6:.1f} vs "
+                           f"{p['min_s'] * 1e6:.1f} us = {best:.2f}x); target <= {ZMQ_LAT}x"))
+        elif np_ == 2:
+            out.append({"backend": "zmq", "np": np_, "verdict": "not measured",
+                        "text": "4K latency of zmq vs a plain pyzmq ring: not measured (needs --baselines pyzmq "
+                                "and the 4K size)"})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      epilog="See benchmarks/README.md for how to read the figures.")
     collectives.add_arguments(parser)
     parser.set_defaults(np=[2, 3], sizes=collectives.parse_sizes("4K-256M"), rounds=2, transports=["zmq"],
-                        timeout=600.0)
+                        baselines="gloo,mpi4py,pyzmq", timeout=600.0)
     args = parser.parse_args(argv)
     try:
         report = collectives.measure_from_args(args)

@@ -217,7 +217,7 @@ def assert_identical(results):
 # -- all-reduce numerics ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling"])
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "direct", "pairwise"])
 @pytest.mark.parametrize("size", range(1, 9))
 def test_allreduce_matches_numpy(make_local_world, size, algorithm, op):
     # Small chunks so the 100_003-element case really pipelines several chunks per ring segment.
@@ -241,7 +241,7 @@ def test_allreduce_dtypes(make_local_world, size, dtype):
     for op in OPS:
         if dtype.kind == "c" and op in ("min", "max"):
             continue  # complex ordering is numpy's lexicographic one; not a training use case
-        for algorithm in ("ring", "recursive_doubling"):
+        for algorithm in ("ring", "recursive_doubling", "direct", "pairwise"):
             inputs = make_inputs(size, (5, 41), dtype, op, seed=size)
             results = run_ranks(comms, lambda c: c.allreduce(inputs[c.rank], op=op, algorithm=algorithm))
             assert_identical(results)
@@ -268,7 +268,7 @@ def test_mean_of_integers_is_float64(make_local_world):
     np.testing.assert_array_equal(results[0], np.full(6, 1.5))
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "auto"])
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "direct", "pairwise", "auto"])
 def test_zero_d_inputs(make_local_world, algorithm):
     comms = make_local_world(3)
     results = run_ranks(comms, lambda c: c.allreduce(np.float32(c.rank + 1), algorithm=algorithm))
@@ -282,7 +282,7 @@ def test_zero_d_inputs(make_local_world, algorithm):
 
 
 @pytest.mark.parametrize("size", [3, 5, 6, 7, 8])
-@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling"])
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "direct", "pairwise"])
 def test_results_are_bitwise_identical_across_ranks(make_local_world, size, algorithm):
     # Random normals make float addition order-sensitive, so only a canonical order gives equal bits.
     comms = make_local_world(size, chunk_bytes=4096)
@@ -311,7 +311,7 @@ def test_inputs_are_never_modified(make_local_world):
         np.testing.assert_array_equal(x, original)
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling"])
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "direct", "pairwise"])
 def test_allreduce_into_out_and_in_place(make_world, algorithm):
     comms = make_world(3, chunk_bytes=256)
     inputs = [np.arange(1001, dtype=np.float32) * (rank + 1) for rank in range(3)]
@@ -362,7 +362,7 @@ def test_non_contiguous_and_multidimensional_inputs(make_local_world):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(size=st.integers(1, 8), length=st.integers(0, 300), op=st.sampled_from(OPS),
-       algorithm=st.sampled_from(["ring", "recursive_doubling", "auto"]),
+       algorithm=st.sampled_from(["ring", "recursive_doubling", "direct", "pairwise", "auto"]),
        dtype=st.sampled_from([np.float64, np.int32]), chunk_bytes=st.sampled_from([8, 64, 1 << 20]))
 def test_allreduce_property(make_local_world, size, length, op, algorithm, dtype, chunk_bytes):
     comms = make_local_world(size, chunk_bytes=chunk_bytes, small_bytes=256)
@@ -459,7 +459,7 @@ def _all_mismatched(comms, fn):
     return errors
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling"])
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "direct", "pairwise"])
 def test_mismatched_shapes_raise_on_every_rank(make_world, algorithm):
     comms = make_world(3)
     start = time.monotonic()
@@ -528,7 +528,7 @@ def test_validation_errors_leave_the_communicator_usable(make_world):
 
 # -- failures -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling"])
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "direct", "pairwise"])
 def test_a_dead_peer_is_named_by_every_rank(make_world, algorithm):
     comms = make_world(3)
     dead = comms[2].task

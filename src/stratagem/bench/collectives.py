@@ -42,7 +42,8 @@ from typing import Sequence
 from stratagem.bench.collectives_task import COLLECTIVES, elements_per_rank
 from stratagem.bench.environment import describe_environment
 from stratagem.bench.collectives_jobs import (
-    BASELINES, DEFAULT_TIMEOUT, MAX_ITERS, MIN_ITERS, VOLUME, Contender, JobResult, baseline_contender,
+    BASELINES, DEFAULT_BASELINES, DEFAULT_TIMEOUT, MAX_ITERS, MIN_ITERS, VOLUME, Contender, JobResult,
+    baseline_contender,
     default_transports, run_job, schedule, stats, transport_contender,
 )
 from stratagem.bench.units import human_bytes, parse_size, parse_sizes
@@ -380,9 +381,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transports", type=_names, default=None, metavar="T,T",
                         help="stratagem transports (default: every registered one that runs across processes; "
                              "those that cannot run here are listed as skipped, with the reason)")
-    parser.add_argument("--baselines", default=",".join(BASELINES), metavar="B,B",
-                        help=f"reference implementations: {', '.join(BASELINES)} or none (default: both; one "
-                             f"that is not installed is listed as skipped)")
+    parser.add_argument("--baselines", default=",".join(DEFAULT_BASELINES), metavar="B,B",
+                        help=f"reference implementations: {', '.join(BASELINES)} (a plain pyzmq ring, "
+                             f"all-reduce only) or none (default: {','.join(DEFAULT_BASELINES)}; one that is not "
+                             f"installed is listed as skipped)")
     parser.add_argument("--np", type=int, nargs="+", default=[2], metavar="N",
                         help="processes per job; several values run every job at each (default: 2)")
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES), metavar="SIZES",

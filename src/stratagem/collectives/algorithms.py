@@ -19,13 +19,20 @@ use for.
 
 Algorithms:
 
-* all-reduce, large tensors: ring reduce-scatter + ring all-gather, each ring segment cut into chunks
-  of at most ``chunk_bytes`` and pipelined (a chunk is received, reduced and sent on before the next
-  one is touched). Each segment is reduced along one chain and then copied around the ring, so every
-  rank ends with bitwise-identical bits.
-* all-reduce, small tensors (``nbytes <= small_bytes``, or fewer elements than ranks): recursive
-  doubling. A non-power-of-two world first folds its extra ranks into partners and hands them the
-  result at the end. Partners combine with the lower rank's operand first, so both hold the same bits.
+* all-reduce, large tensors at 2 ranks and at 5 or more: ring reduce-scatter + ring all-gather,
+  each ring segment cut into chunks of at most ``chunk_bytes`` and pipelined (a chunk is received,
+  reduced and sent on before the next one is touched). Each segment is reduced along one chain and
+  then copied around the ring, so every rank ends with bitwise-identical bits.
+* all-reduce in worlds of up to :data:`DIRECT_MAX_RANKS` ranks: up to ``small_bytes``, or while a
+  rank sends at most :data:`DIRECT_BYTES`, a direct exchange: every rank sends its tensor to every
+  other and combines all of them in rank order (so every rank computes the same bits), one round of
+  messages instead of log2(p) or 2(p-1) dependent ones. Above that, at 3 and 4 ranks, the pairwise
+  algorithm: a reduce-scatter and an all-gather of one round of direct messages each, the bytes of
+  the ring in 2 rounds (chunked like the ring). At 2 ranks the ring is the same messages.
+* all-reduce, small tensors in larger worlds (``nbytes <= small_bytes``, or fewer elements than
+  ranks): recursive doubling. A non-power-of-two world first folds its extra ranks into partners and
+  hands them the result at the end. Partners combine with the lower rank's operand first, so both
+  hold the same bits.
 * broadcast: binomial tree (chunked) for small tensors; scatter down the binomial tree, then a ring
   all-gather, for large ones (van de Geijn), which costs ~2x the tensor per rank instead of log2(p)x.
 * all-gather and reduce-scatter: the pipelined ring. Barrier: dissemination (ceil(log2 p) rounds).
@@ -66,17 +73,26 @@ OPS: dict[str, np.ufunc] = {
     "min": np.minimum,
     "max": np.maximum,
 }
-ALLREDUCE_ALGORITHMS = ("auto", "ring", "recursive_doubling")
+ALLREDUCE_ALGORITHMS = ("auto", "ring", "recursive_doubling", "direct", "pairwise")
+#: In worlds of up to this many ranks, all-reduces exchange directly (one round of messages) up to
+#: :data:`DIRECT_BYTES` of traffic per rank and use the pairwise algorithm (two rounds) above; larger
+#: worlds use recursive doubling (log2 rounds) up to ``small_bytes`` and the ring above.
+DIRECT_MAX_RANKS = 4
+#: The most bytes a rank sends in a direct exchange chosen by ``auto`` ((ranks - 1) x the tensor).
+DIRECT_BYTES = 2 << 20
 BROADCAST_ALGORITHMS = ("auto", "binomial_tree", "scatter_allgather")
 
 
 # -- argument checks (shared with the Communicator, which checks before dispatching) ----------------
 
+_WIRE_DTYPES = frozenset(DTYPES.values())
+
+
 def check_dtype(dtype, collective: str) -> np.dtype:
     """The dtype if the wire can carry it, else a ``ConfigurationError`` listing the ones it can."""
     dtype = np.dtype(dtype)
     native = dtype.newbyteorder("=") if dtype.byteorder == ">" else dtype
-    if native not in DTYPES.values():
+    if native not in _WIRE_DTYPES:
         raise ConfigurationError(
             f"{collective}: dtype {dtype} cannot be sent between tasks; allowed: {', '.join(DTYPES)} "
             f"(convert with x.astype(...))"
@@ -128,7 +144,7 @@ def working_dtype(op: str | None, dtype) -> np.dtype:
 
 def is_device_array(x) -> bool:
     """True for a cupy array, without importing cupy (which may not be installed)."""
-    return type(x).__module__.startswith("cupy")
+    return type(x) is not np.ndarray and type(x).__module__.startswith("cupy")
 
 
 def _array_module(x):
@@ -292,6 +308,78 @@ def _recursive_doubling(call: CollectiveCall, work, ufunc: np.ufunc) -> None:
         call.send(rank + p2, work)
 
 
+def _direct(call: CollectiveCall, work, src, ufunc: np.ufunc) -> None:
+    """All-reduce in one round: send ``src`` to every other rank, then ``work = x0 op x1 op ...`` in
+    rank order (the same order, hence the same bits, on every rank). ``work`` and ``src`` must not
+    share memory unless this is rank 0 (rank 0 starts from its own operand)."""
+    size, rank, n = call.size, call.rank, work.size
+    for offset in range(1, size):
+        call.send((rank + offset) % size, src)
+    operand = lambda r: src if r == rank else call.recv(r, n, work.dtype)  # noqa: E731
+    # x0 op x1 straight into work (no copy of x0 first), then the others.
+    ufunc(operand(0), operand(1), out=work)
+    for r in range(2, size):
+        ufunc(work, operand(r), out=work)
+
+
+def _pairwise(call: CollectiveCall, work, src, bounds: Sequence[int], ufunc: np.ufunc) -> None:
+    """All-reduce in two rounds of direct messages (a reduce-scatter, then an all-gather): every rank
+    sends each other rank its piece of that rank's segment; rank ``j`` combines the pieces of segment
+    ``j`` in rank order (one rank computes each segment, so every rank ends with the same bits) and
+    sends the result to every other rank. The bytes of the ring (2(n-1)/n of the tensor per rank) in
+    2 rounds instead of 2(n-1) dependent steps, which on an oversubscribed machine each wait for a
+    rank to be scheduled. Segments are cut into chunks of at most ``chunk_bytes``: a chunk is combined
+    as soon as its pieces are in, while the rest are on their way.
+
+    Sends are asynchronous views of ``src``/``work``; memory is only overwritten once no send reads it
+    any more, and every send has completed when this returns.
+    """
+    size, rank = call.size, call.rank
+    chunk = call.chunk_elems(work.dtype.itemsize)
+    lo, hi = bounds[rank], bounds[rank + 1]
+    if src is work and rank:  # in place: our operand of our own segment must survive the others'
+        mine = src[lo:hi].copy()
+        own = lambda a, b: mine[a - lo:b - lo]  # noqa: E731
+    else:
+        own = lambda a, b: src[a:b]  # noqa: E731
+    scatter: list[SendHandle] = []
+    gather: list[SendHandle] = []
+    try:
+        for offset in range(1, size):
+            j = (rank + offset) % size
+            for a, b in _chunks(bounds[j], bounds[j + 1], chunk):
+                scatter.append(call.send_async(j, src[a:b]))
+        for a, b in _chunks(lo, hi, chunk):
+            operand = lambda r: own(a, b) if r == rank else call.recv(r, b - a, work.dtype)  # noqa: E731
+            ufunc(operand(0), operand(1), out=work[a:b])  # x0 op x1 straight into work, then the others
+            for r in range(2, size):
+                ufunc(work[a:b], operand(r), out=work[a:b])
+        for offset in range(1, size):
+            for a, b in _chunks(lo, hi, chunk):
+                gather.append(call.send_async((rank + offset) % size, work[a:b]))
+        if src is work:  # the segments received next overwrite what the first round's sends read
+            _wait_all(call, scatter)
+        for offset in range(1, size):
+            j = (rank - offset) % size
+            for a, b in _chunks(bounds[j], bounds[j + 1], chunk):
+                work[a:b] = call.recv(j, b - a, work.dtype)
+    finally:
+        _wait_all(call, scatter + gather, quiet=True)
+
+
+def _wait_all(call: CollectiveCall, handles: list, quiet: bool = False) -> None:
+    """Wait for sends to release their memory; ``quiet``: while unwinding (the first error counts)."""
+    for handle in handles:
+        if not quiet:
+            handle.wait(call.session.timeout)
+            continue
+        try:
+            handle.wait(call.session.timeout)
+        except Exception:
+            log.debug("a send did not complete while the all-reduce was unwinding", exc_info=True)
+    handles.clear()
+
+
 def _tree_broadcast(call: CollectiveCall, work, v: int, root: int) -> None:
     """Binomial-tree broadcast, chunked so a long tensor streams down the tree."""
     size = call.size
@@ -331,9 +419,48 @@ def choose_allreduce_algorithm(session: CollectiveSession, nbytes: int, length: 
         return "local"
     if algorithm != "auto":
         return algorithm
-    if nbytes <= session.small_bytes or length < session.size:
+    size = session.size
+    if size <= DIRECT_MAX_RANKS:
+        # Few ranks: one round of messages while the traffic is small, else two (pairwise). On an
+        # oversubscribed machine every dependent step waits for a rank to be scheduled, which costs
+        # more than the extra bytes of the direct exchange (see benchmarks/README.md).
+        if nbytes <= session.small_bytes or length < size or (size - 1) * nbytes <= DIRECT_BYTES:
+            return "direct"
+        return "ring" if size == 2 else "pairwise"  # the same messages at 2 ranks; the ring pipelines
+    if nbytes <= session.small_bytes or length < size:
         return "recursive_doubling"
     return "ring"
+
+
+def _allreduce_plan(session: CollectiveSession, x, op: str, algorithm: str) -> tuple:
+    """``(working dtype, algorithm, chunk, fingerprint)`` for an all-reduce of ``x``, arguments checked.
+
+    Kept per session (a training loop all-reduces the same few shapes every step, and working this
+    out again is a good part of a small all-reduce's cost); everything it depends on is in the key
+    or fixed for the session.
+    """
+    cacheable = type(op) is str and type(algorithm) is str  # else the checks below say what is wrong
+    key = (x.dtype, x.shape, op, algorithm) if cacheable else None
+    plans = session.plans
+    plan = plans.get(key) if cacheable else None
+    if plan is None:
+        check_dtype(x.dtype, "allreduce")
+        check_op(op, x.dtype, "allreduce")
+        check_algorithm(algorithm, ALLREDUCE_ALGORITHMS, "allreduce")
+        dtype = working_dtype(op, x.dtype)
+        algo = choose_allreduce_algorithm(session, x.size * dtype.itemsize, x.size, algorithm)
+        chunk = session.chunk_elems(dtype.itemsize) if algo in ("ring", "pairwise") else None
+        fp = fingerprint("allreduce", op=op, dtype=dtype_name(x.dtype), shape=x.shape, algo=algo, chunk=chunk)
+        plan = (dtype, algo, chunk, fp)
+        if cacheable:
+            if len(plans) >= _MAX_PLANS:
+                plans.clear()
+            plans[key] = plan
+    return plan
+
+
+#: Plans a session keeps (beyond that it starts again: shapes that change every call gain nothing).
+_MAX_PLANS = 256
 
 
 def allreduce(session: CollectiveSession, x, op: str = "sum", algorithm: str = "auto", out=None):
@@ -344,34 +471,36 @@ def allreduce(session: CollectiveSession, x, op: str = "sum", algorithm: str = "
     Reusing ``out`` across calls saves allocating (and page-faulting) a result every call.
     """
     x = as_array(x)
-    check_dtype(x.dtype, "allreduce")
-    check_op(op, x.dtype, "allreduce")
-    check_algorithm(algorithm, ALLREDUCE_ALGORITHMS, "allreduce")
-    dtype = working_dtype(op, x.dtype)
+    plan = _allreduce_plan(session, x, op, algorithm)
+    dtype, algo, chunk, fp = plan
     if out is not None:
         check_out(out, x, dtype, "allreduce")
-    algo = choose_allreduce_algorithm(session, x.size * dtype.itemsize, x.size, algorithm)
-    chunk = session.chunk_elems(dtype.itemsize) if algo == "ring" else None
-    fp = fingerprint("allreduce", op=op, dtype=dtype_name(x.dtype), shape=x.shape, algo=algo, chunk=chunk)
-    if algo == "ring":
-        # Out of place: the ring writes every element of ``work`` itself, so no copy of x first
+    xp = _array_module(x)
+    if algo == "ring" or algo == "direct" or algo == "pairwise":
+        # Out of place: the algorithm writes every element of ``work`` itself, so no copy of x first
         # (and with out=x, src and work are the same memory: the classic in-place ring).
-        work = _array_module(x).empty(x.size, dtype=dtype) if out is None else out.reshape(-1)
+        work = xp.empty(x.size, dtype=dtype) if out is None else out.reshape(-1)
         src = work if out is x else _flat_view(x, dtype)
-    else:
+        if algo == "direct" and out is x and session.rank:
+            src = src.copy()  # the others' operands come first: our own must survive them
+    elif out is None:
         work = _working_copy(x, dtype)
+    else:  # recursive doubling reduces in place: start from a copy of x in out
+        work = out.reshape(-1)
+        if out is not x:
+            work[...] = x.reshape(-1)
     with session.collective(fp) as call:
         if algo == "ring":
             _ring(call, work, split_bounds(work.size, call.size), call.rank, shift=0,
                   steps=2 * (call.size - 1), reduce_steps=call.size - 1, ufunc=OPS[op], src=src)
+        elif algo == "direct":
+            _direct(call, work, src, OPS[op])
+        elif algo == "pairwise":
+            _pairwise(call, work, src, split_bounds(work.size, call.size), OPS[op])
         elif algo == "recursive_doubling":
             _recursive_doubling(call, work, OPS[op])
     _finish_mean(work, op, session.size)
-    if out is None:
-        return work.reshape(x.shape)
-    if algo != "ring":
-        out[...] = work.reshape(x.shape)
-    return out
+    return work.reshape(x.shape) if out is None else out
 
 
 def check_out(out, x, dtype: np.dtype, collective: str) -> None:
@@ -384,7 +513,8 @@ def check_out(out, x, dtype: np.dtype, collective: str) -> None:
         problems.append(f"it is {out.dtype}{tuple(out.shape)}, the result is {dtype}{tuple(x.shape)}")
     elif not out.flags.c_contiguous or not out.flags.writeable:
         problems.append("it must be C-contiguous and writeable")
-    elif out is not x and isinstance(out, np.ndarray) and np.shares_memory(out, x):
+    elif (out is not x and isinstance(out, np.ndarray) and np.may_share_memory(out, x)
+          and np.shares_memory(out, x)):  # the cheap bounds test first: it rules out the usual case
         problems.append("it overlaps x without being x (pass out=x to reduce in place)")
     if problems:
         raise ConfigurationError(f"{collective}: cannot write the result into out: {problems[0]}")

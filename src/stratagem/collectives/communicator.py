@@ -32,6 +32,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from stratagem.collectives import algorithms as coll
 from stratagem.core.cluster import ClusterResolver, TaskId
 from stratagem.core.errors import CollectiveMismatchError, CommunicationError, ConfigurationError, PeerLostError, TransportClosed
@@ -71,9 +73,11 @@ class Communicator:
         name: distinguishes communicators sharing a transport; all collective traffic goes under
             the tag ``coll/<name>``, so two live communicators on one transport need different names.
         timeout: seconds any single receive may wait (default: the transport's timeout).
-        chunk_bytes: largest message of a pipelined algorithm (default 1 MiB). Same on every rank.
-        small_bytes: tensors of at most this size use the latency-optimal algorithms (recursive
-            doubling, binomial tree) instead of the bandwidth-optimal ring (default 64 KiB).
+        chunk_bytes: largest message of a pipelined algorithm (default 4 MiB). Same on every rank.
+        small_bytes: tensors of at most this size use the latency-optimal algorithms (direct
+            exchange or recursive doubling, binomial tree) instead of the bandwidth-optimal ones
+            (default 64 KiB; up to 4 ranks the direct exchange also covers tensors a little larger,
+            see :mod:`stratagem.core.collectives`).
         owns_transport: close the transport in :meth:`close` (``open_communicator`` sets it).
 
     If the transport's ``native_collectives()`` offers a collective, it is called instead of the core
@@ -156,8 +160,10 @@ class Communicator:
         ``op``: ``sum``, ``mean``, ``min``, ``max`` or ``prod``. Returns a new array of ``x``'s shape
         and dtype (``mean`` of integers or bools returns float64, as ``np.mean`` does; otherwise
         ``mean`` sums in ``x``'s dtype, then divides; bools accept ``min``/``max``/``mean`` only).
-        ``algorithm``: ``auto`` (recursive doubling up to ``small_bytes``, else the pipelined ring),
-        ``ring`` or ``recursive_doubling``. ``out``: write the result there instead (an array of x's
+        ``algorithm``: ``auto`` (up to 4 ranks: a direct exchange for small tensors, else pairwise
+        or, at 2 ranks, the ring; larger worlds: recursive doubling up to ``small_bytes``, else the
+        pipelined ring: see :mod:`stratagem.core.collectives`), ``ring``, ``recursive_doubling``,
+        ``direct`` or ``pairwise``. ``out``: write the result there instead (an array of x's
         shape and the result dtype; ``out=x`` reduces in place); reusing one buffer across steps
         saves an allocation per call.
 
@@ -172,12 +178,17 @@ class Communicator:
         >>> for c in comms: c.close()
         """
         x = coll.as_array(x)
-        coll.check_dtype(x.dtype, "allreduce")
-        coll.check_op(op, x.dtype, "allreduce")
-        coll.check_algorithm(algorithm, coll.ALLREDUCE_ALGORITHMS, "allreduce")
+        if "allreduce" in self._native or type(x) is not np.ndarray:
+            # A native implementation is handed checked arguments, and a device array's out is not
+            # passed on (the result is copied into it); otherwise core's allreduce checks them itself,
+            # the same way (once per call: this is on every training step's path).
+            coll.check_dtype(x.dtype, "allreduce")
+            coll.check_op(op, x.dtype, "allreduce")
+            coll.check_algorithm(algorithm, coll.ALLREDUCE_ALGORITHMS, "allreduce")
+            if out is not None:
+                coll.check_out(out, x, coll.working_dtype(op, x.dtype), "allreduce")
         if out is None:
             return self._call("allreduce", x, op=op, algorithm=algorithm)
-        coll.check_out(out, x, coll.working_dtype(op, x.dtype), "allreduce")
         return self._call("allreduce", x, op=op, algorithm=algorithm, out=out)
 
     def broadcast(self, x, root: int = 0, algorithm: str = "auto"):

@@ -1,8 +1,9 @@
 """How one collective call talks: its fingerprint, its messages, and what happens when it fails.
 
 Every message of a collective carries the call's *fingerprint* (sequence number, collective, op,
-dtype, shape and algorithm settings) under the communicator's single tag. A receiver compares it with
-its own and raises :class:`CollectiveMismatchError` naming both sides instead of hanging or reducing
+dtype, shape and algorithm settings) under the communicator's single tag, packed once per call
+(msgpack bytes). A receiver compares it with its own (one comparison of bytes; the fields are read
+only when they differ) and raises :class:`CollectiveMismatchError` naming both sides instead of hanging or reducing
 garbage. A rank that fails a call sends an *abort* notice to every other rank so they raise the same
 kind of error now instead of at their timeout. The algorithms (``collectives.py``) only call
 :meth:`CollectiveCall.send`, ``send_async`` and ``recv``.
@@ -10,11 +11,11 @@ kind of error now instead of at their timeout. The algorithms (``collectives.py`
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from typing import Iterator, Sequence
+from typing import Sequence
 
+import msgpack
 import numpy as np
 
 from stratagem.core.cluster import TaskId
@@ -31,12 +32,31 @@ WATCH_SECONDS = 0.25
 
 def fingerprint(collective: str, **fields) -> dict:
     """Plain-data description of one call (lists, not tuples: the wire turns tuples into lists)."""
-    fp = {"coll": collective}
-    for key, value in fields.items():
-        if key == "shape" and value is not None:
-            value = [int(d) for d in value]
-        fp[key] = value
+    fp = {"coll": collective, **fields}
+    shape = fields.get("shape")
+    if shape is not None:
+        fp["shape"] = [int(d) for d in shape]
     return fp
+
+
+def pack_fingerprint(fp: dict) -> bytes:
+    """The fingerprint as it travels: packed once per call, so that a receiver checks each message
+    with one comparison of bytes (and the wire checks one bytes value, not a dict)."""
+    return msgpack.packb(fp, use_bin_type=True)
+
+
+def unpack_fingerprint(data) -> dict | None:
+    """A received fingerprint as a dict, or None if it is not one (only read when the bytes differ
+    from ours: the mismatch is then described from it)."""
+    if isinstance(data, dict):
+        return data
+    if not isinstance(data, (bytes, bytearray)):
+        return None
+    try:
+        fp = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except Exception:  # garbage from a peer means "no fingerprint", never a crash
+        return None
+    return fp if isinstance(fp, dict) else None
 
 
 def describe(fp: dict) -> str:
@@ -85,6 +105,9 @@ class CollectiveSession:
         self.small_bytes = small_bytes
         self.seq = 0
         self.broken: BaseException | None = None
+        #: Per-call work that depends only on the call's arguments, kept by the algorithms
+        #: (``collectives.algorithms._allreduce_plan``).
+        self.plans: dict = {}
         self.generation = generation
         #: Each member's loss count when this generation began (elastic sessions only).
         self.losses = {} if generation is None else {m: transport.peer_losses(m) for m in self.members}
@@ -104,22 +127,13 @@ class CollectiveSession:
         self.seq += 1
         return self.seq
 
-    @contextlib.contextmanager
-    def collective(self, fingerprint: dict, learn: Sequence[str] = ()) -> Iterator["CollectiveCall"]:
-        """Run one collective call: number it, and on failure break the session and warn the peers."""
+    def collective(self, fingerprint: dict, learn: Sequence[str] = ()) -> "_Running":
+        """Run one collective call (``with session.collective(fp) as call:``): number it, and on
+        failure break the session and warn the peers."""
         fp = {"seq": self.next_seq(), **fingerprint}
         if self.generation is not None:
             fp["gen"] = self.generation
-        call = CollectiveCall(self, fp, learn)
-        try:
-            yield call
-        except Exception as exc:
-            error = call.last_words(exc) if isinstance(exc, PeerLostError) and not hasattr(exc, "abort_meta") else exc
-            self.broken = error
-            self._notify_peers(call, error)
-            if error is exc:
-                raise
-            raise error from exc
+        return _Running(self, CollectiveCall(self, fp, learn))
 
     def _notify_peers(self, call: "CollectiveCall", exc: Exception) -> None:
         """Best-effort abort notice to every other rank, so they fail now instead of at their timeout.
@@ -147,6 +161,30 @@ class CollectiveSession:
             self.transport.flush(ABORT_SEND_TIMEOUT, told)
         except Exception as flush_error:
             log.debug("%s: could not flush the abort notices: %s", self.tag, flush_error)
+
+
+class _Running:
+    """The context of one call (a class, not a generator-based context manager: it is entered on
+    every collective, and this costs a fraction of one)."""
+
+    __slots__ = ("session", "call")
+
+    def __init__(self, session: CollectiveSession, call: "CollectiveCall"):
+        self.session, self.call = session, call
+
+    def __enter__(self) -> "CollectiveCall":
+        return self.call
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is not None and isinstance(exc, Exception):
+            error = exc
+            if isinstance(exc, PeerLostError) and not hasattr(exc, "abort_meta"):
+                error = self.call.last_words(exc)
+            self.session.broken = error
+            self.session._notify_peers(self.call, error)
+            if error is not exc:
+                raise error from exc
+        return False
 
 
 def _abort_meta(session: CollectiveSession, call: "CollectiveCall", exc: Exception) -> dict:
@@ -187,8 +225,17 @@ class CollectiveCall:
         self.fp = fp
         self._learn = set(learn)
         self._pending: dict[int, Message] = {}
+        self._meta: dict | None = None   # {"fp": packed fingerprint}, made on the first send/receive
         #: Chunk size (elements) imposed by another rank (a broadcast's root); None: our own option.
         self.chunk: int | None = None
+
+    @property
+    def meta(self) -> dict:
+        """The metadata of every message of this call (never modified once made: shared by them)."""
+        meta = self._meta
+        if meta is None:
+            meta = self._meta = {"fp": pack_fingerprint(self.fp)}
+        return meta
 
     @property
     def rank(self) -> int:
@@ -204,12 +251,12 @@ class CollectiveCall:
     def send(self, dst: int, *buffers) -> None:
         """Send and return once the buffers may be modified again."""
         s = self.session
-        s.transport.send(s.members[dst], s.tag, Message({"fp": self.fp}, list(buffers)), timeout=s.timeout)
+        s.transport.send(s.members[dst], s.tag, Message(self.meta, list(buffers)), timeout=s.timeout)
 
     def send_async(self, dst: int, *buffers) -> SendHandle:
         """Send, possibly still reading the buffers after returning: ``wait()`` before modifying them."""
         s = self.session
-        return s.transport.send_async(s.members[dst], s.tag, Message({"fp": self.fp}, list(buffers)),
+        return s.transport.send_async(s.members[dst], s.tag, Message(self.meta, list(buffers)),
                                       timeout=s.timeout)
 
     def wait(self, handles) -> None:
@@ -262,9 +309,12 @@ class CollectiveCall:
             message = s.transport.recv(s.members[src], s.tag, timeout=s.timeout)
         else:
             message = self._receive_current(src)
-        if "abort" in message.meta:
-            raise _error_from_abort(s, message.meta)
-        self._check_fingerprint(src, message.meta.get("fp"))
+        meta = message.meta
+        theirs = meta.get("fp")
+        if theirs is None or theirs != self.meta["fp"]:  # the same bytes: the same call (the usual case)
+            if "abort" in meta:
+                raise _error_from_abort(s, meta)
+            self._check_fingerprint(src, unpack_fingerprint(theirs))
         return message
 
     def _receive_current(self, src: int) -> Message:
@@ -290,12 +340,12 @@ class CollectiveCall:
                                               f"{describe(self.fp)} (a new process may have taken its place)"
                                         ) from None
                 continue
-            fp = message.meta.get("fp")
-            gen = fp.get("gen") if isinstance(fp, dict) else None
+            fp = unpack_fingerprint(message.meta.get("fp"))
+            gen = fp.get("gen") if fp is not None else None
             if not (isinstance(gen, int) and gen < s.generation):
                 return message   # older generations' leftovers are dropped: never reduced
 
-    def _check_fingerprint(self, src: int, theirs) -> None:
+    def _check_fingerprint(self, src: int, theirs: dict | None) -> None:
         s = self.session
         if not isinstance(theirs, dict):
             raise CollectiveMismatchError(
@@ -316,9 +366,11 @@ class CollectiveCall:
                 f"collective mismatch on communicator {s.name!r}: {s.who(src)} called {theirs_text}, but "
                 f"{s.who(s.rank)} called {mine_text}; {hint}"
             )
-        for key in self._learn:
-            mine[key] = theirs.get(key)
-        self._learn.clear()
+        if self._learn:
+            for key in self._learn:
+                mine[key] = theirs.get(key)
+            self._learn.clear()
+            self._meta = None  # what we learned goes into our own messages from now on
 
     def _mismatch(self, src: int, what: str) -> CollectiveMismatchError:
         s = self.session

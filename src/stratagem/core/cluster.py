@@ -67,6 +67,15 @@ class TaskId:
                 f"invalid task index {self.index!r} for job {job!r}: it must be an integer >= 0"
             )
         object.__setattr__(self, "job", job)
+        # Task ids key every table on the message path: hash once, not per lookup.
+        object.__setattr__(self, "_hash", hash((job, self.index)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        # Rebuilt from the fields: a hash computed in another process would be wrong in this one.
+        return (TaskId, (self.job, self.index))
 
     @classmethod
     def parse(cls, text: "str | TaskId") -> "TaskId":

@@ -20,6 +20,8 @@ from stratagem.core import timeline as _timeline
 
 #: Seconds a waiter that could not read sleeps before trying to read again.
 _RETRY_READ = 0.002
+#: Emptied queues are forgotten once there are more than this many queues.
+_SWEEP_AT = 256
 
 
 class Mailbox:
@@ -29,27 +31,46 @@ class Mailbox:
         self.owner = owner
         #: The owner transport's :class:`~stratagem.core.traffic.Traffic`: deliveries from peers are counted.
         self.traffic = traffic
-        self._cond = threading.Condition()
+        # A plain lock under the condition, taken directly where nothing waits: ``with
+        # self._lock`` is one C call, a Condition's (or an RLock's) a few Python ones.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._queues: dict[tuple[TaskId, str], deque] = {}
         self._sources_by_tag: dict[str, set[TaskId]] = defaultdict(set)
         self._arrival = itertools.count()
         self._lost: dict[TaskId, str] = {}
         self._losses: dict[TaskId, int] = {}   # times each task was declared lost; never goes down
         self._closed: str | None = None
+        self._sleeping = 0  # threads in get() waiting on the condition (put notifies only them)
+        self._sweep_at = _SWEEP_AT
 
     def put(self, src: TaskId, tag: str, message) -> None:
         """File a delivered message (called by the transport's receive path)."""
-        with self._cond:
+        with self._lock:
             if self._closed is not None:
                 return
             queue = self._queues.get((src, tag))
             if queue is None:
                 queue = self._queues[(src, tag)] = deque()
+                self._sources_by_tag[tag].add(src)
+                if len(self._queues) > self._sweep_at:
+                    self._sweep()
             queue.append((next(self._arrival), message))
             if self.traffic is not None and src != self.owner:
                 self.traffic.count_received(src, message.nbytes)
-            self._sources_by_tag[tag].add(src)
-            self._cond.notify_all()
+            if self._sleeping:
+                self._cond.notify_all()
+
+    def _sweep(self) -> None:
+        """Forget emptied queues (kept until there are many: a conversation reuses its queue for every
+        message instead of making and dropping one each time, but one-off tags must not pile up)."""
+        for key in [k for k, q in self._queues.items() if not q]:
+            del self._queues[key]
+            sources = self._sources_by_tag[key[1]]
+            sources.discard(key[0])
+            if not sources:
+                del self._sources_by_tag[key[1]]
+        self._sweep_at = max(_SWEEP_AT, 2 * len(self._queues))
 
     def get(self, src: TaskId | None, tag: str, timeout: float | None,
             pump: Callable[[float | None], bool] | None = None):
@@ -60,60 +81,73 @@ class Mailbox:
         the mailbox lock and returns False when it could not read (another thread is reading); the
         waiter then sleeps briefly and tries again.
         """
+        with self._lock:
+            message = self._pop(src, tag)
+            if message is not None:  # already here: no deadline, no waiting
+                return message
+            return self._wait(src, tag, timeout, pump)
+
+    def _wait(self, src: TaskId | None, tag: str, timeout: float | None, pump):
+        """``get``'s waiting loop (lock held)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         waiting_since = None  # when this call started to wait on ``src``, if a timeline records it
-        with self._cond:
-            while True:
-                message = self._pop(src, tag)
-                if message is not None:
-                    if waiting_since is not None:
-                        _timeline.RECORDER.wait(src, tag, waiting_since, _timeline.now())
-                    return message
-                if self._closed is not None:
-                    raise TransportClosed(f"{self.owner}: transport closed while waiting for {tag!r} ({self._closed})")
-                if src is not None and src in self._lost:
-                    raise PeerLostError(src, f"{self._lost[src]} (while {self.owner} waited for {tag!r})")
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    if waiting_since is not None:
-                        _timeline.RECORDER.wait(src, tag, waiting_since, _timeline.now(), timed_out=True)
-                    who = "any peer" if src is None else str(src)
-                    raise TransportTimeout(
-                        f"{self.owner}: no message {tag!r} from {who} within {timeout:g} s "
-                        f"(is that task running and calling the same operation?)"
-                    )
-                if waiting_since is None and src is not None and _timeline.RECORDER is not None:
-                    waiting_since = _timeline.now()   # only the waits on a named peer: see timeline
-                if pump is None:
-                    self._cond.wait(remaining)
-                    continue
-                self._cond.release()
-                try:
-                    pumped = pump(remaining)
-                finally:
-                    self._cond.acquire()
-                if not pumped:
-                    # Another thread is reading and notifies when it files something; the short
-                    # timeout covers the moment it stops reading, when this thread should take over.
-                    self._cond.wait(_RETRY_READ if remaining is None else min(remaining, _RETRY_READ))
+        while True:
+            message = self._pop(src, tag)
+            if message is not None:
+                if waiting_since is not None:
+                    _timeline.RECORDER.wait(src, tag, waiting_since, _timeline.now())
+                return message
+            if self._closed is not None:
+                raise TransportClosed(f"{self.owner}: transport closed while waiting for {tag!r} ({self._closed})")
+            if src is not None and src in self._lost:
+                raise PeerLostError(src, f"{self._lost[src]} (while {self.owner} waited for {tag!r})")
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                if waiting_since is not None:
+                    _timeline.RECORDER.wait(src, tag, waiting_since, _timeline.now(), timed_out=True)
+                who = "any peer" if src is None else str(src)
+                raise TransportTimeout(
+                    f"{self.owner}: no message {tag!r} from {who} within {timeout:g} s "
+                    f"(is that task running and calling the same operation?)"
+                )
+            if waiting_since is None and src is not None and _timeline.RECORDER is not None:
+                waiting_since = _timeline.now()   # only the waits on a named peer: see timeline
+            if pump is None:
+                self._sleep(remaining)
+                continue
+            self._lock.release()
+            try:
+                pumped = pump(remaining)
+            finally:
+                self._lock.acquire()
+            if pumped and self._sleeping:
+                self._cond.notify_all()  # this thread stopped reading: another waiter may take over
+            if not pumped:
+                # Another thread is reading and notifies when it files something; the short
+                # timeout covers the moment it stops reading, when this thread should take over.
+                self._sleep(_RETRY_READ if remaining is None else min(remaining, _RETRY_READ))
+
+    def _sleep(self, seconds: float | None) -> None:
+        self._sleeping += 1
+        try:
+            self._cond.wait(seconds)
+        finally:
+            self._sleeping -= 1
 
     def _pop(self, src: TaskId | None, tag: str):
         if src is None:
             sources = self._sources_by_tag.get(tag)
             if not sources:
                 return None
-            src = min(sources, key=lambda s: self._queues[(s, tag)][0][0])
-        queue = self._queues.get((src, tag))
-        if not queue:
-            return None
-        _, message = queue.popleft()
-        if not queue:
-            del self._queues[(src, tag)]
-            sources = self._sources_by_tag[tag]
-            sources.discard(src)
-            if not sources:
-                del self._sources_by_tag[tag]
-        return message
+            queues = [q for q in (self._queues[(s, tag)] for s in sources) if q]
+            if not queues:
+                return None
+            queue = min(queues, key=lambda q: q[0][0])  # the earliest arrival
+        else:
+            queue = self._queues.get((src, tag))
+            if not queue:
+                return None
+        return queue.popleft()[1]
 
     def notify(self) -> None:
         """Wake every waiter (a reader stopped reading: one of them may take over)."""
@@ -121,10 +155,12 @@ class Mailbox:
             self._cond.notify_all()
 
     def mark_lost(self, task: TaskId, reason: str) -> None:
-        """Declare ``task`` gone; its waiters raise once its pending messages are consumed."""
+        """Declare ``task`` gone; its waiters raise once its pending messages are consumed. Declared
+        again before a new process of it came (each of its connections ends on its own): still one loss."""
         with self._cond:
-            self._lost[task] = reason
-            self._losses[task] = self._losses.get(task, 0) + 1
+            if task not in self._lost:
+                self._losses[task] = self._losses.get(task, 0) + 1
+                self._lost[task] = reason
             self._cond.notify_all()
 
     def mark_alive(self, task: TaskId, *, replaced: bool = False) -> None:
@@ -148,8 +184,8 @@ class Mailbox:
             return dict(self._lost)
 
     def is_lost(self, task: TaskId) -> str | None:
-        with self._cond:
-            return self._lost.get(task)
+        # No lock: one dict read is atomic, and this runs on every send and receive.
+        return self._lost.get(task)
 
     def close(self, reason: str = "closed") -> None:
         """Wake every waiter with ``TransportClosed`` and drop what is pending."""

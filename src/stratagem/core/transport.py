@@ -64,7 +64,10 @@ class Message:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(b.nbytes) for b in self.buffers)
+        total = 0
+        for b in self.buffers:
+            total += int(b.nbytes)
+        return total
 
     def delivered_copy(self, src: TaskId) -> "Message":
         """A copy as delivered to a mailbox from ``src``: the sender may reuse its buffers at once

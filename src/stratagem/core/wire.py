@@ -27,8 +27,9 @@ from __future__ import annotations
 import enum
 import math
 import struct
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import ml_dtypes
 import msgpack
@@ -38,8 +39,9 @@ from stratagem.core.errors import ProtocolError
 
 MAGIC = b"STRG"
 #: Protocol version; peers of another version are refused at the handshake. 2: zmq answers a HELLO
-#: on the connection it came in on and streams buffers over 4 MiB in pieces.
-VERSION = 2
+#: on the connection it came in on and streams buffers over 4 MiB in pieces. 3: a collective's
+#: fingerprint travels packed (bytes), and zmq sends small frames in one part.
+VERSION = 3
 HEADER = struct.Struct("<4sBBHIQ")
 HEADER_SIZE = HEADER.size  # 20 bytes
 
@@ -55,6 +57,8 @@ class Kind(enum.IntEnum):
     REJECT = 6      # either way: refused, with the reason
     GOODBYE = 7     # the sender is shutting down cleanly
 
+
+_KINDS = {int(k): k for k in Kind}
 
 #: The dtypes allowed on the wire, by the name carried in the envelope.
 DTYPES: dict[str, np.dtype] = {
@@ -102,30 +106,41 @@ class Frame:
     buffers: list = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
+    """The fixed header, checked (a tuple: read for every frame, so it should cost little to make)."""
+
     kind: Kind
     flags: int
     envelope_len: int
     payload_len: int
 
 
-@dataclass(frozen=True)
 class BufferSpec:
-    """What the envelope says of one buffer."""
+    """What the envelope says of one buffer: ``dtype``, ``shape`` and so ``nbytes``."""
 
-    dtype: np.dtype
-    shape: tuple[int, ...]
+    __slots__ = ("dtype", "shape", "nbytes")
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+    def __init__(self, dtype: np.dtype, shape: tuple[int, ...]):
+        self.dtype, self.shape = dtype, shape
+        self.nbytes = math.prod(shape) * dtype.itemsize
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, BufferSpec) and (self.dtype, self.shape) == (other.dtype, other.shape)
+
+    def __hash__(self) -> int:
+        return hash((self.dtype, self.shape))
+
+    def __repr__(self) -> str:
+        return f"BufferSpec(dtype={self.dtype!r}, shape={self.shape!r})"
 
 
 # -- encoding ---------------------------------------------------------------------------------------
 
 def dtype_name(dtype) -> str:
     """The wire name of a dtype, or a ``ProtocolError`` listing the allowed ones."""
+    name = _DTYPE_NAMES.get(dtype) if isinstance(dtype, np.dtype) and dtype.byteorder != ">" else None
+    if name is not None:
+        return name
     dtype = np.dtype(dtype)
     if dtype.byteorder == ">":
         dtype = dtype.newbyteorder("<")
@@ -139,6 +154,8 @@ def dtype_name(dtype) -> str:
 
 def as_wire_array(array) -> np.ndarray:
     """A C-contiguous, little-endian numpy view (or copy) of ``array`` that can go on the wire."""
+    if type(array) is np.ndarray and array.flags.c_contiguous and array.dtype.byteorder != ">":
+        return array  # the usual case, decided without a look at the module name
     if type(array).__module__.split(".")[0] == "cupy":  # device arrays are staged through the host
         array = array.get()
     array = np.asarray(array)
@@ -148,10 +165,35 @@ def as_wire_array(array) -> np.ndarray:
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
+#: Types that are plain data by themselves (exact types: subclasses take the careful path).
+_PLAIN_SCALARS = frozenset({type(None), bool, float, str, bytes})
+
+
 def _check_plain(value: Any, path: str, depth: int = 0) -> None:
     """Metadata must be plain data: msgpack would otherwise refuse it later, with a worse message."""
     if depth > 32:
         raise ProtocolError(f"metadata nests deeper than 32 levels at {path}")
+    kind = type(value)
+    if kind in _PLAIN_SCALARS:  # the common cases first: this runs on every frame, both ways
+        return
+    if kind is int:
+        if not -(1 << 63) <= value < (1 << 64):
+            raise ProtocolError(f"metadata integer at {path} does not fit in 64 bits")
+        return
+    # Plain scalar items are checked in the loop (no call, no path string), except past the limit.
+    leaf_ok = _PLAIN_SCALARS if depth < 32 else ()
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) is not str and not isinstance(key, str):
+                raise ProtocolError(f"metadata key {key!r} at {path} is not a string")
+            if type(item) not in leaf_ok:
+                _check_plain(item, f"{path}.{key}", depth + 1)
+        return
+    if kind is list:
+        for i, item in enumerate(value):
+            if type(item) not in leaf_ok:
+                _check_plain(item, f"{path}[{i}]", depth + 1)
+        return
     if isinstance(value, (msgpack.ExtType, msgpack.Timestamp)):
         # ExtType subclasses tuple, so it would otherwise pass as a list, and msgpack packs it as an
         # extension type: neither it nor a Timestamp is plain data.
@@ -177,6 +219,19 @@ def _check_plain(value: Any, path: str, depth: int = 0) -> None:
     )
 
 
+_PACKERS = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    """This thread's packer (a Packer is not thread-safe; making one per frame costs more than the
+    packing of a small envelope)."""
+    try:
+        return _PACKERS.packer
+    except AttributeError:
+        packer = _PACKERS.packer = msgpack.Packer(use_bin_type=True)
+        return packer
+
+
 def encode(kind: Kind, tag: str, meta: dict | None = None, buffers: Sequence = (),
            limits: Limits = DEFAULT_LIMITS) -> list:
     """Encode a frame as parts: ``[head, buffer0, buffer1, ...]``.
@@ -194,14 +249,16 @@ def encode(kind: Kind, tag: str, meta: dict | None = None, buffers: Sequence = (
     _check_plain(meta, "meta")
     if len(buffers) > limits.max_buffers:
         raise ProtocolError(f"{len(buffers)} buffers exceed the limit of {limits.max_buffers} per message")
-    arrays = [as_wire_array(b) for b in buffers]
-    specs = []
-    for array in arrays:
+    arrays, specs, payload = [], [], 0
+    for b in buffers:
+        array = as_wire_array(b)
         if array.ndim > limits.max_ndim:
             raise ProtocolError(f"an array of {array.ndim} dimensions exceeds the limit of {limits.max_ndim}")
+        arrays.append(array)
         specs.append([dtype_name(array.dtype), list(array.shape)])
+        payload += array.nbytes
     try:
-        envelope = msgpack.packb({"t": tag, "m": meta, "b": specs}, use_bin_type=True)
+        envelope = _packer().pack({"t": tag, "m": meta, "b": specs})
     except (TypeError, ValueError, OverflowError) as exc:  # e.g. a lone surrogate is not UTF-8
         raise ProtocolError(f"tag or metadata cannot be encoded: {type(exc).__name__}: {exc}") from None
     if len(envelope) > limits.max_envelope_bytes:
@@ -209,14 +266,13 @@ def encode(kind: Kind, tag: str, meta: dict | None = None, buffers: Sequence = (
             f"metadata of {len(envelope)} bytes exceeds the limit of {limits.max_envelope_bytes}; "
             f"send large data as array buffers, not metadata"
         )
-    payload = sum(a.nbytes for a in arrays)
     if payload > limits.max_payload_bytes:
         raise ProtocolError(
             f"a message of {payload} bytes exceeds max_payload_bytes={limits.max_payload_bytes}; "
             f"split it, or raise the limit on both ends"
         )
-    head = HEADER.pack(MAGIC, VERSION, int(kind), 0, len(envelope), payload) + envelope
-    return [head, *(_byte_view(a) for a in arrays)]
+    head = HEADER.pack(MAGIC, VERSION, kind, 0, len(envelope), payload) + envelope
+    return [head, *[_byte_view(a) for a in arrays]]
 
 
 def encode_bytes(kind: Kind, tag: str, meta: dict | None = None, buffers: Sequence = (),
@@ -227,7 +283,7 @@ def encode_bytes(kind: Kind, tag: str, meta: dict | None = None, buffers: Sequen
 
 def _byte_view(array: np.ndarray) -> memoryview:
     # A uint8 view works for every dtype, including bfloat16, which the buffer protocol cannot name.
-    return memoryview(array.reshape(-1).view(np.uint8))
+    return memoryview((array if array.ndim == 1 else array.reshape(-1)).view(np.uint8))
 
 
 # -- decoding ---------------------------------------------------------------------------------------
@@ -242,10 +298,10 @@ def read_header(head, limits: Limits = DEFAULT_LIMITS) -> Header:
     if version != VERSION:
         raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION}); "
                             f"run the same Stratagem version on every task")
-    try:
-        kind = Kind(kind)
-    except ValueError:
-        raise ProtocolError(f"unknown frame kind {kind}") from None
+    known = _KINDS.get(kind)
+    if known is None:
+        raise ProtocolError(f"unknown frame kind {kind}")
+    kind = known
     if flags != 0:
         raise ProtocolError(f"unknown frame flags {flags:#x}")
     if envelope_len > limits.max_envelope_bytes:
@@ -260,10 +316,10 @@ def read_envelope(header: Header, envelope, limits: Limits = DEFAULT_LIMITS) -> 
     if len(envelope) != header.envelope_len:
         raise ProtocolError(f"envelope is {len(envelope)} bytes, the header says {header.envelope_len}")
     try:
-        body = msgpack.unpackb(bytes(envelope), raw=False, strict_map_key=True, use_list=True)
+        body = msgpack.unpackb(envelope, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises many types on garbage; all mean the same to us
         raise ProtocolError(f"envelope is not valid msgpack: {type(exc).__name__}: {exc}") from None
-    if not isinstance(body, dict) or set(body) != {"t", "m", "b"}:
+    if type(body) is not dict or len(body) != 3 or "t" not in body or "m" not in body or "b" not in body:
         raise ProtocolError("envelope must be a map with exactly the keys 't', 'm', 'b'")
     tag, meta, raw_specs = body["t"], body["m"], body["b"]
     if not isinstance(tag, str) or len(tag) > limits.max_tag_chars:
@@ -275,7 +331,9 @@ def read_envelope(header: Header, envelope, limits: Limits = DEFAULT_LIMITS) -> 
     if not isinstance(raw_specs, list) or len(raw_specs) > limits.max_buffers:
         raise ProtocolError(f"envelope buffer list must be a list of at most {limits.max_buffers} entries")
     specs = [_buffer_spec(i, raw, limits) for i, raw in enumerate(raw_specs)]
-    total = sum(s.nbytes for s in specs)
+    total = 0
+    for spec in specs:
+        total += spec.nbytes
     if total != header.payload_len:
         raise ProtocolError(f"buffers add up to {total} bytes, the header says {header.payload_len}")
     return tag, meta, specs
@@ -285,7 +343,7 @@ _MAX_INTP = int(np.iinfo(np.intp).max)
 
 
 def _buffer_spec(index: int, raw, limits: Limits) -> BufferSpec:
-    if not (isinstance(raw, list) and len(raw) == 2 and isinstance(raw[0], str) and isinstance(raw[1], list)):
+    if not (type(raw) is list and len(raw) == 2 and isinstance(raw[0], str) and type(raw[1]) is list):
         raise ProtocolError(f"buffer {index}: description must be [dtype, shape]")
     dtype = DTYPES.get(raw[0])
     if dtype is None:
@@ -293,28 +351,38 @@ def _buffer_spec(index: int, raw, limits: Limits) -> BufferSpec:
     shape = raw[1]
     if len(shape) > limits.max_ndim:
         raise ProtocolError(f"buffer {index}: {len(shape)} dimensions exceed the limit of {limits.max_ndim}")
-    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d for d in shape):
-        raise ProtocolError(f"buffer {index}: shape {shape!r} must be non-negative integers")
-    if math.prod(d or 1 for d in shape) * dtype.itemsize > _MAX_INTP:
+    elements = bound = 1  # bound: the product of the dimensions with 0 counted as 1
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise ProtocolError(f"buffer {index}: shape {shape!r} must be non-negative integers")
+        elements *= d
+        bound *= d or 1
+    if bound * dtype.itemsize > _MAX_INTP:
         # Even with no elements (a 0 among the dimensions) numpy cannot make such an array.
         raise ProtocolError(f"buffer {index}: shape {shape!r} has dimensions too large to represent")
-    spec = BufferSpec(dtype, tuple(shape))
-    if spec.nbytes > limits.max_payload_bytes:
-        raise ProtocolError(f"buffer {index}: {spec.nbytes} bytes exceed the limit of {limits.max_payload_bytes}")
-    return spec
+    nbytes = elements * dtype.itemsize
+    if nbytes > limits.max_payload_bytes:
+        raise ProtocolError(f"buffer {index}: {nbytes} bytes exceed the limit of {limits.max_payload_bytes}")
+    return BufferSpec(dtype, tuple(shape))
 
 
 def array_from(spec: BufferSpec, data) -> np.ndarray:
     """Wrap ``data`` (a buffer of exactly ``spec.nbytes`` bytes) as an array without copying."""
-    if len(data) != spec.nbytes:
-        raise ProtocolError(f"buffer is {len(data)} bytes, its description says {spec.nbytes}")
-    return np.frombuffer(data, dtype=np.uint8).view(spec.dtype).reshape(spec.shape)
+    nbytes = spec.nbytes
+    if len(data) != nbytes:
+        raise ProtocolError(f"buffer is {len(data)} bytes, its description says {nbytes}")
+    array = np.frombuffer(data, dtype=spec.dtype) if nbytes else np.frombuffer(data, np.uint8).view(spec.dtype)
+    shape = spec.shape
+    return array if len(shape) == 1 else array.reshape(shape)
 
 
 def _bytes_of(data, what: str) -> memoryview:
     """A flat byte view of ``data``, or a ``ProtocolError`` if it is not a contiguous buffer."""
+    if type(data) is bytes:
+        return data  # already flat bytes (len() counts bytes)
     try:
-        return memoryview(data).cast("B")
+        view = data if type(data) is memoryview else memoryview(data)
+        return view if view.format == "B" and view.ndim == 1 and view.c_contiguous else view.cast("B")
     except (TypeError, ValueError) as exc:
         raise ProtocolError(f"{what} is not a contiguous bytes-like object ({exc})") from None
 
@@ -323,15 +391,14 @@ def decode_parts(parts: Sequence, limits: Limits = DEFAULT_LIMITS) -> Frame:
     """Decode a frame received as parts ``[head, buffer0, ...]`` (buffers wrapped, not copied)."""
     if not parts:
         raise ProtocolError("empty message")
-    head = parts[0] if isinstance(parts[0], bytes) else _bytes_of(parts[0], "head part")
+    head = parts[0] if type(parts[0]) is bytes else _bytes_of(parts[0], "head part")
     header = read_header(head, limits)
     if len(head) != HEADER_SIZE + header.envelope_len:
         raise ProtocolError(f"head part is {len(head)} bytes, the header says {HEADER_SIZE + header.envelope_len}")
     tag, meta, specs = read_envelope(header, head[HEADER_SIZE:], limits)
     if len(parts) - 1 != len(specs):
         raise ProtocolError(f"{len(parts) - 1} buffer parts arrived, the envelope describes {len(specs)}")
-    buffers = [array_from(spec, _bytes_of(part, f"buffer part {i}"))
-               for i, (spec, part) in enumerate(zip(specs, parts[1:]))]
+    buffers = [array_from(spec, _bytes_of(parts[i + 1], f"buffer part {i}")) for i, spec in enumerate(specs)]
     return Frame(header.kind, tag, meta, buffers)
 
 
@@ -343,8 +410,10 @@ def decode(data, limits: Limits = DEFAULT_LIMITS) -> Frame:
     if len(view) != end_envelope + header.payload_len:
         raise ProtocolError(f"frame is {len(view)} bytes, the header says {end_envelope + header.payload_len}")
     tag, meta, specs = read_envelope(header, view[HEADER_SIZE:end_envelope], limits)
+    # The lengths add up (checked above and in read_envelope), so each buffer is exactly in place.
     buffers, offset = [], end_envelope
     for spec in specs:
-        buffers.append(array_from(spec, view[offset:offset + spec.nbytes]))
+        array = np.frombuffer(view, spec.dtype, math.prod(spec.shape), offset)
+        buffers.append(array if len(spec.shape) == 1 else array.reshape(spec.shape))
         offset += spec.nbytes
     return Frame(header.kind, tag, meta, buffers)

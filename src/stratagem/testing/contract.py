@@ -335,7 +335,7 @@ class TransportContract:
                     assert (ready.src, ready.meta["pid"]) == (other, second.pid)
                     t.send(other, "echo", Message({"ping": 2}))
                     assert t.recv(other, "echo", timeout=CALL_TIMEOUT).meta == {"ping": 2}
-                    assert t.peer_losses(other) == 1
+                    assert t.peer_losses(other) == 1, f"{t.peer_losses(other)} losses counted: {t.lost_peers()}"
                     assert other not in t.lost_peers()
         finally:
             t.close()

@@ -166,16 +166,19 @@ class GrpcAcceptor:
                 return
             actions = self.acceptor.on_frame(conn, frame.kind, frame.meta)
             admitted = next((a for a in actions if isinstance(a, Admitted)), None)
-            old = self._admitted(admitted.task) if admitted is not None else None
+            old = self._admitted(admitted.task, admitted.again) if admitted is not None else None
         if old is not None:
             self._retire(old)
         self._carry_out(stream, actions, reassembler)
 
-    def _admitted(self, task: TaskId):
+    def _admitted(self, task: TaskId, again: bool):
         """A new stream from ``task`` is admitted (under the lock): a new incarnation, or a reconnection,
-        so a loss noted for the old one no longer applies. Returns our stream to its old process."""
+        so a loss noted for the old one no longer applies. Returns our stream to its old process.
+
+        ``again``: not its first admission. The old stream's loss then counts even if its end was not
+        seen yet (the epoch moved on, so that end will be ignored as stale when it comes)."""
         was_lost = self._mailbox.is_lost(task) is not None
-        self._mailbox.mark_alive(task)
+        self._mailbox.mark_alive(task, replaced=again)
         return self._take_peer(task) if was_lost else None
 
     def _refuse(self, stream: Incoming, reason: str) -> None:

@@ -119,6 +119,11 @@ class _Inbox(Mailbox):
         if not self._transport._defer_loss(task, reason):
             self.lose(task, reason)
 
+    def mark_alive(self, task: TaskId, *, replaced: bool = False) -> None:
+        if replaced:
+            self._transport._on_replaced(task)
+        super().mark_alive(task, replaced=replaced)
+
     def lose(self, task: TaskId, reason: str) -> None:
         """File the loss of ``task`` (waiters raise once its messages are consumed); retire our ring to it."""
         super().mark_lost(task, reason)
@@ -160,6 +165,9 @@ class _Incoming:
         self.reader = RingReader(region, limits, notify=functools.partial(_ring_bell, conn), notify_bytes=chunk_bytes,
                                  allocate=buffers.take)
         self.eof = False
+        #: A new process of ``src`` was admitted: this ring ends without filing a loss (the admission
+        #: counted the old process's, and filing it now would declare the new process lost).
+        self.superseded = False
 
     def close(self) -> None:
         self.conn.close()
@@ -493,6 +501,16 @@ class ShmTransport(Transport):
         self._poke()
         return True
 
+    def _on_replaced(self, task: TaskId) -> None:
+        """A new process of ``task`` was admitted before the old one's loss was filed (any thread):
+        the old one's ring to us is drained and ends quietly, and our ring to it is retired."""
+        with self._retire_lock:
+            for ring in (self._announced.get(task), self._retire.get(task, (None, None))[1]):
+                if ring is not None:
+                    ring.superseded = True
+        self._on_lost(task, f"{task} started again as a new process")
+        self._poke()
+
     def _on_lost(self, task: TaskId, reason: str) -> None:
         """A peer is gone (any thread): retire our ring to it and its arenas; never blocks."""
         if self._collectives is not None:
@@ -605,7 +623,8 @@ class ShmTransport(Transport):
                 if self._incoming.get(task) is ring:
                     self._read(ring)   # what was published before the loss is still delivered
                     self._forget_incoming(ring)
-                    self._inbox.lose(task, reason)
+                    if not ring.superseded:
+                        self._inbox.lose(task, reason)
                 elif ring.region.data is not None:
                     # A newer ring replaced it (a new incarnation announced itself): the loss is old.
                     ring.close()
@@ -659,7 +678,8 @@ class ShmTransport(Transport):
         with self._retire_lock:
             earlier = self._retire.pop(ring.src, None)
         self._forget_incoming(ring)
-        self._inbox.lose(ring.src, earlier[0] if earlier is not None and earlier[1] is ring else reason)
+        if not ring.superseded:
+            self._inbox.lose(ring.src, earlier[0] if earlier is not None and earlier[1] is ring else reason)
 
 
 def _has_data(ring: _Incoming) -> bool:

@@ -15,8 +15,9 @@ unauthenticated message is dropped with a logged reason (the first few per conne
 serving everyone else. (A malformed frame from an admitted peer drops that frame only: ZeroMQ
 cannot end one connection of a ROUTER, and an admitted peer does not read REJECTs.)
 
-Messages on a connection into the ROUTER have one of three shapes (see the transport's docstring):
-a whole frame ``[head, buffer...]``; a stream piece ``[b"", piece]`` of a frame too large for one
+Messages on a connection into the ROUTER have one of four shapes (see the transport's docstring):
+a whole frame in one part (header, envelope and buffers, as :func:`stratagem.core.wire.encode_bytes`
+makes it: small messages); a whole frame ``[head, buffer...]``; a stream piece ``[b"", piece]`` of a frame too large for one
 part, fed to the connection's :class:`~stratagem.transports.framing.Reassembler`; and the
 no-op ``[b""]`` that ``flush`` sends.
 """
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import logging
 from typing import Callable
+
+import zmq
 
 from stratagem.core import wire
 from stratagem.core.acceptor import DELIVER, Acceptor, Admitted, Connection, Dropped, GaveUp, Left, Refused, Reply
@@ -38,6 +41,14 @@ from stratagem.transports.framing import Reassembler
 log = logging.getLogger("stratagem.transports.zmq.transport")
 
 _LOG_EVERY = 100  # after the first few, log one rejected frame in this many per connection
+
+
+def _source_fd(frame) -> int:
+    """The socket a received message came in on (ZeroMQ's deprecated but present SRCFD; -1 if not)."""
+    try:
+        return frame.get(zmq.SRCFD)
+    except (zmq.ZMQError, AttributeError):
+        return -1
 
 
 class ZmqAcceptor:
@@ -66,14 +77,19 @@ class ZmqAcceptor:
         self._rejected: dict[bytes, int] = {}
         self._fds: dict[int, bytes] = {}                  # a connection's socket -> its routing id
 
-    def on_message(self, routing_id: bytes, parts, fd: int) -> None:
-        """One message from the connection ``routing_id`` (socket ``fd``): route it by its shape."""
-        if fd >= 0:
-            self._fds[fd] = routing_id
+    def on_message(self, routing_id: bytes, parts, id_frame) -> None:
+        """One message from the connection ``routing_id`` (its routing-id part ``id_frame`` tells the
+        socket it came in on): route it by its shape."""
         conn = self._incoming.get(routing_id)
         if conn is None:
             conn, _ = self.acceptor.connect(routing_id.hex())  # no handshake budget: nothing is cut off
             self._incoming[routing_id] = conn
+        if not conn.open:
+            # Which socket a connection uses is learnt before it is admitted (its HELLO), so that its
+            # end can be told apart; afterwards it cannot change, and asking costs a call a message.
+            fd = _source_fd(id_frame)
+            if fd >= 0:
+                self._fds[fd] = routing_id
         if len(parts[0]) == 0:
             if len(parts) == 1:
                 return  # flush()'s no-op
@@ -85,14 +101,17 @@ class ZmqAcceptor:
             self.reject(routing_id, "a frame arrived in the middle of a streamed frame")
             return
         try:
-            head = parts[0].bytes
+            head = parts[0].buffer
             if not conn.open:
                 # Before the handshake only the frames it expects are decoded at all, under its tiny limits.
                 kind = wire.read_header(head, self.limits).kind
                 if kind not in conn.expects:
                     self._act(routing_id, conn, self.acceptor.on_frame(conn, kind, None))
                     return
-            frame = wire.decode_parts([head, *(p.buffer for p in parts[1:])], conn.limits)
+            if len(parts) == 1:  # a whole frame in one part (small messages; control frames)
+                frame = wire.decode(head, conn.limits)
+            else:
+                frame = wire.decode_parts([head, *(p.buffer for p in parts[1:])], conn.limits)
         except ProtocolError as exc:
             self.reject(routing_id, f"malformed frame: {exc}")
             return

@@ -5,12 +5,19 @@ a peer it opens a DEALER socket to the peer's ROUTER (lazily, once). So every di
 has its own connection, and ZeroMQ keeps messages on it in order, which gives the contract's
 per-(src, dst, tag) ordering.
 
-Threads: a background I/O thread owns the ROUTER, the connection monitors and the DEALERs still in
-their handshake: it decodes messages, runs the handshake (``core/handshake.py``) and files data
-into the mailbox. User threads send on the DEALERs of peers that completed the handshake, one lock
-per peer. Large buffers are handed to ZeroMQ by reference (``copy=False``) and ``send`` waits on
+Threads: whoever holds the reader lock reads the ROUTER, the connection monitors and the DEALERs
+still in their handshake: it decodes messages, runs the handshake (``core/handshake.py``) and files
+data into the mailbox. A ``recv`` that has to wait takes the reader lock itself, so a message reaches
+the thread that wants it without a hand-off between threads; it then waits in a receive on the
+ROUTER alone (a message already there costs no system call; a poll of every socket costs ZeroMQ two
+per socket), and polls every socket at least every 10 ms. A background thread reads when no
+``recv`` does. User threads send on the DEALERs of peers that completed the handshake, one lock per
+peer. Large buffers are handed to ZeroMQ by reference (``copy=False``) and ``send`` waits on
 ZeroMQ's tracker until the memory is released, so the caller may reuse its arrays as soon as
-``send`` returns; small messages are copied, which is cheaper than tracking.
+``send`` returns; small messages are copied, which is cheaper than tracking, and those with at most
+:data:`SINGLE_PART_BYTES` of buffers travel as one part (the whole frame), which costs ZeroMQ and
+both ends less than a part per buffer. Received message memory is kept for reuse
+(:mod:`stratagem.transports.zmq.malloc`).
 
 Handshake: the connector sends HELLO on its DEALER; the acceptor answers on that same connection
 (CHALLENGE, then WELCOME after AUTH with a cluster secret; WELCOME at once without one; REJECT with
@@ -22,7 +29,8 @@ refuses (and disconnects) any part over :data:`PART_BYTES` (or the largest frame
 allow, if that is more) and an unauthenticated peer can make us hold at most that much per
 connection. A frame with a larger buffer travels as a *stream*: messages ``[b"", piece]`` of at most
 that size, which the acceptor reassembles into arrays it allocates only for an authenticated peer
-(one copy on receipt; small frames still arrive without a copy as ``[head, buffer...]``). A DEALER
+(one copy on receipt; other frames arrive without a copy, as one part or as ``[head, buffer...]``).
+A DEALER
 only ever receives control frames, so it refuses anything over a control frame's size. ZeroMQ keeps
 the parts of an unfinished multipart message without a bound of its own, so with a cluster secret
 every connection into the ROUTER must first pass a gate: ZMTP PLAIN credentials carrying a token
@@ -86,6 +94,7 @@ from stratagem.core.transport import COMPLETED, Message, SendHandle, Transport
 from stratagem.core.wire import Kind
 from stratagem.core.handshake import CONTROL_LIMITS
 from stratagem.transports.zmq.acceptor import ZmqAcceptor
+from stratagem.transports.zmq.malloc import keep_message_memory
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +105,14 @@ _USER_POLL = 0.1          # a waiting recv() re-checks for losses and timeouts t
 _BACKGROUND_POLL = 0.05   # the background reader's poll slice
 _BACKGROUND_GRACE = 0.02  # the background reader stays away this long after a recv() read
 _LOSS_GRACE = 0.2         # seconds between a dropped connection and declaring the peer lost
+_FULL_POLL = 0.01         # a reading recv() polls every socket at least this often
+# pyzmq's constants are enums, whose arithmetic costs more than the call it is for: plain ints here.
+_EVENTS, _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE)
 #: The largest message part the ROUTER takes (from anyone: this bounds an unauthenticated peer).
 PART_BYTES = 4 << 20
+#: Messages with at most this many buffer bytes travel as one part (the frame as ``wire.encode_bytes``
+#: makes it), larger ones as ``[head, buffer...]``.
+SINGLE_PART_BYTES = 64 << 10
 #: The largest part a DEALER takes: it only ever receives control frames.
 _CONTROL_PART_BYTES = wire.HEADER_SIZE + CONTROL_LIMITS.max_envelope_bytes
 # pyzmq names a monitor endpoint after the socket's file descriptor, which the OS hands out again once
@@ -140,6 +155,9 @@ class ZmqTransport(Transport):
         io_threads: ZeroMQ I/O threads (1 moves over 1 GB/s).
         zero_copy_bytes: messages with at least this many buffer bytes are sent without copying.
         linger: seconds ``close()`` waits to flush queued messages.
+        malloc_tuning: let the memory of received messages be reused instead of page-faulted in
+            afresh for each (a setting of the process's allocator: see
+            :mod:`stratagem.transports.zmq.malloc`; ``False`` leaves the allocator alone).
     """
 
     name = "zmq"
@@ -147,7 +165,8 @@ class ZmqTransport(Transport):
     whole_buffer_bytes = PART_BYTES
 
     def __init__(self, cluster, task, *, bind_host: str | None = None, io_threads: int = 1,
-                 zero_copy_bytes: int = 256 * 1024, linger: float = 1.0, **common):
+                 zero_copy_bytes: int = 256 * 1024, linger: float = 1.0, malloc_tuning: bool = True,
+                 **common):
         super().__init__(cluster, task, **common)
         host, _, port = self._own_address().rpartition(":")
         self._host, self._port = host, int(port)
@@ -158,6 +177,7 @@ class ZmqTransport(Transport):
         self.zero_copy_bytes = int(zero_copy_bytes)
         self._part_cap = max(PART_BYTES, wire.HEADER_SIZE + self.limits.max_envelope_bytes)
         self._linger_ms = int(linger * 1000)
+        self._malloc_tuning = bool(malloc_tuning)
         self._cluster_id = self.cluster.cluster_id
         self._ctx: zmq.Context | None = None
         self._zap: zmq.Socket | None = None      # the ZAP handler's socket, with a secret
@@ -175,6 +195,8 @@ class ZmqTransport(Transport):
         self._pending_loss: dict[TaskId, tuple[float, str, _Peer]] = {}
         self._background_reading = False
         self._user_read_at = 0.0
+        self._polled_at = 0.0
+        self._router_timeout = -1  # the ROUTER's RCVTIMEO (ms), set by _receive_one
         self._stopping = False
         self._io_thread: threading.Thread | None = None
         self.address: str | None = None
@@ -196,6 +218,8 @@ class ZmqTransport(Transport):
             return
         if self._closed:
             raise TransportClosed(f"{self.task}: a closed transport cannot be started again")
+        if self._malloc_tuning:
+            keep_message_memory(self._part_cap)
         ctx = zmq.Context(self._io_threads)
         try:
             router = ctx.socket(zmq.ROUTER)
@@ -295,6 +319,14 @@ class ZmqTransport(Transport):
 
     def send_async(self, dst, tag, msg, timeout=None) -> SendHandle:
         self._require_started()
+        peer = self._peers.get(dst)  # a TaskId we connected to: checked then, and never ourselves
+        if peer is not None and peer.ready.is_set():
+            # The usual case, without re-checking what connecting checked: is it lost, then send.
+            reason = self._mailbox.is_lost(dst)
+            if reason is not None:
+                raise PeerLostError(dst, reason)
+            self.traffic.count_sent(dst, msg.nbytes)
+            return self._write(peer, dst, tag, msg)
         dst = self._route(dst, tag, msg, self._mailbox)
         if dst is None:
             return COMPLETED
@@ -305,17 +337,34 @@ class ZmqTransport(Transport):
                 f"{self.task}: no handshake with {dst} at {peer.address} within {timeout:g} s "
                 f"(is it running, and do all tasks share the same STRATAGEM_SECRET?)"
             )
+        return self._write(peer, dst, tag, msg)
+
+    def _write(self, peer: _Peer, dst: TaskId, tag: str, msg: Message) -> SendHandle:
+        """Encode ``msg`` and hand it to ``peer``'s DEALER (handshake done)."""
         if peer.error is not None:
             raise _fresh(peer.error)
         parts = wire.encode(Kind.DATA, tag, msg.meta, msg.buffers, self.limits)
-        payload = sum(len(p) for p in parts[1:])
+        payload = largest = 0
+        for part in parts:
+            size = len(part)
+            payload += size
+            largest = max(largest, size)
+        payload -= len(parts[0])  # the head is not payload
         with peer.lock:
             if peer.closed:
                 raise _fresh(peer.error) if peer.error else PeerLostError(dst, "connection closed")
-            if any(len(p) > PART_BYTES for p in parts):
+            if largest > PART_BYTES:
                 tracker = self._send_stream(peer, parts, copy=payload < self.zero_copy_bytes)
-            elif payload < self.zero_copy_bytes:
-                peer.sock.send_multipart(parts, copy=True)  # copied: the caller may reuse at once
+            elif payload < self.zero_copy_bytes:  # copied: the caller may reuse its arrays at once
+                sock = peer.sock
+                if payload <= SINGLE_PART_BYTES:
+                    # One part: a multipart message costs ZeroMQ and both ends more per part than
+                    # joining a few kilobytes does.
+                    sock.send(b"".join(parts) if len(parts) > 1 else parts[0])
+                else:
+                    for part in parts[:-1]:
+                        sock.send(part, _SNDMORE)
+                    sock.send(parts[-1])
                 return COMPLETED
             else:
                 tracker = peer.sock.send_multipart(parts, copy=False, track=True)
@@ -367,7 +416,7 @@ class ZmqTransport(Transport):
 
     def recv(self, src, tag, timeout=None) -> Message:
         self._require_started()
-        if src is not None:
+        if src is not None and src not in self._peers:  # a peer we connected to was checked then
             src = self._check_peer(src)
             if src != self.task and self._mailbox.is_lost(src) is None:
                 # Connecting to the source lets us watch it, so its death wakes us.
@@ -453,12 +502,45 @@ class ZmqTransport(Transport):
                 self._poke(b"yield")
             return False
         try:
-            self._pump(_USER_POLL if remaining is None else min(remaining, _USER_POLL))
+            slice_ = _USER_POLL if remaining is None else min(remaining, _USER_POLL)
+            now = self._user_read_at
+            if self._handshakes or self._pending_loss or not self._new_monitors.empty():
+                self._polled_at = now  # connections are changing: watch every socket
+                self._pump(min(slice_, _FULL_POLL))
+            elif now - self._polled_at >= _FULL_POLL:
+                # Every socket (monitors, control, the connection gate) at least every _FULL_POLL,
+                # without waiting: the wait is in the ROUTER's receive, on the next call.
+                self._polled_at = now
+                self._pump(0.0)
+            else:
+                self._receive_one(min(slice_, _FULL_POLL))
         finally:
             self._user_read_at = time.monotonic()
             self._reader.release()
-            self._mailbox.notify()  # another waiter may want to take over reading
         return True
+
+    def _receive_one(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for one message on the ROUTER and handle it (reader lock held).
+
+        A blocking receive on the one socket the data comes in on: when the message is already
+        there it costs no system call at all, else one wait on ZeroMQ's own signal, where polling
+        every socket costs two system calls per socket (ZeroMQ checks each one's commands before
+        and after the wait). The other sockets wait for the next full poll (``_FULL_POLL``)."""
+        ms = int(timeout * 1000)
+        if ms != self._router_timeout:
+            self._router.setsockopt(zmq.RCVTIMEO, ms)
+            self._router_timeout = ms
+        try:
+            parts = [self._router.recv(copy=False)]
+            while parts[-1].more:  # the rest of a message is there once its first part is
+                parts.append(self._router.recv(copy=False))
+        except zmq.Again:
+            return
+        except zmq.ZMQError:
+            if self._stopping:
+                return
+            raise
+        self._handle(parts)
 
     def _background(self) -> None:
         """Reads whenever no recv() has for a while: handshakes, goodbyes, losses, early data."""
@@ -555,18 +637,31 @@ class ZmqTransport(Transport):
             self._zap.send_multipart([b"1.0", request_id, b"200" if ok else b"400",
                                       b"OK" if ok else b"no token", b"", b""])
 
-    def _drain_router(self) -> None:
-        for _ in range(1000):  # bounded, so monitors and control are not starved
+    def _drain_router(self) -> bool:
+        """Handle what the ROUTER holds (bounded, so monitors and control are not starved); True if
+        there was anything. Readiness is asked of ZeroMQ (EVENTS) rather than learned from a failed
+        read, which would cost an exception each time."""
+        router = self._router
+        for count in range(1000):
+            if not router.get(_EVENTS) & _POLLIN:
+                return count > 0
             try:
-                parts = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                parts = [router.recv(_NOBLOCK, copy=False)]
             except zmq.Again:
-                return
-            routing_id = parts[0].bytes
-            try:
-                self._acceptor.on_message(routing_id, parts[1:], _source_fd(parts[0]))
-            except Exception as exc:  # a bad frame must never take the server down
-                self._acceptor.reject(routing_id, f"error while handling a frame: {type(exc).__name__}: {exc}")
-                log.debug("frame handler error", exc_info=True)
+                return count > 0
+            while parts[-1].more:  # the rest of a message is there once its first part is
+                parts.append(router.recv(copy=False))
+            self._handle(parts)
+        return True
+
+    def _handle(self, parts: list) -> None:
+        """One message from the ROUTER: ``[routing id, ...]``."""
+        routing_id = parts[0].bytes
+        try:
+            self._acceptor.on_message(routing_id, parts[1:], parts[0])
+        except Exception as exc:  # a bad frame must never take the server down
+            self._acceptor.reject(routing_id, f"error while handling a frame: {type(exc).__name__}: {exc}")
+            log.debug("frame handler error", exc_info=True)
 
     # -- our side of the handshake: the answers to our HELLOs, read by the reader -------------------
     def _on_answer(self, peer: _Peer) -> None:
@@ -670,14 +765,6 @@ class ZmqTransport(Transport):
         self._pending_loss.pop(task, None)
         # Its connections into our ROUTER stay known: frames it sent before going may still be
         # queued there, and they were sent by an authenticated peer.
-
-
-def _source_fd(frame: zmq.Frame) -> int:
-    """The socket a received message came in on (ZeroMQ's deprecated but present SRCFD; -1 if not)."""
-    try:
-        return frame.get(zmq.SRCFD)
-    except (zmq.ZMQError, AttributeError):
-        return -1
 
 
 def _close_socket(sock: zmq.Socket, linger: int) -> None:
