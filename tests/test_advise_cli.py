@@ -118,6 +118,8 @@ def test_the_table_shows_the_recommendation(measured):
     recommended = [line for line in out.splitlines() if line.startswith("recommended: ")]
     assert len(recommended) == 1 and " over zmq" in recommended[0]
     assert "not measured: local: in-process only" in out
+    own = out.splitlines()[out.splitlines().index("a step's own work beyond the links (ms, measured through each strategy):") + 1]
+    assert own.startswith("  zmq: async ") and "sync round of 2" in own and "dispatch" in own and "per remote replica" in own
 
 
 def test_predict_workers_extrapolates_with_stated_assumptions(measured):

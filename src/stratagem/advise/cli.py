@@ -332,17 +332,19 @@ def print_report(measured, predictions, best_reason, extrapolated: dict, setting
                      f"{settings['workers']}" if host.stragglers else ""), markup=False, highlight=False)
     links = Table(box=None, pad_edge=False, title=None)
     for name, justify in (("transport", "left"), ("all-reduce latency", "right"), ("bandwidth", "right"),
-                          ("ps exchange latency", "right"), ("bandwidth", "right"), ("a waiting task", "left"),
-                          ("a step's own work beyond the links (ms)", "left")):
+                          ("ps exchange latency", "right"), ("bandwidth", "right"), ("a waiting task", "left")):
         links.add_column(name, justify=justify, no_wrap=True)
     for t in measured.transports.values():
         ps = t.exchange
         links.add_row(t.name, f"{t.allreduce.latency_s * 1e6:.0f} us", human_rate(t.allreduce.bandwidth_Bps),
                       f"{ps.latency_s * 1e6:.0f} us", human_rate(ps.bandwidth_Bps),
                       (f"spins ({t.idle_burn:.0%} of a core)" if t.idle_burn > 0.25 else "sleeps")
-                      + ("; the job is one scheduling group" if t.one_group else ""), _own_work(t.steps))
+                      + ("; the job is one scheduling group" if t.one_group else ""))
     console.print("links (idle-core figures, fitted to the measurements):")
     console.print(links)
+    console.print("a step's own work beyond the links (ms, measured through each strategy):")
+    for t in measured.transports.values():
+        console.print(f"  {t.name}: {_own_work(t.steps)}", markup=False, highlight=False, soft_wrap=True)
     table = Table(box=None, pad_edge=False)
     for name, justify in (("strategy", "left"), ("transport", "left"), ("ps", "right"), ("tasks", "right"),
                           ("samples/s", "right"), ("step ms", "right"), ("where the step goes (ms)", "left")):

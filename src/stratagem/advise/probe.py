@@ -411,7 +411,7 @@ def measure_steps(settings: ProbeSettings, transport: str, mpi_job: bool,
     out = []
     for strategy, mode, workers, ps, coordinator in STEP_JOBS:
         label = f"{strategy}:{mode}" if mode else strategy
-        on_progress(f"steps: {label} over {transport}")
+        on_progress(f"steps: {label} over {transport}, {workers} worker{'s' * (workers != 1)}")
         spec = {"mode": "steps", "strategy": strategy, "consistency": mode, "transport": transport,
                 "model": settings.model, "seed": settings.seed, "warmup": 3, "steps": 20 if settings.quick else 40}
         doc = run_job(spec, workers, transport, settings.timeout, mpi_job=mpi_job, ps=ps, chief=coordinator,
