@@ -60,7 +60,8 @@ class ProbeError(StratagemError):
 
 @dataclass(frozen=True)
 class ProbeSettings:
-    """How hard to measure. ``quick``: fewer sizes, rounds and seconds (about half the time)."""
+    """How hard to measure. ``quick``: fewer sizes, rounds, seconds and steps (the jobs' start-up,
+    about a second each, stays)."""
 
     model: str = "mlp"
     transports: tuple = ()
@@ -351,7 +352,7 @@ def autogroup() -> bool:
 
 
 def measure(settings: ProbeSettings, on_progress: Callable[[str], None] = lambda text: None) -> Measurements:
-    """Run the probes (about 20-40 s on 2 cores; ``quick``: less) and fit the cost model's figures."""
+    """Run the probes (about 40 s on 2 cores with 4 transports, 30 s ``quick``) and fit the cost model's figures."""
     from stratagem.bench.availability import check_transport
     from stratagem.core.errors import PluginError
 
