@@ -1,40 +1,47 @@
 """The ``compression`` option of the strategies that move gradients (``mirrored``, and the
-parameter-server strategies' pushes): a mixin of :class:`~stratagem.strategies.base.Strategy`.
+parameter-server strategies' pushes).
 
 ``compression`` is ``None`` (default), a compressor's registered name with ``compression_options``, or
-a :class:`~stratagem.compression.base.Compressor` (see :mod:`stratagem.compression.choice`); the
-strategy resolves it while checking its options, before any transport exists, into
-``strategy.compressor``, and keeps each variable's compression state (error-feedback residuals,
-PowerSGD's ``Q``) in ``strategy.compression_states``. That state is this task's own: a strategy's
+a :class:`~stratagem.compression.base.Compressor` (see :mod:`stratagem.compression.choice`). Such a
+strategy puts :data:`OPTIONS` into its ``options``, resolves them with :func:`resolve` while checking
+its options (before any transport exists) into ``strategy.compressor`` and
+``strategy.compression_states`` (each variable's error-feedback residuals, PowerSGD's ``Q``), and
+calls :func:`check_transport` once its transport exists. That state is this task's own: a strategy's
 ``save()`` does not write it, and after ``restore()`` it starts afresh (a residual is at most one step's
 compression error; PowerSGD's ``Q`` warms up again within a few steps).
+
+    >>> from stratagem.core.transport_factory import default_factory
+    >>> config = {"compression": "fp16", "compression_options": None}
+    >>> compressor, states = resolve("mirrored", config, default_factory())
+    >>> compressor.name, type(states).__name__
+    ('fp16', 'CompressionStates')
+    >>> resolve("mirrored", OPTIONS, None)
+    (None, None)
 """
 
 from __future__ import annotations
 
-from stratagem.compression.choice import CompressionStates, check_transport, choose_compressor
+from typing import Any, Mapping
+
+from stratagem.compression import choice
+
+#: The options (and their defaults) of a strategy that compresses what it sends.
+OPTIONS = {"compression": None, "compression_options": None}
 
 
-class Compressing:
-    """``compression`` / ``compression_options`` for a strategy (mixed in before ``Strategy``)."""
+def resolve(strategy_name: str, config: Mapping[str, Any], plugins) -> tuple:
+    """``(compressor, compression_states)`` for the strategy's options (``(None, None)``: gradients travel
+    as they are); raises ``ConfigurationError`` naming the strategy for a bad choice."""
+    compressor = choice.choose_compressor(config["compression"], config["compression_options"], plugins,
+                                          owner=f"strategy {strategy_name!r}")
+    return compressor, (choice.CompressionStates(compressor) if compressor is not None else None)
 
-    options = {"compression": None, "compression_options": None}
 
-    #: The resolved compressor (``None``: gradients travel as they are).
-    compressor = None
-
-    def _choose_compressor(self) -> None:
-        """Resolve the option (from ``check_config``, with the strategy's plugin factory)."""
-        owner = f"strategy {self.name!r}"
-        self.compressor = choose_compressor(self.config["compression"], self.config["compression_options"],
-                                            self._plugins, owner=owner)
-        #: This task's compression state of each variable (or ps piece), by name.
-        self.compression_states = CompressionStates(self.compressor) if self.compressor is not None else None
-
-    def _check_compressor_transport(self) -> None:
-        """Once the transport exists: refuse (one ``IncompatibleError``) a compressor that cannot use it."""
-        try:
-            check_transport(self.compressor, type(self.transport), owner=f"strategy {self.name!r}")
-        except BaseException:
-            self.shutdown()
-            raise
+def check_transport(strategy) -> None:
+    """Once ``strategy``'s transport exists: a compressor that cannot use it is refused with one
+    ``IncompatibleError``, and the strategy is shut down first (its transport closed)."""
+    try:
+        choice.check_transport(strategy.compressor, type(strategy.transport), owner=f"strategy {strategy.name!r}")
+    except BaseException:
+        strategy.shutdown()
+        raise

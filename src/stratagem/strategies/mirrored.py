@@ -56,10 +56,10 @@ from stratagem.training.replica_sync import allgather_json, broadcast_arrays, dt
 from stratagem.core.cluster import is_evaluator
 from stratagem.compression.base import FLOAT_DTYPES
 from stratagem.strategies.base import Strategy, evaluator_refusal
-from stratagem.strategies.compressing import Compressing
+from stratagem.strategies import compressing
 from stratagem.training.variables import array_module, is_device_array
 from stratagem.core import timeline as _timeline
-from stratagem.strategies.mirrored_elastic import ElasticMirrored, ElasticTraining, check_elastic_transport
+from stratagem.strategies.mirrored_elastic import ElasticTraining, check_elastic_transport, elastic_wrapper
 
 #: Default largest bucket of fused gradients, in bytes (before any compression).
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -71,7 +71,7 @@ MAX_LISTED = 10
 ON_FAILURE = ("raise", "shrink")
 
 
-class MirroredStrategy(Compressing, ElasticMirrored, Strategy):
+class MirroredStrategy(Strategy):
     """Synchronous data parallelism: mirrored variables, all-reduced gradients (see the module doc).
 
     Options:
@@ -113,7 +113,11 @@ class MirroredStrategy(Compressing, ElasticMirrored, Strategy):
     """
 
     name = "mirrored"
+    #: The resolved compressor (``None``: gradients travel as they are) and each variable's state.
+    compressor = None
+    compression_states = None
     options = {
+        **compressing.OPTIONS,
         "bucket_bytes": DEFAULT_BUCKET_BYTES,
         "chunk_bytes": None,
         "small_bytes": None,
@@ -140,13 +144,13 @@ class MirroredStrategy(Compressing, ElasticMirrored, Strategy):
                 f"(use the parameter_server strategy for clusters with 'ps' tasks, or start no "
                 f"strategy on them)"
             )
-        self._check_compressor_transport()
+        compressing.check_transport(self)
 
     # -- options -----------------------------------------------------------------------------------
     def check_config(self) -> None:
         config = self.config
         _check_int("bucket_bytes", config["bucket_bytes"], 1)
-        self._choose_compressor()
+        self.compressor, self.compression_states = compressing.resolve(self.name, self.config, self._plugins)
         for option, minimum in (("chunk_bytes", 1), ("small_bytes", 0)):
             if config[option] is not None:
                 _check_int(option, config[option], minimum)
@@ -163,6 +167,82 @@ class MirroredStrategy(Compressing, ElasticMirrored, Strategy):
     def communicator_options(self) -> dict[str, Any]:
         return {key: self.config[key] for key in ("chunk_bytes", "small_bytes", "timeout")
                 if self.config[key] is not None}
+
+    # -- elastic training (on_failure="shrink"): the API, and the hooks that route to ElasticTraining --
+    # ``self._elastic`` is None unless on_failure="shrink": then each of these is what it is for every strategy.
+
+    def commit(self) -> None:
+        """Under ``on_failure="shrink"``: the state to roll back to if the world changes. Every replica
+        calls it at the same point; it checks that the world is intact (a collective) and copies the
+        variables, the optimizers' state and the step in memory. The strategy also commits by itself
+        (``commit_every``). In the body of a ``distribute_dataset`` loop, a commit made before the
+        batch's update has a retry start with that batch, one made after it with the next. Without
+        shrink it does nothing."""
+        self._check_open()
+        if self._elastic is not None:
+            self._elastic.commit()
+
+    def elastic(self, fn):
+        """``fn`` (your training function), wrapped so that under ``on_failure="shrink"`` it is called
+        again from the last commit whenever the world changes (see the class doc's example); every
+        replica calls it once. Without shrink the wrapper just calls ``fn``."""
+        return elastic_wrapper(self._elastic, fn)
+
+    def on_reset(self, callback) -> None:
+        """Call ``callback(change)`` after every reset under shrink, on every replica: ``change`` is a
+        :class:`~stratagem.collectives.elastic.WorldChange` (``members``, ``lost``, ``joined``, ``size``,
+        ``generation``, and ``commit``, the commit the replicas rolled back to)."""
+        if not callable(callback):
+            raise TypeError(f"on_reset() takes a callable, got {type(callback).__name__}")
+        if self._elastic is not None:
+            self._elastic.callbacks.append(callback)
+
+    @property
+    def last_reset(self):
+        """The latest :class:`~stratagem.collectives.elastic.WorldChange` under shrink (None before any)."""
+        return None if self._elastic is None else self._elastic.last_reset
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas compute each step (under shrink: in the current world)."""
+        if self._elastic is not None and self._elastic.formed:
+            return self._elastic.comm.size
+        return super().num_replicas_in_sync
+
+    def _replica_rank(self, what: str) -> int:
+        rank = super()._replica_rank(what)
+        if self._elastic is not None and self._elastic.formed:
+            return self._elastic.comm.rank
+        return rank
+
+    def _chief_rank(self) -> int:
+        if self._elastic is not None and self._elastic.formed:
+            return self._elastic.comm.members.index(self.cluster.chief)
+        return super()._chief_rank()
+
+    def _comm(self):
+        if self._elastic is not None:
+            return self._elastic.communicator()
+        return super()._comm()
+
+    def shard_batches(self, batches, rank, size):
+        if self._elastic is not None:
+            return self._elastic.shards(batches)
+        return super().shard_batches(batches, rank, size)
+
+    def on_optimizer(self, optimizer) -> None:
+        known = len(self._optimizers)
+        super().on_optimizer(optimizer)
+        if self._elastic is not None and len(self._optimizers) > known:
+            self._elastic.registered(optimizer)
+
+    def restore(self, path) -> int:
+        """See ``Strategy.restore``. Under shrink, a restarted worker that joined a running job
+        already holds the committed state: before its elastic function it returns the step and reads
+        nothing (the others are not restoring)."""
+        if self._elastic is not None and self._elastic.joined_late and not self._elastic.started:
+            return self._step
+        return super().restore(path)
 
     # -- variables ---------------------------------------------------------------------------------
     def on_scope_end(self, created: list, *, first: bool) -> None:

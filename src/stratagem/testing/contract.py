@@ -16,6 +16,7 @@ endpoints can live in separate processes (``in_process = False``).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -283,6 +284,21 @@ class TransportContract:
     def test_sigkilled_peer_process_raises_peer_lost(self):
         if self.transport_class().in_process:
             pytest.skip(f"the {self.transport} transport keeps every endpoint in one process")
+        with self._endpoint_and_peer_process() as (t, other, proc):
+            t.send(other, "echo", Message({"ping": 1}, [np.arange(4)]))
+            assert t.recv(other, "echo", timeout=CALL_TIMEOUT).meta == {"ping": 1}
+            proc.kill()  # SIGKILL: no goodbye, no cleanup
+            start = time.monotonic()
+            with pytest.raises(PeerLostError) as info:
+                t.recv(other, "echo", timeout=CALL_TIMEOUT)
+            assert info.value.task == other
+            assert str(other) in str(info.value)
+            assert time.monotonic() - start < PEER_TIMEOUT + 5
+
+    @contextlib.contextmanager
+    def _endpoint_and_peer_process(self):
+        """``(our transport, the peer's task, the peer's process)``: our endpoint in this process, the
+        peer's in its own (:func:`~stratagem.testing.peer.spawn_peer`), ready; both ended after the block."""
         cluster = local_cluster(2)
         me, other = cluster.tasks()
         from stratagem.plugins.manager import plugin_manager
@@ -292,17 +308,8 @@ class TransportContract:
         t.start()
         try:
             with spawn_peer(self.transport, cluster, other, me, peer_timeout=PEER_TIMEOUT) as proc:
-                ready = t.recv(other, "ready", timeout=60)
-                assert ready.meta["pid"] == proc.pid
-                t.send(other, "echo", Message({"ping": 1}, [np.arange(4)]))
-                assert t.recv(other, "echo", timeout=CALL_TIMEOUT).meta == {"ping": 1}
-                proc.kill()  # SIGKILL: no goodbye, no cleanup
-                start = time.monotonic()
-                with pytest.raises(PeerLostError) as info:
-                    t.recv(other, "echo", timeout=CALL_TIMEOUT)
-                assert info.value.task == other
-                assert str(other) in str(info.value)
-                assert time.monotonic() - start < PEER_TIMEOUT + 5
+                assert t.recv(other, "ready", timeout=60).meta["pid"] == proc.pid
+                yield t, other, proc
         finally:
             t.close()
 
@@ -314,31 +321,20 @@ class TransportContract:
         if cls.in_process or not cls.elastic:
             pytest.skip(f"the {self.transport} transport keeps every endpoint in one process" if cls.in_process
                         else f"the {self.transport} transport does not re-accept a restarted peer (elastic = False)")
-        cluster = local_cluster(2)
-        me, other = cluster.tasks()
-        from stratagem.plugins.manager import plugin_manager
-
-        t = plugin_manager().create_transport(self.transport, cluster=cluster, task=me, timeout=CALL_TIMEOUT,
-                                              peer_timeout=PEER_TIMEOUT, **self.options)
-        t.start()
-        try:
-            with spawn_peer(self.transport, cluster, other, me, peer_timeout=PEER_TIMEOUT) as first:
-                assert t.recv(other, "ready", timeout=60).meta["pid"] == first.pid
-                t.send(other, "echo", Message({"ping": 1}))
-                assert t.recv(other, "echo", timeout=CALL_TIMEOUT).meta == {"ping": 1}
-                assert t.peer_losses(other) == 0
-                first.kill()
-                first.wait(timeout=CALL_TIMEOUT)
-                with spawn_peer(self.transport, cluster, other, me, peer_timeout=PEER_TIMEOUT) as second:
-                    # From any source: a receive from a task declared lost fails until its new process is in.
-                    ready = t.recv(None, "ready", timeout=60)
-                    assert (ready.src, ready.meta["pid"]) == (other, second.pid)
-                    t.send(other, "echo", Message({"ping": 2}))
-                    assert t.recv(other, "echo", timeout=CALL_TIMEOUT).meta == {"ping": 2}
-                    assert t.peer_losses(other) == 1, f"{t.peer_losses(other)} losses counted: {t.lost_peers()}"
-                    assert other not in t.lost_peers()
-        finally:
-            t.close()
+        with self._endpoint_and_peer_process() as (t, other, first):
+            t.send(other, "echo", Message({"ping": 1}))
+            assert t.recv(other, "echo", timeout=CALL_TIMEOUT).meta == {"ping": 1}
+            assert t.peer_losses(other) == 0
+            first.kill()
+            first.wait(timeout=CALL_TIMEOUT)
+            with spawn_peer(self.transport, t.cluster, other, t.task, peer_timeout=PEER_TIMEOUT) as second:
+                # From any source: a receive from a task declared lost fails until its new process is in.
+                ready = t.recv(None, "ready", timeout=60)
+                assert (ready.src, ready.meta["pid"]) == (other, second.pid)
+                t.send(other, "echo", Message({"ping": 2}))
+                assert t.recv(other, "echo", timeout=CALL_TIMEOUT).meta == {"ping": 2}
+                assert t.peer_losses(other) == 1, f"{t.peer_losses(other)} losses counted: {t.lost_peers()}"
+                assert other not in t.lost_peers()
 
     def test_secret_mismatch_is_refused(self):
         if self.transport_class().in_process:

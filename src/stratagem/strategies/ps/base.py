@@ -68,7 +68,7 @@ from stratagem.training.sparse import IndexedSlices
 from stratagem.compression.base import FLOAT_DTYPES
 from stratagem.ps.compressed import compress_pieces
 from stratagem.strategies.base import Strategy
-from stratagem.strategies.compressing import Compressing
+from stratagem.strategies import compressing
 from stratagem.strategies.checkpoints import DEFAULT_MAX_TO_KEEP
 from stratagem.strategies.ps.cache import adoptable, write_into
 from stratagem.training.variables import VariableStore, array_module, to_module
@@ -106,14 +106,18 @@ class RemoteStore(VariableStore):
         self._owner._assign(self.name, array)
 
 
-class PSStrategyBase(Compressing, Strategy):
+class PSStrategyBase(Strategy):
     """Variables on the ps tasks (see the module doc). Subclasses say which tasks push gradients
     (:meth:`_pushers`) and what a non-ps task does."""
 
     name = "ps_base"
     #: ``IndexedSlices`` gradients reach ``on_apply_gradients`` as they are: pushed as rows.
     sparse_gradients = True
+    #: The resolved compressor (``None``: gradients travel as they are) and each variable's state.
+    compressor = None
+    compression_states = None
     options = {
+        **compressing.OPTIONS,
         "mode": "async",
         "replicas_to_aggregate": None,
         "total_replicas": None,
@@ -129,7 +133,7 @@ class PSStrategyBase(Compressing, Strategy):
 
     def __init__(self, transport=None, **kwargs):
         super().__init__(transport, **kwargs)
-        self._check_compressor_transport()
+        compressing.check_transport(self)
         try:
             self._setup()
         except BaseException:
@@ -149,7 +153,7 @@ class PSStrategyBase(Compressing, Strategy):
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):
             raise ConfigurationError(f"timeout must be a number of seconds > 0 (or None), got {timeout!r}")
-        self._choose_compressor()
+        self.compressor, self.compression_states = compressing.resolve(self.name, self.config, self._plugins)
 
     def _setup(self) -> None:
         cluster = self.cluster
