@@ -290,6 +290,9 @@ class ZmqTransport(Transport):
                             pass
                     _close_socket(peer.sock, linger)
                     peer.closed = True
+                # Its monitor too: a peer connected just before we closed may not have handed it to
+                # the reader yet, and one socket left open makes the context's end wait for ever.
+                peer.monitor.close(linger=0)
                 peer.fail(TransportClosed(f"{self.task}: transport closed"))
             while not self._new_monitors.empty():  # monitors no reader got to register yet
                 self._new_monitors.get().monitor.close(linger=0)
@@ -306,11 +309,10 @@ class ZmqTransport(Transport):
         finally:
             if got_reader:
                 self._reader.release()
-        # term() waits for lingering DEALERs to flush; destroy() would cut them off.
-        if graceful:
-            self._ctx.term()
-        else:
-            self._ctx.destroy(linger=0)
+        # Graceful: every socket keeps its own linger, so the DEALERs closed above still flush for up
+        # to linger ms; destroy() (rather than term()) also closes any socket this code lost track of,
+        # where term() would wait for it for ever. No other thread uses a socket by now.
+        self._ctx.destroy(linger=None if graceful else 0)
 
     # -- messaging ---------------------------------------------------------------------------------
     def send(self, dst, tag, msg, timeout=None) -> None:
