@@ -70,6 +70,45 @@ def test_a_quick_run_measures_predicts_and_recommends(measured):
         assert p["tasks"] == p["workers"] + p["ps"] + (p["strategy"] == "parameter_server")
 
 
+def test_each_strategys_steps_are_measured_through_the_strategy(measured):
+    """The steps probe ran each strategy for real (a ps task, a coordinator, replicas): its step
+    less the compute costs time and CPU, and the between_graph step more than the bare exchange."""
+    from stratagem.advise import probe
+
+    doc, _, stderr = measured
+    assert "steps: between_graph:sync over zmq" in stderr
+    m = doc["measurements"]
+    raw = m["raw"]["links"]["zmq"]["steps"]
+    assert sorted((d["strategy"], d["consistency"] or "", d["workers"], d["ps"]) for d in raw) == [
+        ("between_graph", "async", 2, 1), ("between_graph", "sync", 2, 1), ("in_graph", "", 2, 0),
+        ("parameter_server", "async", 1, 1), ("parameter_server", "async", 2, 1)]
+    for mode in ("sync", "async"):
+        job = next(d for d in raw if d["consistency"] == mode)
+        assert sorted(job["tasks"]) == ["ps-0", "worker-1"]         # the other tasks' figures, beside the chief's
+        assert len(job["tasks"]["worker-1"]["wall_s"]) == len(job["wall_s"])
+    alone = next(d for d in raw if d["consistency"] == "async")["alone"]     # the chief's steps before the others'
+    assert len(alone["wall_s"]) == len(alone["cpu_s"]) > 0
+    crowded = next(d for d in raw if d["strategy"] == "parameter_server" and d["workers"] == 2)
+    assert {task.split(":")[0] for task in crowded["workers_of"]} == {"worker"} and len(set(crowded["workers_of"])) == 2
+    steps = probe.fit_steps(raw)
+    for figure in (steps.ps_sync, steps.ps_async, steps.ps_async_crowded, steps.coordinator,
+                   steps.coordinator_crowded, steps.in_graph):
+        assert figure.wall_s > 0 and figure.cpu_s > 0
+    for figure in (steps.coordinator, steps.coordinator_crowded):
+        assert figure.dispatch_s > 0 and figure.dispatch_cpu_s > 0
+    for figure in (steps.ps_sync, steps.ps_async, steps.ps_async_crowded, steps.coordinator, steps.coordinator_crowded):
+        assert figure.serve_cpu_s > 0                               # the ps task's CPU clock, read around the steps
+    # what the model charges: the part the links do not explain, none negative
+    charged = m["transports"]["zmq"]["steps"]
+    assert charged["ps_async"]["wall_s"] > 0
+    assert all(0 <= c["cpu_s"] <= c["wall_s"] for c in charged.values())
+    for p in doc["predictions"]:
+        if p["label"] == "between_graph:async" and "ps exchange" in p["parts_ms"]:
+            assert p["parts_ms"]["ps exchange"] > charged["ps_async"]["wall_s"] * 1e3
+        if p["label"] == "parameter_server:async" and "dispatch" in p["parts_ms"]:
+            assert p["parts_ms"]["dispatch"] >= charged["coordinator"]["dispatch_s"] * 1e3 * (1 - 1e-9)
+
+
 def test_the_table_shows_the_recommendation(measured):
     _, path, _ = measured
     proc = advise("--measured", str(path), "--worker", "3")
@@ -79,6 +118,8 @@ def test_the_table_shows_the_recommendation(measured):
     recommended = [line for line in out.splitlines() if line.startswith("recommended: ")]
     assert len(recommended) == 1 and " over zmq" in recommended[0]
     assert "not measured: local: in-process only" in out
+    own = out.splitlines()[out.splitlines().index("a step's own work beyond the links (ms, measured through each strategy):") + 1]
+    assert own.startswith("  zmq: async ") and "sync round of 2" in own and "dispatch" in own and "per remote replica" in own
 
 
 def test_predict_workers_extrapolates_with_stated_assumptions(measured):
@@ -148,6 +189,8 @@ def test_links_measured_on_a_job_are_used_instead_of_local_ones(measured, tmp_pa
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["measurements"]["raw"]["links_from_files"]["zmq"]["np"] == 3
+    # the links come from the job; the strategies' own work per step, measured here, stays
+    assert doc["measurements"]["transports"]["zmq"]["steps"] == json.loads(path.read_text())["measurements"]["transports"]["zmq"]["steps"]
     text = advise("--measured", str(path), "--links", str(links)).stdout
     assert "zmq's links from --links: 3 tasks, 3 pairs timed" in text
 

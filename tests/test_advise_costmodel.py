@@ -218,3 +218,109 @@ def test_a_described_network_replaces_the_measured_links():
     t = cm.with_link(ZMQ, latency_s=20e-6, bandwidth_Bps=3.125e9)
     assert t.allreduce == t.p2p == t.ps == cm.Link(20e-6, 3.125e9)
     assert cm.with_link(ZMQ).ps == ZMQ.ps
+
+
+# -- the strategies' own work per step (the steps probe's figures) ------------------------------------
+
+# As measured over ZMQ with 1 ps (each step's time less its compute): a between_graph worker alone
+# 3 ms (2.4 ms of it the exchange: 2 x 200 us + 2 x 1 MB / 1 GB/s), a sync round of 2 workers 6 ms
+# (fan-in 4.4 ms), a parameter_server worker's step 4 ms and 1.5 ms of dispatch per closure, the
+# in_graph client with 2 replicas 5.15 ms (link 0.6 + 0.55 ms, adds 2 ms and update 1 ms).
+MEASURED = cm.StepCosts(ps_sync=cm.StepCost(2, 6.0 * MS, 2.0 * MS), ps_async=cm.StepCost(1, 3.0 * MS, 1.0 * MS),
+                        coordinator=cm.StepCost(1, 4.0 * MS, 1.0 * MS, dispatch_s=1.5 * MS, dispatch_cpu_s=0.5 * MS),
+                        in_graph=cm.StepCost(2, 5.15 * MS, 5.0 * MS))
+
+
+def with_steps(transport=ZMQ):
+    steps = cm.step_residuals(MEASURED, WORK, transport)
+    return cm.TransportFigures(transport.name, transport.allreduce, transport.p2p, transport.ps, steps=steps)
+
+
+def test_the_steps_probe_is_charged_beyond_what_the_links_explain():
+    r = cm.step_residuals(MEASURED, WORK, ZMQ)
+    assert r.ps_async.wall_s == pytest.approx(0.6 * MS)             # 3 - 2.4
+    assert r.ps_sync.wall_s == pytest.approx(1.6 * MS)              # 6 - (0.4 + 2 x 2 MB / 1 GB/s)
+    assert r.coordinator.wall_s == pytest.approx(1.6 * MS)          # 4 - 2.4
+    assert r.coordinator.dispatch_s == pytest.approx(1.5 * MS)      # measured as it is
+    assert r.in_graph.wall_s == pytest.approx(1.0 * MS)             # 5.15 - 1.15 - 3, per remote replica
+    # the CPU likewise, never below zero nor above the wall time it is part of: with no CPU figure
+    # for the exchange, all its 2.4 ms count as CPU, more than the 1 ms measured
+    assert r.ps_async.cpu_s == 0.0
+    assert r.in_graph.cpu_s == pytest.approx(0.85 * MS)             # 5 - 1.15 - 3
+    capped = cm.step_residuals(cm.StepCosts(ps_sync=cm.StepCost(2, 5.0 * MS, 9.0 * MS)), WORK, ZMQ)
+    assert capped.ps_sync.cpu_s == capped.ps_sync.wall_s == pytest.approx(0.6 * MS)
+    assert all(0 <= s.cpu_s <= s.wall_s for s in (r.ps_sync, r.ps_async, r.coordinator, r.in_graph))
+    # a step measured faster than the links predict charges nothing
+    fast = cm.step_residuals(cm.StepCosts(ps_async=cm.StepCost(1, 1.0 * MS, 1.0 * MS)), WORK, ZMQ)
+    assert fast.ps_async.wall_s == 0.0 and fast.ps_sync is None
+
+
+def test_sync_rounds_add_the_measured_work_linear_in_the_workers():
+    t = with_steps()
+    # alone 0.6 ms; a round of 2 added 1 ms more: with 4 workers 0.6 + 3 x 1 ms
+    p = cm.predict(cm.Setup("between_graph", "sync", "zmq", 4, 1), WORK, t, IDLE)
+    assert p.parts["ps steps"] == pytest.approx(3.6 * MS)
+    assert p.step_s == pytest.approx(predict("between_graph", "sync", 4, ps=1).step_s + 3.6 * MS)
+    one = cm.predict(cm.Setup("between_graph", "sync", "zmq", 1, 1), WORK, t, IDLE)
+    assert one.parts["ps steps"] == pytest.approx(0.6 * MS)
+    # parameter_server: its worker's own extra (1.6 - 0.6 ms) and the measured dispatch, not 2 latencies
+    coordinated = cm.predict(cm.Setup("parameter_server", "sync", "zmq", 4, 1), WORK, t, IDLE)
+    assert coordinated.parts["ps steps"] == pytest.approx(4.6 * MS)
+    assert coordinated.parts["dispatch"] == pytest.approx(1.5 * MS)
+
+
+def test_async_workers_loop_through_their_measured_step():
+    t = with_steps()
+    p = cm.predict(cm.Setup("between_graph", "async", "zmq", 2, 1), WORK, t, IDLE)
+    # compute 11 + exchange 2.4 + the step's own 0.6 ms
+    assert p.step_s == pytest.approx(14.0 * MS)
+    coordinated = cm.predict(cm.Setup("parameter_server", "async", "zmq", 2, 1), WORK, t, IDLE)
+    # compute 11 + exchange 2.4 + the worker's own 1.6 + dispatch 1.5 ms
+    assert coordinated.parts == pytest.approx({"compute": 11 * MS, "ps exchange": 4.0 * MS, "dispatch": 1.5 * MS})
+
+
+def test_the_in_graph_client_pays_its_measured_work_per_remote_replica():
+    t = with_steps()
+    p = cm.predict(cm.Setup("in_graph", None, "zmq", 3), WORK, t, IDLE)
+    assert p.parts["client steps"] == pytest.approx(2 * 1.0 * MS)
+    assert "client steps" not in cm.predict(cm.Setup("in_graph", None, "zmq", 1), WORK, t, IDLE).parts
+
+
+def test_step_figures_survive_a_saved_measurement():
+    from stratagem.advise.probe import transport_from_dict
+
+    t = with_steps()
+    assert transport_from_dict(cm.figures_as_dict(t)) == t
+    assert transport_from_dict(cm.figures_as_dict(ZMQ)) == ZMQ       # (none measured: none charged)
+
+
+def test_async_steps_grow_with_the_workers_as_measured_crowded():
+    # a second async worker at once made each step 5 ms (2.4 of it the exchange): 2.6 ms, 2 ms more than alone
+    crowded = cm.StepCosts(ps_async=MEASURED.ps_async, ps_async_crowded=cm.StepCost(2, 5.0 * MS, 1.0 * MS),
+                           coordinator=MEASURED.coordinator,
+                           coordinator_crowded=cm.StepCost(2, 4.0 * MS, 1.0 * MS, dispatch_s=2.5 * MS, dispatch_cpu_s=0.5 * MS))
+    steps = cm.step_residuals(crowded, WORK, ZMQ)
+    t = cm.TransportFigures("zmq", ZMQ.allreduce, ZMQ.p2p, ZMQ.ps, steps=steps)
+    assert steps.ps_async_crowded.wall_s == pytest.approx(2.6 * MS)
+    step = {n: cm.predict(cm.Setup("between_graph", "async", "zmq", n, 1), WORK, t, IDLE).step_s for n in (1, 2, 4)}
+    assert step[1] == pytest.approx(11 * MS + 2.4 * MS + 0.6 * MS)          # alone as measured alone
+    assert step[2] == pytest.approx(11 * MS + 2.4 * MS + 2.6 * MS)          # two as measured crowded
+    assert step[4] == pytest.approx(11 * MS + 2.4 * MS + 0.6 * MS + 3 * 2 * MS)
+    # the coordinator's dispatch likewise: 1.5 ms alone, 2.5 ms with two workers, 4.5 ms with four
+    coordinated = cm.predict(cm.Setup("parameter_server", "async", "zmq", 4, 1), WORK, t, IDLE)
+    assert coordinated.parts["dispatch"] == pytest.approx(4.5 * MS)
+
+
+def test_the_ps_pays_its_measured_cpu_per_step_beyond_a_bare_push():
+    # the ps measured 3 ms of CPU per step through the strategy, where a bare push of 1 MB costs 1 ms
+    # (ps CPU link 0 + 1 GB/s): 2 ms more per push, on every shard
+    served = cm.TransportFigures("zmq", ZMQ.allreduce, ZMQ.p2p, ZMQ.ps, cpu=cm.CpuCosts(serve=cm.Link(0.0, 1e9)))
+    measured = cm.StepCosts(ps_async=cm.StepCost(1, 2.4 * MS, 0.0, serve_cpu_s=3.0 * MS))
+    steps = cm.step_residuals(measured, WORK, served)
+    assert steps.ps_async.serve_cpu_s == pytest.approx(2.0 * MS)
+    t = cm.TransportFigures("zmq", ZMQ.allreduce, ZMQ.p2p, ZMQ.ps, cpu=served.cpu, steps=steps)
+    # 16 async workers on 1 ps: the shard serves each push in 1 + 2 ms of CPU: 16 x 3 ms sets the pace
+    crowded = cm.predict(cm.Setup("between_graph", "async", "zmq", 16, 1), WORK, t, IDLE)
+    assert crowded.limit == "ps queue" and crowded.step_s == pytest.approx(16 * 3.0 * MS)
+    bare = cm.predict(cm.Setup("between_graph", "async", "zmq", 16, 1), WORK, served, IDLE)
+    assert bare.step_s == pytest.approx(16 * 1.0 * MS)                     # (a bare push alone: 16 x 1 ms)

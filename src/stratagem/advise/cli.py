@@ -43,6 +43,7 @@ From Python::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -265,6 +266,9 @@ def use_links(measured, paths: Sequence[str]):
             figures = probe.fit_transport(raw, one_group=raw.get("one_group", False))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigurationError(f"--links {path}: not a file of `stratagem advise --probe-links` ({exc})") from None
+        local = measured.transports.get(figures.name)
+        if local is not None:   # the strategies' own work per step, measured here, stays
+            figures = dataclasses.replace(figures, steps=local.steps)
         measured.transports[figures.name] = figures
         measured.skipped.pop(figures.name, None)
         measured.raw.setdefault("links_from_files", {})[figures.name] = raw
@@ -298,6 +302,20 @@ def _parts(p: cm.Prediction) -> str:
     return ", ".join(f"{k} {v * 1e3:.2g}" for k, v in sorted(p.parts.items(), key=lambda kv: -kv[1]))
 
 
+def _own_work(steps: cm.StepCosts) -> str:
+    """The steps probe's charges in a few words: ``async 1.6, sync round of 2 5.1, ...``."""
+    words = []
+    if steps.ps_async is not None:
+        words.append(f"async {steps.ps_async.wall_s * 1e3:.2g}")
+    if steps.ps_sync is not None:
+        words.append(f"sync round of {steps.ps_sync.workers} {steps.ps_sync.wall_s * 1e3:.2g}")
+    if steps.coordinator is not None:
+        words.append(f"coordinated {steps.coordinator.wall_s * 1e3:.2g} + dispatch {steps.coordinator.dispatch_s * 1e3:.2g}")
+    if steps.in_graph is not None:
+        words.append(f"in_graph {steps.in_graph.wall_s * 1e3:.2g} per remote replica")
+    return ", ".join(words) or "not measured"
+
+
 def print_report(measured, predictions, best_reason, extrapolated: dict, settings: dict, console) -> None:
     from rich.table import Table
 
@@ -324,6 +342,9 @@ def print_report(measured, predictions, best_reason, extrapolated: dict, setting
                       + ("; the job is one scheduling group" if t.one_group else ""))
     console.print("links (idle-core figures, fitted to the measurements):")
     console.print(links)
+    console.print("a step's own work beyond the links (ms, measured through each strategy):")
+    for t in measured.transports.values():
+        console.print(f"  {t.name}: {_own_work(t.steps)}", markup=False, highlight=False, soft_wrap=True)
     table = Table(box=None, pad_edge=False)
     for name, justify in (("strategy", "left"), ("transport", "left"), ("ps", "right"), ("tasks", "right"),
                           ("samples/s", "right"), ("step ms", "right"), ("where the step goes (ms)", "left")):

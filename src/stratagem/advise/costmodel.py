@@ -46,9 +46,17 @@ optimizer's apply and a weighted gradient add):
 - ``between_graph`` / ``parameter_server``, ``sync``: every worker draws and computes, then the fan-in
   on the busiest shard (``2 * alpha + n * 2B / bw``, the ps link measured on a real parameter
   server, so its update of the pushed bytes is in it). ``parameter_server`` adds the coordinator's
-  dispatch: a closure out and its result back (``2 * alpha`` of the p2p link) per worker step, and one
-  more task sharing the cores. (Without a ps measurement, the p2p link moves the bytes and the
-  shard's adds and update, ``B * (n * add + update)``, come on top.)
+  dispatch: a closure out and its result back per worker step (as measured on a real coordinator,
+  else ``2 * alpha`` of the p2p link), and one more task sharing the cores. (Without a ps
+  measurement, the p2p link moves the bytes and the shard's adds and update, ``B * (n * add +
+  update)``, come on top.)
+- **The strategies' own work** (``TransportFigures.steps``, :class:`StepCosts`): a real step does
+  more than the links' bare exchange (every variable read and its reply copied, one request per
+  shard, the optimizer's bookkeeping, a sync round's wait at the ps; waking a task or a ps that
+  waited through the compute). The steps probe times each strategy's step through the strategy;
+  what the links do not explain (:func:`step_residuals`) is charged: a sync round's (``ps steps``)
+  as measured for one worker plus, per further worker, what the second added in a measured round;
+  an async worker's on its exchange; the in_graph client's per remote replica (``client steps``).
 - ``async`` (``between_graph:async``, ``parameter_server:async``): each worker loops on its own: draw,
   compute, one round trip to the shards (``2 * alpha + 2B / bw``; the ps streams its reply in parts
   as it updates, and the shards serve at once). Each shard serves one push at a time (``2B / bw``),
@@ -117,6 +125,41 @@ class CpuCosts:
 
 
 @dataclass(frozen=True)
+class StepCost:
+    """A strategy's work per step beyond what the links explain, measured through the real strategy
+    (the *steps* probe: the model's variables read and updated through the strategy, its forward and
+    backward pass in place but not counted): ``wall_s`` and ``cpu_s``, idle-core seconds per step of
+    the measuring task, with ``workers`` stepping; for ``parameter_server``, ``dispatch_s``: a
+    closure's wall time on the coordinator beyond its step on the worker (sent, decoded, run,
+    answered), ``dispatch_cpu_s``: the CPU that costs, the coordinator's and the worker's;
+    ``serve_cpu_s``: the ps task's CPU per step (a worker's push and pull, as the strategy makes them)."""
+
+    workers: int
+    wall_s: float
+    cpu_s: float
+    dispatch_s: float = 0.0
+    dispatch_cpu_s: float = 0.0
+    serve_cpu_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """The steps probe's figures (:class:`StepCost`, None where not measured): ``ps_sync``, a
+    ``between_graph`` sync round; ``ps_async``, a ``between_graph`` async worker alone, and
+    ``ps_async_crowded`` with more stepping at once (sharing the cores and the ps); ``coordinator``,
+    a ``parameter_server`` worker's step under the coordinator and its dispatch, alone and
+    ``coordinator_crowded``; ``in_graph``, the client's work per remote replica. As measured
+    (:func:`step_residuals` makes them the model's)."""
+
+    ps_sync: StepCost | None = None
+    ps_async: StepCost | None = None
+    coordinator: StepCost | None = None
+    in_graph: StepCost | None = None
+    ps_async_crowded: StepCost | None = None
+    coordinator_crowded: StepCost | None = None
+
+
+@dataclass(frozen=True)
 class TransportFigures:
     """One transport's links (idle-core figures): ``allreduce`` for the ring formula, ``p2p`` for one
     message one way, ``ps``: a parameter server's exchange, one way (a push and its reply cost
@@ -124,7 +167,9 @@ class TransportFigures:
     ``idle_burn``: CPU a task burns while it waits in a collective (0: it sleeps; about 1: it spins,
     as Open MPI's blocking calls do); ``one_group``: the tasks of a job on this transport share one
     scheduling group on a host (an MPI job's ranks, under autogroup); ``cpu``: what moving the bytes
-    costs in CPU (the part of a transfer that slows down when tasks share cores)."""
+    costs in CPU (the part of a transfer that slows down when tasks share cores); ``steps``: the
+    strategies' own work per step beyond the links (:class:`StepCosts`, as :func:`step_residuals`
+    makes them; empty: none charged)."""
 
     name: str
     allreduce: Link
@@ -133,6 +178,7 @@ class TransportFigures:
     idle_burn: float = 0.0
     one_group: bool = False    # its tasks share one scheduling group (see Host.slowdown)
     cpu: CpuCosts = field(default_factory=CpuCosts)
+    steps: StepCosts = field(default_factory=StepCosts)
 
     @property
     def exchange(self) -> Link:
@@ -398,19 +444,107 @@ def _mirrored(setup: Setup, work: Workload, t: TransportFigures, share, straggle
     return parts
 
 
+def _in_graph_link(n: int, work: Workload, t: TransportFigures) -> tuple[float, float]:
+    """The in_graph client's link with ``n`` replicas: idle-core wall and the client's CPU seconds."""
+    S, rows, remote = work.param_bytes, work.input_bytes, n - 1
+    if remote < 1:
+        return 0.0, 0.0
+    wall = (t.p2p.latency_s + remote * (S + rows) / t.p2p.bandwidth_Bps
+            + t.p2p.latency_s + remote * S / t.p2p.bandwidth_Bps)
+    # the client sends each worker its rows and the values, and gets its gradients back: a round
+    # trip's CPU on the client per worker (the worker spends as much on its side)
+    return wall, remote * _cpu(t.cpu.p2p, S + rows / 2, wall / remote)
+
+
+def _in_graph_update(n: int, work: Workload) -> float:
+    """The in_graph client's merge of ``n`` gradients and its update, idle-core seconds."""
+    S = work.param_bytes
+    return n * S * work.add_s_per_byte + S * work.update_s_per_byte
+
+
 def _in_graph(setup: Setup, work: Workload, t: TransportFigures, share, straggle) -> dict:
-    n, S, rows = setup.workers, work.param_bytes, work.input_bytes
+    n = setup.workers
     remote = n - 1
     parts = {"compute": share(1) * n * work.data_s + share(n) * straggle(n) * work.compute_s,
-             "update": share(1) * (n * S * work.add_s_per_byte + S * work.update_s_per_byte)}
+             "update": share(1) * _in_graph_update(n, work)}
     if remote:
-        wall = (t.p2p.latency_s + remote * (S + rows) / t.p2p.bandwidth_Bps
-                + t.p2p.latency_s + remote * S / t.p2p.bandwidth_Bps)
-        # the client sends each worker its rows and the values, and gets its gradients back: a round
-        # trip's CPU on the client per worker (the worker spends as much on its side)
-        client = remote * _cpu(t.cpu.p2p, S + rows / 2, wall / remote)
+        wall, client = _in_graph_link(n, work, t)
         parts["client link"] = phase(wall, client, 2 * client, share)
+        own = t.steps.in_graph      # the client's work per remote replica beyond its link and update
+        if own is not None and own.wall_s > 0:
+            parts["client steps"] = phase(remote * own.wall_s, remote * own.cpu_s, remote * own.cpu_s, share)
     return parts
+
+
+def _ps_exchange(work: Workload, t: TransportFigures, ps: int, workers: int) -> tuple[float, float]:
+    """The model's exchange with the ps tasks, from the links alone (idle-core): the wall seconds of
+    a sync round of ``workers`` on the busiest shard (one worker: its push and pull), and a worker's
+    CPU seconds for it."""
+    biggest = max(work.shard_bytes(ps))
+    link = t.exchange
+    wall = fan_in_s(biggest, workers, link)
+    if t.ps is None:    # (the p2p link has no update in it)
+        wall += biggest * work.update_s_per_byte
+    return wall, _cpu(t.cpu.exchange, work.param_bytes, round_trip_s(biggest, link))
+
+
+def _sync_steps(setup: Setup, t: TransportFigures) -> tuple[float, float]:
+    """A sync round's own work beyond the exchange, with ``setup.workers`` workers: the measured
+    worker alone (``ps_async``), plus what each further worker added to a measured round
+    (``ps_sync``, linear in the workers); a worker under the coordinator adds its own step's extra
+    (it pulls before its step instead of with its push)."""
+    n, steps = setup.workers, t.steps
+    alone, round_ = steps.ps_async, steps.ps_sync
+    if alone is not None and round_ is not None and round_.workers > 1:
+        per = (n - 1) / (round_.workers - 1)
+        wall = alone.wall_s + per * max(0.0, round_.wall_s - alone.wall_s)
+        cpu = alone.cpu_s + per * max(0.0, round_.cpu_s - alone.cpu_s)
+    elif alone is not None or round_ is not None:
+        wall, cpu = (alone.wall_s, alone.cpu_s) if alone is not None else (round_.wall_s, round_.cpu_s)
+    else:
+        wall = cpu = 0.0
+    if setup.strategy == "parameter_server" and steps.coordinator is not None and alone is not None:
+        wall += max(0.0, steps.coordinator.wall_s - alone.wall_s)
+        cpu += max(0.0, steps.coordinator.cpu_s - alone.cpu_s)
+    return wall, cpu
+
+
+def _grown(alone: StepCost | None, crowded: StepCost | None, n: int, part: str = "") -> tuple[float, float]:
+    """A measured figure (``part``: "" for the step's own, "dispatch" for the dispatch) with ``n``
+    workers: as measured alone, plus per further worker what the crowded measurement added (linear
+    in the workers, never less than alone); the one measured when the other was not."""
+    def pick(m: StepCost) -> tuple[float, float]:
+        return (m.dispatch_s, m.dispatch_cpu_s) if part == "dispatch" else (m.wall_s, m.cpu_s)
+    if alone is None and crowded is None:
+        return 0.0, 0.0
+    if alone is None or crowded is None or crowded.workers <= alone.workers:
+        return pick(alone if alone is not None else crowded)
+    (wall1, cpu1), (wall2, cpu2) = pick(alone), pick(crowded)
+    per = max(0, n - alone.workers) / (crowded.workers - alone.workers)
+    return wall1 + per * max(0.0, wall2 - wall1), cpu1 + per * max(0.0, cpu2 - cpu1)
+
+
+def _serve_extra(setup: Setup, t: TransportFigures) -> float:
+    """The ps's CPU per step beyond a bare push (as :func:`step_residuals` leaves it), measured in
+    the steps job closest to ``setup``: a sync round; async workers at once, else alone; under a
+    coordinator, the crowded one, else alone."""
+    steps = t.steps
+    if setup.mode == "sync":
+        order = (steps.ps_sync, steps.ps_async_crowded, steps.ps_async)
+    elif setup.strategy == "parameter_server":
+        order = (steps.coordinator_crowded, steps.coordinator, steps.ps_async_crowded, steps.ps_async)
+    else:
+        order = (steps.ps_async_crowded, steps.ps_async)
+    return next((m.serve_cpu_s for m in order if m is not None), 0.0)
+
+
+def _dispatch(t: TransportFigures, n: int) -> tuple[float, float]:
+    """The coordinator's dispatch of one closure with ``n`` workers: wall and CPU seconds, measured
+    if it was, else a closure out and its result back on the p2p link."""
+    if t.steps.coordinator is not None or t.steps.coordinator_crowded is not None:
+        return _grown(t.steps.coordinator, t.steps.coordinator_crowded, n, "dispatch")
+    wall = 2 * t.p2p.latency_s
+    return wall, 2 * _cpu(t.cpu.p2p, 0, wall)
 
 
 def _ps_sync(setup: Setup, work: Workload, t: TransportFigures, share, straggle) -> dict:
@@ -423,13 +557,18 @@ def _ps_sync(setup: Setup, work: Workload, t: TransportFigures, share, straggle)
     serve = _cpu(t.cpu.serve, biggest, round_trip_s(biggest, link))          # the busiest shard, per push
     serve_all = sum(_cpu(t.cpu.serve, b, round_trip_s(b, link)) for b in shards)
     worker = _cpu(t.cpu.exchange, S, round_trip_s(biggest, link))           # a worker, all its shards
+    extra = _serve_extra(setup, t)     # the ps's CPU per step beyond a bare push, on every shard
+    serve, serve_all = serve + extra, serve_all + p * extra
     parts = {"compute": share(n) * straggle(n) * (work.data_s + work.compute_s),
              "ps fan-in": phase(wall, n * serve + worker, n * (serve_all + worker), share)}
     if t.ps is None:   # the p2p link moves the bytes; the shard's adds and update come on top
         parts["ps update"] = share(p) * biggest * (n * work.add_s_per_byte + work.update_s_per_byte)
+    own_wall, own_cpu = _sync_steps(setup, t)
+    if own_wall > 0:
+        parts["ps steps"] = phase(own_wall, own_cpu, n * own_cpu, share)
     if coordinator:
-        dispatch = 2 * t.p2p.latency_s
-        parts["dispatch"] = phase(dispatch, _cpu(t.cpu.p2p, 0, dispatch), 2 * _cpu(t.cpu.p2p, 0, dispatch), share)
+        dispatch, dispatch_cpu = _dispatch(t, n)
+        parts["dispatch"] = phase(dispatch, dispatch_cpu, n * dispatch_cpu, share)
     return parts
 
 
@@ -444,12 +583,21 @@ def _ps_async(setup: Setup, work: Workload, t: TransportFigures, share) -> tuple
     exchange = 2 * link.latency_s + 2 * biggest / link.bandwidth_Bps + extra   # a push and the values back
     serve = _cpu(t.cpu.serve, biggest, exchange - 2 * link.latency_s)         # the busiest shard's CPU per push
     serve_all = sum(_cpu(t.cpu.serve, b, 2 * b / link.bandwidth_Bps + extra) for b in shards)
+    own_serve = _serve_extra(setup, t)   # the ps's CPU per step beyond a bare push, on every shard
+    serve, serve_all = serve + own_serve, serve_all + p * own_serve
     worker = _cpu(t.cpu.exchange, S, exchange)
-    dispatch = 2 * t.p2p.latency_s if coordinator else 0.0    # the coordinator's closure and its result
-    dispatch_cpu = _cpu(t.cpu.p2p, 0, dispatch) if coordinator else 0.0
+    # the worker's step beyond the exchange, as measured with n workers (under the coordinator: there)
+    steps = t.steps
+    if coordinator and (steps.coordinator is not None or steps.coordinator_crowded is not None):
+        own_wall, own_cpu = _grown(steps.coordinator, steps.coordinator_crowded, n)
+    else:
+        own_wall, own_cpu = _grown(steps.ps_async, steps.ps_async_crowded, n)
+    exchange += own_wall
+    worker += own_cpu
+    dispatch, dispatch_cpu = _dispatch(t, n) if coordinator else (0.0, 0.0)   # the closure and its result
     # The tasks overlap freely: the cores are shared by the tasks busy on average, which depends on
     # the pace (a fixed point): each worker's loop, or the busiest shard's queue when it is longer.
-    work_cpu = n * (local + worker + serve_all + 2 * dispatch_cpu)   # CPU seconds per global step
+    work_cpu = n * (local + worker + serve_all + dispatch_cpu)   # CPU seconds per global step
     slow = 1.0
     for _ in range(100):
         exchanged = exchange + min(serve + worker, exchange) * (slow - 1)
@@ -467,6 +615,50 @@ def _ps_async(setup: Setup, work: Workload, t: TransportFigures, share) -> tuple
         if dispatch:
             parts["dispatch"] = dispatched
     return parts, pace
+
+
+def step_residuals(measured: StepCosts, work: Workload, t: TransportFigures, ps: int = 1) -> StepCosts:
+    """The steps probe's figures (``measured``: each step's time less its compute, as measured over
+    ``t``'s transport with ``ps`` ps tasks) less what the model already charges for them from ``t``'s
+    links (the exchange, the in_graph client's link and update): what is left is the strategies' own
+    work, which the predictions add (none below zero). The in_graph figure becomes per remote replica.
+
+    >>> t = TransportFigures("zmq", Link(1e-4, 1e9), Link(1e-4, 1e9), ps=Link(1e-4, 1e9))
+    >>> work = Workload("m", 100, 1_000_000, 0, 0.0, 0.01, 0.0, 0.0)
+    >>> r = step_residuals(StepCosts(ps_async=StepCost(1, 0.0030, 0.0030)), work, t)
+    >>> round(r.ps_async.wall_s * 1e3, 3)     # 3 ms measured, 2.2 ms of it the exchange (2 alpha + 2 MB / bw)
+    0.8
+    """
+    biggest = max(work.shard_bytes(ps))
+    bare_serve = _cpu(t.cpu.serve, biggest, round_trip_s(biggest, t.exchange))   # a bare push on the ps
+
+    def less(m: StepCost | None, wall: float, cpu: float, per: int = 1) -> StepCost | None:
+        if m is None:
+            return None
+        own_wall = max(0.0, m.wall_s - wall) / per
+        own_cpu = min(max(0.0, m.cpu_s - cpu) / per, own_wall)
+        serve = max(0.0, m.serve_cpu_s - bare_serve) if m.serve_cpu_s > 0 else 0.0
+        return replace(m, wall_s=own_wall, cpu_s=own_cpu, serve_cpu_s=serve)
+
+    def exchange(m: StepCost | None) -> tuple[float, float]:   # a sync round's fan-in
+        return _ps_exchange(work, t, ps, m.workers) if m is not None else (0.0, 0.0)
+
+    in_graph = measured.in_graph
+    if in_graph is not None and in_graph.workers > 1:
+        wall, cpu = _in_graph_link(in_graph.workers, work, t)
+        update = _in_graph_update(in_graph.workers, work)
+        in_graph = less(in_graph, wall + update, cpu + update, in_graph.workers - 1)
+    else:
+        in_graph = None
+    def alone(m: StepCost | None) -> tuple[float, float]:   # an async worker's exchange: its own round trip
+        return _ps_exchange(work, t, ps, 1) if m is not None else (0.0, 0.0)
+
+    return StepCosts(ps_sync=less(measured.ps_sync, *exchange(measured.ps_sync)),
+                     ps_async=less(measured.ps_async, *alone(measured.ps_async)),
+                     coordinator=less(measured.coordinator, *alone(measured.coordinator)),
+                     in_graph=in_graph,
+                     ps_async_crowded=less(measured.ps_async_crowded, *alone(measured.ps_async_crowded)),
+                     coordinator_crowded=less(measured.coordinator_crowded, *alone(measured.coordinator_crowded)))
 
 
 # -- the choice -------------------------------------------------------------------------------------

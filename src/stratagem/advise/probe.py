@@ -12,7 +12,13 @@ running :mod:`stratagem.advise.probe_task`, with one math thread each (as the be
 - a *link* job per transport, 2 workers and a ps: all-reduce, round trips and a real parameter
   server's push-and-pull at a few sizes around the model's, with the CPU each cost; fitted to the
   alpha-beta :class:`~stratagem.advise.costmodel.Link` of each and its
-  :class:`~stratagem.advise.costmodel.CpuCosts` (:func:`fit_transport`).
+  :class:`~stratagem.advise.costmodel.CpuCosts` (:func:`fit_transport`);
+- a *steps* job per strategy and transport (:data:`STEP_JOBS`, :mod:`stratagem.advise.steps_task`):
+  the strategy's real steps on the model's variables, the compute in place but not counted (a
+  ``between_graph`` sync round of 2 workers and an async worker alone, a ``parameter_server`` worker
+  under its coordinator, the ``in_graph`` client with 2 replicas): the time and CPU a step costs
+  beyond the compute (:func:`fit_steps`), of which the cost model charges what the links do not
+  explain (:func:`~stratagem.advise.costmodel.step_residuals`).
 
 A transport that cannot run here is reported with the reason (as ``stratagem bench`` does) and left
 out of the predictions. A job that fails raises :class:`ProbeError` with its failed task's last
@@ -26,6 +32,7 @@ measurement can be refitted.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -53,7 +60,8 @@ class ProbeError(StratagemError):
 
 @dataclass(frozen=True)
 class ProbeSettings:
-    """How hard to measure. ``quick``: fewer sizes, rounds and seconds (about half the time)."""
+    """How hard to measure. ``quick``: fewer sizes, rounds, seconds and steps (the jobs' start-up,
+    about a second each, stays)."""
 
     model: str = "mlp"
     transports: tuple = ()
@@ -101,9 +109,10 @@ def transport_from_dict(t: dict) -> cm.TransportFigures:
     def link(value):
         return cm.Link(**value) if value else None
     cpu = t.get("cpu") or {}
+    steps = {k: cm.StepCost(**v) for k, v in (t.get("steps") or {}).items() if v}
     return cm.TransportFigures(t["name"], link(t["allreduce"]), link(t["p2p"]), link(t.get("ps")),
                                t.get("idle_burn", 0.0), t.get("one_group", False),
-                               cpu=cm.CpuCosts(**{k: link(v) for k, v in cpu.items()}))
+                               cpu=cm.CpuCosts(**{k: link(v) for k, v in cpu.items()}), steps=cm.StepCosts(**steps))
 
 
 def host_from_dict(doc: dict) -> cm.Host:
@@ -217,9 +226,10 @@ class _Tail:
         return [lines[-1] for name, lines in self.lines.items() if name and lines]
 
 
-def run_job(spec: dict, tasks: int, transport: str, timeout: float, mpi_job: bool = False, ps: int = 0) -> dict:
-    """One job of ``tasks`` worker tasks (and ``ps`` ps tasks) running the probe task with ``spec``;
-    the first task's JSON."""
+def run_job(spec: dict, tasks: int, transport: str, timeout: float, mpi_job: bool = False, ps: int = 0,
+            chief: bool = False, script: str | None = None) -> dict:
+    """One job of ``tasks`` worker tasks (and ``ps`` ps tasks, and a ``chief`` task) running the probe
+    task with ``spec`` (``script``: a script file instead of the probe task module); the first task's JSON."""
     from stratagem.launch.launcher import launch
     from stratagem.launch.mpi import launch_mpi
 
@@ -229,14 +239,15 @@ def run_job(spec: dict, tasks: int, transport: str, timeout: float, mpi_job: boo
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         tail = _Tail()
-        command = [sys.executable, "-m", _TASK_MODULE, spec_path]
+        command = [sys.executable, script, spec_path] if script else [sys.executable, "-m", _TASK_MODULE, spec_path]
         env = {**ONE_THREAD, "PYTHONUNBUFFERED": "1"}
         if mpi_job:
-            result = launch_mpi(command, workers=tasks, ps=ps, transport=transport, env=env, timeout=timeout,
-                                output=tail, error_output=tail)
+            # (an MPI job's chief is rank 0, worker:0: one more worker)
+            result = launch_mpi(command, workers=tasks + chief, ps=ps, transport=transport, env=env,
+                                timeout=timeout, output=tail, error_output=tail)
         else:
-            result = launch(command, workers=tasks, ps=ps, transport=transport, env=env, timeout=timeout,
-                            output=tail, error_output=tail, ps_grace=10.0)
+            result = launch(command, workers=tasks, ps=ps, chief=chief, transport=transport, env=env,
+                            timeout=timeout, output=tail, error_output=tail, ps_grace=10.0)
         if result.ok and os.path.exists(spec["out"]):
             with open(spec["out"]) as f:
                 doc = json.load(f)
@@ -244,6 +255,10 @@ def run_job(spec: dict, tasks: int, transport: str, timeout: float, mpi_job: boo
             if os.path.exists(ps_cpu):
                 with open(ps_cpu) as f:
                     doc["ps_server_cpu"] = json.load(f)
+            others = sorted(n for n in os.listdir(tmp) if n.startswith("out.json.") and not n.endswith(".tmp"))
+            for name in others:                             # the other tasks' figures (steps probe)
+                with open(os.path.join(tmp, name)) as f:
+                    doc.setdefault("tasks", {})[name[len("out.json."):]] = json.load(f)
             return doc
         failed = result.failed_task.short if getattr(result, "failed_task", None) is not None else None
         lines = tail.of(failed)
@@ -337,7 +352,7 @@ def autogroup() -> bool:
 
 
 def measure(settings: ProbeSettings, on_progress: Callable[[str], None] = lambda text: None) -> Measurements:
-    """Run the probes (about 20-40 s on 2 cores; ``quick``: less) and fit the cost model's figures."""
+    """Run the probes (about 40 s on 2 cores with 4 transports, 30 s ``quick``) and fit the cost model's figures."""
     from stratagem.bench.availability import check_transport
     from stratagem.core.errors import PluginError
 
@@ -374,14 +389,115 @@ def measure(settings: ProbeSettings, on_progress: Callable[[str], None] = lambda
                                "idle_probe": 0.15 if settings.quick else 0.25}, 2, name,
                               settings.timeout, mpi_job=checks[name].mpi_job, ps=1)
         links[name]["one_group"] = bool(checks[name].mpi_job and grouped)
+        links[name]["steps"] = measure_steps(settings, name, checks[name].mpi_job, on_progress)
     raw = {"model": model, "machine": machine, "links": links, "plan": plan,
            "loadavg_at_end": list(os.getloadavg())}
     return fit(raw, skipped, time.monotonic() - started)
+
+
+#: The steps probe's jobs: (strategy, mode, workers that step, ps tasks, a coordinator task). Two
+#: workers for a sync round; two async workers, the first alone and then both at once (what a
+#: second worker adds: the cores, the ps and the wake-ups shared); one and two workers under a
+#: coordinator (its dispatch, alone and shared); two in_graph replicas (the client's work per replica).
+STEP_JOBS = (("between_graph", "sync", 2, 1, False), ("between_graph", "async", 2, 1, False),
+             ("parameter_server", "async", 1, 1, True), ("parameter_server", "async", 2, 1, True),
+             ("in_graph", None, 2, 0, False))
+_STEPS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "steps_task.py")
+
+
+def measure_steps(settings: ProbeSettings, transport: str, mpi_job: bool,
+                  on_progress: Callable[[str], None] = lambda text: None) -> list[dict]:
+    """The strategies' steps with no compute over ``transport`` (:mod:`stratagem.advise.steps_task`):
+    one job per :data:`STEP_JOBS` entry; each entry's raw figures, with its shape."""
+    out = []
+    for strategy, mode, workers, ps, coordinator in STEP_JOBS:
+        label = f"{strategy}:{mode}" if mode else strategy
+        on_progress(f"steps: {label} over {transport}, {workers} worker{'s' * (workers != 1)}")
+        spec = {"mode": "steps", "strategy": strategy, "consistency": mode, "transport": transport,
+                "model": settings.model, "seed": settings.seed, "warmup": 3, "steps": 20 if settings.quick else 40}
+        doc = run_job(spec, workers, transport, settings.timeout, mpi_job=mpi_job, ps=ps, chief=coordinator,
+                      script=_STEPS_SCRIPT)
+        doc.update(workers=workers, ps=ps)
+        out.append(doc)
+    return out
+
+
+def fit_steps(docs: Sequence[dict] | None) -> cm.StepCosts:
+    """The steps probe's figures as measured (:class:`~stratagem.advise.costmodel.StepCosts`): per
+    step, the median wall and CPU seconds beyond the compute, after the warm-up steps.
+
+    A sync round's wall is the last worker's to arrive (each step's least over the workers): the
+    others also wait for its compute, which the model charges as stragglers. A closure's dispatch is
+    the coordinator's wall per closure less the mean closure on its worker (its step and compute);
+    its CPU, the coordinator's per closure and the worker's beyond its step."""
+    found = {}
+    for doc in docs or ():
+        strategy, mode = doc["strategy"], doc.get("consistency")
+        skip = 0 if strategy == "parameter_server" else int(doc.get("warmup", 0))
+        wall, cpu = doc["wall_s"][skip:], doc["cpu_s"][skip:]
+        workers = int(doc["workers"])
+        tasks = doc.get("tasks") or {}
+        ps_clock = next((t["cpu_clock"] for name, t in tasks.items() if name.startswith("ps-")), None)
+        steppers = [doc] + [t for name, t in tasks.items() if not name.startswith("ps-")]
+
+        def served(runs: Sequence[dict]) -> float:   # the ps's CPU per step of these runs
+            return _cpu_per_step(ps_clock, [t for run in runs for t in (run.get("ended") or [])[skip:]])
+        if strategy == "between_graph" and mode == "sync":
+            for other in steppers[1:]:
+                wall = [min(a, b) for a, b in zip(wall, other["wall_s"][skip:])]
+            found["ps_sync"] = cm.StepCost(workers, _median(wall), _median(cpu), serve_cpu_s=served(steppers))
+        elif strategy == "between_graph":
+            if doc.get("alone"):    # the chief alone first, then every worker at once
+                alone = doc["alone"]
+                found["ps_async"] = cm.StepCost(1, _median(alone["wall_s"][skip:]), _median(alone["cpu_s"][skip:]),
+                                                serve_cpu_s=served([alone]))
+                found["ps_async_crowded"] = cm.StepCost(
+                    workers, _median([t for d in steppers for t in d["wall_s"][skip:]]),
+                    _median([t for d in steppers for t in d["cpu_s"][skip:]]), serve_cpu_s=served(steppers))
+            else:
+                found["ps_async" if workers == 1 else "ps_async_crowded"] = cm.StepCost(
+                    workers, _median(wall), _median(cpu), serve_cpu_s=served(steppers))
+        elif strategy == "parameter_server":
+            closures = max(1, int(doc["closures"]))
+            on_worker = [w + c for w, c in zip(wall, doc["compute_s"])]
+            # the coordinator's wall per closure on each worker (they run side by side)
+            dispatch = max(0.0, doc["coordinator_wall_s"] * workers / closures - sum(on_worker) / len(on_worker))
+            by_worker = collections.defaultdict(list)
+            for task, clock in zip(doc.get("workers_of") or [], doc.get("clock_s") or []):
+                by_worker[task].append(clock)
+            spent = [b - a for clocks in by_worker.values() for a, b in zip(clocks, clocks[1:])]
+            stepped = [c + k for c, k in zip(cpu, doc.get("compute_cpu_s") or [])]
+            beside = max(0.0, _median(spent) - _median(stepped)) if spent and stepped else 0.0
+            figure = cm.StepCost(workers, _median(wall), _median(cpu), dispatch,
+                                 doc["coordinator_cpu_s"] / closures + beside, served([doc]))
+            found["coordinator" if workers == 1 else "coordinator_crowded"] = figure
+        elif strategy == "in_graph":
+            found["in_graph"] = cm.StepCost(int(doc.get("replicas", doc["workers"])), _median(wall), _median(cpu))
+    return cm.StepCosts(**found)
+
+
+def _cpu_per_step(clock: Sequence | None, ended: Sequence[float]) -> float:
+    """A task's CPU seconds per step, from its CPU clock (``[(wall time, CPU seconds), ...]``) between
+    the first and the last of the steps' end times (the steps that ended in between); 0 without."""
+    ended = sorted(ended)
+    if not clock or len(ended) < 2:
+        return 0.0
+
+    def cpu_at(when: float) -> float:
+        for (t0, c0), (t1, c1) in zip(clock, clock[1:]):
+            if t0 <= when <= t1:
+                return c0 + (c1 - c0) * (when - t0) / (t1 - t0) if t1 > t0 else c1
+        return clock[0][1] if when < clock[0][0] else clock[-1][1]
+    return max(0.0, cpu_at(ended[-1]) - cpu_at(ended[0])) / (len(ended) - 1)
 
 
 def fit(raw: dict, skipped: dict | None = None, seconds: float = 0.0) -> Measurements:
     """The cost model's figures from the probes' raw output (``Measurements.raw``): refitting a
     saved measurement gives the same figures as when it was measured."""
     host, work = fit_machine(raw["machine"], raw["model"])
-    figures = {name: fit_transport(link, one_group=link.get("one_group", False)) for name, link in raw["links"].items()}
+    figures = {}
+    for name, link in raw["links"].items():
+        figures[name] = t = fit_transport(link, one_group=link.get("one_group", False))
+        if link.get("steps"):   # the strategies' own work, beyond what these links explain
+            figures[name] = dataclasses.replace(t, steps=cm.step_residuals(fit_steps(link["steps"]), work, t))
     return Measurements(host, work, figures, dict(skipped or {}), raw, seconds)
