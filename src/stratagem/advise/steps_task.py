@@ -38,7 +38,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 import numpy as np  # noqa: E402
 
 import stratagem  # noqa: E402
-from stratagem.bench.models import build_model  # noqa: E402
+from stratagem.bench.models import build_model, gradient_pairs, step_values  # noqa: E402
 
 with open(sys.argv[1]) as _f:
     SPEC = json.load(_f)
@@ -50,29 +50,6 @@ _PARAMS = MODEL.init_params(SEED)
 GRADS = {name: np.asarray(grad, np.asarray(_PARAMS[name]).dtype)
          for name, grad in MODEL.loss_and_grads(_PARAMS, BATCH)[1].items()}
 ROWS = MODEL.sparse_rows(BATCH)
-
-
-def read_params(variables: dict) -> dict:
-    """The values a step reads (as the bench's step: the rows of sparse parameters, else whole)."""
-    out = {}
-    for name, var in variables.items():
-        if name in ROWS:
-            gather = getattr(var, "gather", None)
-            out[name] = gather(ROWS[name]) if gather is not None else var.value[ROWS[name]]
-        else:
-            out[name] = var.value
-    return out
-
-
-def gradient_pairs(variables: dict) -> list:
-    """The fixed gradients as (gradient, variable) pairs, sparse ones as ``IndexedSlices``."""
-    pairs = []
-    for name in sorted(variables):
-        grad, var = GRADS[name], variables[name]
-        if name in ROWS:
-            grad = stratagem.IndexedSlices(grad, ROWS[name], var.shape)
-        pairs.append((grad, var))
-    return pairs
 
 
 def compute() -> tuple:
@@ -91,9 +68,9 @@ def hollow_step(variables: dict, opt) -> tuple:
     """Read the variables, compute, apply the fixed gradients: ``(wall, CPU, compute wall, compute
     CPU)`` seconds, the first two without the compute's."""
     start, used = time.perf_counter(), time.process_time()
-    read_params(variables)
+    step_values(variables, ROWS)
     compute_wall, compute_cpu = compute()
-    opt.apply_gradients(gradient_pairs(variables))
+    opt.apply_gradients(gradient_pairs(variables, ROWS, GRADS))
     return (time.perf_counter() - start - compute_wall, time.process_time() - used - compute_cpu,
             compute_wall, compute_cpu, time.time())
 
@@ -107,9 +84,9 @@ def ps_step(variables, opt):
 def in_graph_step(batch):
     """An in_graph replica's part (the client merges the gradients): its compute's wall and CPU
     seconds, and its process (the client's own replica runs in the client)."""
-    read_params(variables)
+    step_values(variables, ROWS)
     compute_wall, compute_cpu = compute()
-    opt.apply_gradients(gradient_pairs(variables))
+    opt.apply_gradients(gradient_pairs(variables, ROWS, GRADS))
     return [compute_wall, compute_cpu, os.getpid()]
 
 

@@ -45,6 +45,7 @@ from typing import Any, Callable
 import numpy as np
 
 from stratagem.core.errors import ConfigurationError
+from stratagem.training.sparse import IndexedSlices
 
 REQUIRED = ("name", "batch_size", "learning_rate", "init_params", "batch", "loss_and_grads")
 
@@ -255,3 +256,29 @@ def build_model(spec: str) -> Any:
     if not hasattr(model, "target_loss"):
         model.target_loss = None
     return model
+
+
+def step_values(variables: dict, rows: dict) -> dict:
+    """What one training step reads of ``variables`` (strategy variables): the rows ``rows`` (the
+    batch's ``sparse_rows``) names of a sparse parameter, gathered where the variable can (from the ps
+    tasks), else indexed; every other parameter whole."""
+    values = {}
+    for name, var in variables.items():
+        if name in rows:
+            gather = getattr(var, "gather", None)
+            values[name] = gather(rows[name]) if gather is not None else var.value[rows[name]]
+        else:
+            values[name] = var.value
+    return values
+
+
+def gradient_pairs(variables: dict, rows: dict, grads: dict) -> list:
+    """``(gradient, variable)`` pairs in name order for ``apply_gradients``; the row gradients of a
+    sparse parameter as ``IndexedSlices`` (which the parameter servers move as rows)."""
+    pairs = []
+    for name in sorted(variables):
+        grad, var = grads[name], variables[name]
+        if name in rows:
+            grad = IndexedSlices(grad, rows[name], var.shape)
+        pairs.append((grad, var))
+    return pairs

@@ -34,53 +34,22 @@ import numpy as np  # noqa: E402
 
 import stratagem  # noqa: E402
 from stratagem.bench.measure import section_bytes  # noqa: E402
-from stratagem.bench.models import build_model  # noqa: E402
+from stratagem.bench.models import build_model, gradient_pairs, step_values  # noqa: E402
 
 with open(os.environ["STRATAGEM_BENCH_SPEC"]) as _f:
     SPEC = json.load(_f)
 MODEL = build_model(SPEC["model"])
 
 
-def read_params(variables: dict, batch: tuple) -> dict:
-    """The values one step reads: the rows ``sparse_rows`` names of sparse parameters, else whole."""
-    rows = MODEL.sparse_rows(batch)
-    values = {}
-    for name, var in variables.items():
-        if name in rows:
-            gather = getattr(var, "gather", None)
-            values[name] = gather(rows[name]) if gather is not None else var.value[rows[name]]
-        else:
-            values[name] = var.value
-    return values
-
-
-def as_gradients(variables: dict, batch: tuple, grads: dict) -> list:
-    """(gradient, variable) pairs; a sparse parameter's row gradients as ``IndexedSlices`` when the
-    library has them, else scattered into a dense gradient."""
-    rows = MODEL.sparse_rows(batch)
-    pairs = []
-    for name in sorted(variables):
-        grad, var = grads[name], variables[name]
-        if name in rows:
-            slices = getattr(stratagem, "IndexedSlices", None)
-            if slices is not None:
-                grad = slices(grad, rows[name], var.shape)
-            else:
-                dense = np.zeros(var.shape, var.dtype)
-                dense[rows[name]] = grad
-                grad = dense
-        pairs.append((grad, var))
-    return pairs
-
-
 def one_step(variables: dict, opt, batch: tuple) -> tuple:
     """Read, compute, apply: ``(loss, compute seconds, step seconds, wall start, wall end)``."""
     wall, start = time.time(), time.perf_counter()
-    values = read_params(variables, batch)
+    rows = MODEL.sparse_rows(batch)
+    values = step_values(variables, rows)
     begin = time.perf_counter()
     loss, grads = MODEL.loss_and_grads(values, batch)
     computed = time.perf_counter()
-    opt.apply_gradients(as_gradients(variables, batch, grads))
+    opt.apply_gradients(gradient_pairs(variables, rows, grads))
     end = time.perf_counter()
     return float(loss), computed - begin, end - start, wall, wall + (end - start)
 
@@ -126,11 +95,12 @@ with strategy.scope():
 
 def in_graph_step(batch):
     """One in_graph replica's rows: its loss and compute seconds (the client applies the update)."""
-    values = read_params(variables, batch)
+    rows = MODEL.sparse_rows(batch)
+    values = step_values(variables, rows)
     begin = time.perf_counter()
     loss, grads = MODEL.loss_and_grads(values, batch)
     compute = time.perf_counter() - begin
-    opt.apply_gradients(as_gradients(variables, batch, grads))
+    opt.apply_gradients(gradient_pairs(variables, rows, grads))
     return float(loss), compute
 
 
