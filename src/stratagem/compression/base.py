@@ -53,7 +53,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import numpy as np
 
 from stratagem.core.errors import ConfigurationError, ProtocolError
-from stratagem.core.options import reject_unknown_options
+from stratagem.core.options import declared_options, reject_unknown_options
 from stratagem.training.variables import array_module, is_device_array
 
 #: What ``Compressor.reduction`` may be.
@@ -115,10 +115,7 @@ class Compressor:
     @classmethod
     def option_defaults(cls) -> dict[str, Any]:
         """The compressor's options and their defaults, from ``options`` of this class and its bases."""
-        merged: dict[str, Any] = {}
-        for klass in reversed(cls.__mro__):
-            merged.update(klass.__dict__.get("options", {}))
-        return merged
+        return declared_options(cls)
 
     @classmethod
     def check_usable(cls) -> None:

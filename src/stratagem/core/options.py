@@ -47,6 +47,21 @@ def transport_name_from_env(environ: Mapping[str, str] | None = None) -> str | N
     return (os.environ if environ is None else environ).get(TRANSPORT_ENV, "").strip() or None
 
 
+def declared_options(cls: type) -> dict[str, Any]:
+    """The options a plugin class declares and their defaults: the ``options`` of ``cls`` and of its
+    bases, a subclass's overriding its base's.
+
+    >>> class Base: options = {"a": 1, "b": 2}
+    >>> class Sub(Base): options = {"b": 3}
+    >>> declared_options(Sub)
+    {'a': 1, 'b': 3}
+    """
+    merged: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        merged.update(klass.__dict__.get("options", {}))
+    return merged
+
+
 def reject_unknown_options(what: str, options: Mapping[str, Any], accepted) -> None:
     """Raise ``ConfigurationError`` naming the options ``what`` does not accept and those it does."""
     unknown = sorted(set(options) - set(accepted))

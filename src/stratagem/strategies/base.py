@@ -43,7 +43,7 @@ from stratagem.core.cluster import ClusterSpec, TaskId, is_evaluator
 from stratagem.core.errors import ConfigurationError, IncompatibleError, StratagemError
 from stratagem.core.lifecycle import end_at_exit
 from stratagem.core.transport import Transport
-from stratagem.core.options import reject_unknown_options
+from stratagem.core.options import declared_options, reject_unknown_options
 from stratagem.core.transport_factory import default_factory
 from stratagem.training.replica_sync import broadcast_arrays, broadcast_json, dtype_key, flatten_state, rebuild_state
 from stratagem.training.sharding import shard_batch
@@ -202,10 +202,7 @@ class Strategy:
     @classmethod
     def option_defaults(cls) -> dict[str, Any]:
         """The strategy's options and their defaults, from ``options`` of this class and its bases."""
-        merged: dict[str, Any] = {}
-        for klass in reversed(cls.__mro__):
-            merged.update(klass.__dict__.get("options", {}))
-        return merged
+        return declared_options(cls)
 
     def check_config(self) -> None:
         """Validate ``self.config`` (the options) before any transport exists; raise ``ConfigurationError``."""
