@@ -75,3 +75,22 @@ def test_bad_restart_options_are_refused(tmp_path):
     cli = subprocess.run([sys.executable, "-m", "stratagem", "launch", "--mpi", "--restart-workers", "1", "--",
                           "true"], capture_output=True, text=True, timeout=30)
     assert cli.returncode == 2 and "--restart-workers works with the local launcher only" in cli.stderr
+
+
+def test_a_worker_killed_after_the_policy_looked_is_left_to_the_policy_not_the_jobs_failure():
+    # CI once lost this race: worker:2 died between the restart policy's look and the failure check,
+    # and the job was stopped as failed instead of worker:2 being restarted.
+    from stratagem.core.cluster import ClusterSpec
+    from stratagem.launch.restarts import Restarts
+    from stratagem.launch.supervisor import RunningTask, first_failure
+
+    cluster = ClusterSpec({"worker": ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]})
+    policy = Restarts(1, cluster, start=None, report=lambda line: None)
+    dead = [subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+            for _ in range(2)]
+    for process in dead:
+        process.wait(timeout=30)
+    chief, worker = RunningTask(TaskId("worker", 0), dead[0]), RunningTask(TaskId("worker", 2), dead[1])
+    assert first_failure([worker], policy) is None           # the policy restarts or tolerates it next
+    assert first_failure([worker]).failed_task == worker.task   # without the policy it fails the job
+    assert first_failure([chief, worker], policy).failed_task == chief.task   # the chief is never covered

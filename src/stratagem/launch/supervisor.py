@@ -277,9 +277,14 @@ class Outcome:
     interrupted_by: int | None = None
 
 
-def first_failure(tasks: list[RunningTask]) -> Outcome | None:
-    """The first task that failed on its own (non-zero exit or killed by a signal we did not send)."""
+def first_failure(tasks: list[RunningTask], restarts: Restarts | None = None) -> Outcome | None:
+    """The first task that failed on its own (non-zero exit or killed by a signal we did not send).
+
+    A task the ``restarts`` policy covers is never one: the policy restarts or tolerates it when it
+    next looks, even if it died just after the policy's last look."""
     for t in tasks:
+        if restarts is not None and restarts.covers(t.task):
+            continue
         code = t.poll()
         if code and not t.stopped_by_launcher and not t.tolerated:
             how = f"was killed by {describe_signal(-code)}" if code < 0 else f"exited with code {code}"
@@ -296,18 +301,21 @@ def supervise(tasks: list[RunningTask], pump: OutputPump, trap: SignalTrap, *,
     ps_deadline = None
     while True:
         pump.pump(POLL_INTERVAL)
-        if restarts is not None:
-            restarts.handle(tasks)   # may replace a dead worker in ``tasks`` by its new process
-        drivers = [t for t in tasks if t.task.job not in SERVING_JOBS]
         now = time.monotonic()
         if trap.received:
             sig = trap.received[0]
             return Outcome(f"interrupted by {describe_signal(sig)}; stopped every task",
                            EXIT_SIGNALLED[sig], interrupted_by=sig)
         # Which tasks are over, looked at before their exit codes: a task that exits between the two
-        # looks is then seen failing, never counted as finished without its code being checked.
+        # looks is then seen failing, never counted as finished without its code being checked. The
+        # restart policy looks after that snapshot, so each covered worker over in it has been
+        # restarted (a new process, not in ``over``) or tolerated by the time the job is judged; one
+        # that dies later is left to the policy's next look (first_failure skips it).
         over = {id(t) for t in tasks if t.poll() is not None}
-        failure = first_failure(tasks)
+        if restarts is not None:
+            restarts.handle(tasks)   # may replace a dead worker in ``tasks`` by its new process
+        drivers = [t for t in tasks if t.task.job not in SERVING_JOBS]
+        failure = first_failure(tasks, restarts)
         if failure:
             return failure
         if len(over) == len(tasks):
