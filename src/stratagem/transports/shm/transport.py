@@ -74,6 +74,7 @@ from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import (ConfigurationError, PeerLostError, PluginError, ProtocolError, TransportClosed,
                            TransportTimeout)
 from stratagem.core.mailbox import Mailbox
+from stratagem.core.reading import SharedReader
 from stratagem.core.transport import Message, Transport
 from stratagem.core.wire import Kind
 from stratagem.transports.shm.buffers import BufferPool
@@ -87,8 +88,6 @@ log = logging.getLogger(__name__)
 #: Reserved metadata key of the control messages (user metadata may not use it).
 RESERVED_KEY = "__shm__"
 _ANNOUNCE_TAG = "shm/ring"
-_USER_POLL = 0.1          # a waiting recv() re-checks for losses and timeouts this often
-_BACKGROUND_POLL = 0.05   # the background reader's poll slice
 _BACKGROUND_GRACE = 0.005  # the background reader stays away this long after a recv() read
 _SEND_POLL = 0.05         # a send waiting for room re-checks for losses and timeouts this often
 _OFFER_WAIT = 2.0         # seconds to wait for an announced ring's offer on our socket
@@ -242,8 +241,10 @@ class ShmTransport(Transport):
         self._out: dict[TaskId, _Outgoing] = {}
         self._send_locks: dict[TaskId, threading.Lock] = {}
         self._out_lock = threading.Lock()
-        # reading: whoever holds the reader lock reads every incoming ring
-        self._reader = threading.Lock()
+        # reading: whoever holds the reader's lock reads every incoming ring
+        self._reading = SharedReader(f"stratagem-shm-{self.task.short}", self._pump, self._poke,
+                                     self._reader_crashed, grace=_BACKGROUND_GRACE,
+                                     after_read=self._inbox.notify)  # another waiter may take over reading
         self._buffers = BufferPool(max_bytes=4 * ring_bytes)  # used by the reader lock's holder only
         self._incoming: dict[TaskId, _Incoming] = {}
         self._by_fd: dict[int, _Incoming] = {}
@@ -253,10 +254,6 @@ class ShmTransport(Transport):
         self._retire: dict[TaskId, tuple[str, _Incoming]] = {}  # lost peers whose ring is to drain
         self._retire_lock = threading.Lock()
         self._wake_r = self._wake_w = -1
-        self._user_read_at = 0.0
-        self._background_reading = False
-        self._stopping = False
-        self._thread: threading.Thread | None = None
         self._started = False
 
     @classmethod
@@ -281,21 +278,17 @@ class ShmTransport(Transport):
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._poller.register(self._wake_r, select.POLLIN)
         self._started = True
-        self._thread = threading.Thread(target=self._background, name=f"stratagem-shm-{self.task.short}", daemon=True)
-        self._thread.start()
+        self._reading.start()
 
     def _shutdown(self, graceful: bool) -> None:
         if not self._started:
             self.control.close()
             self._inbox.close("closed before it started")
             return
-        self._stopping = True
-        self._poke()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self._reading.stop()
         # Everything we sent is in the rings already; the goodbye goes after it (zmq keeps order).
         self.control.close() if graceful else self.control.abort()
-        got_reader = self._reader.acquire(timeout=10)
+        got_reader = self._reading.lock.acquire(timeout=10)
         try:
             for ring in self._incoming.values():
                 ring.close()
@@ -309,7 +302,7 @@ class ShmTransport(Transport):
             os.close(self._wake_w)
         finally:
             if got_reader:
-                self._reader.release()
+                self._reading.lock.release()
         if self._collectives is not None:
             self._collectives.close()
         with self._out_lock:
@@ -369,7 +362,7 @@ class ShmTransport(Transport):
                 # Connecting the control transport to the source lets us watch it, so its death
                 # wakes us even before it ever sent us anything.
                 self.control._ensure_peer(src)
-        return self._inbox.get(src, tag, self._timeout(timeout), pump=self._pump_for_waiter)
+        return self._inbox.get(src, tag, self._timeout(timeout), pump=self._reading.for_waiter)
 
     def lost_peers(self) -> dict[TaskId, str]:
         return self._inbox.lost()
@@ -428,12 +421,8 @@ class ShmTransport(Transport):
         if remaining is not None and remaining <= 0:
             raise TransportTimeout(f"{self.task}: {ring.dst} did not take a message from the shared-memory ring "
                                    f"within {timeout:g} s (is it stuck?)")
-        if self._reader.acquire(blocking=False):  # never wait for the reader lock here
-            try:
-                self._pump(0.0)
-            finally:
-                self._reader.release()
-                self._inbox.notify()
+        if self._reading.read_now():  # never waits for the reader lock
+            self._inbox.notify()
         wait = _SEND_POLL if remaining is None else min(remaining, _SEND_POLL)
         ring.writer.sleeping(True)
         try:
@@ -534,46 +523,12 @@ class ShmTransport(Transport):
         except OSError:
             pass  # full (a wake-up is pending anyway) or closed
 
-    def _pump_for_waiter(self, remaining: float | None) -> bool:
-        """Read for a waiting ``recv`` if no other thread is reading; False if one is."""
-        if self._stopping:
-            return False
-        self._user_read_at = time.monotonic()  # tells the background thread to stay away
-        if not self._reader.acquire(blocking=False):
-            if self._background_reading:
-                self._poke()
-            return False
-        try:
-            self._pump(_USER_POLL if remaining is None else min(remaining, _USER_POLL))
-        finally:
-            self._user_read_at = time.monotonic()
-            self._reader.release()
-            self._inbox.notify()  # another waiter may want to take over reading
-        return True
-
-    def _background(self) -> None:
-        """Reads whenever no recv() has for a while, so senders are never left waiting for room."""
-        try:
-            while not self._stopping:
-                quiet = time.monotonic() - self._user_read_at
-                if quiet < _BACKGROUND_GRACE:
-                    time.sleep(_BACKGROUND_GRACE - quiet)
-                    continue
-                if not self._reader.acquire(timeout=_BACKGROUND_POLL):
-                    continue
-                self._background_reading = True
-                try:
-                    self._pump(_BACKGROUND_POLL)
-                finally:
-                    self._background_reading = False
-                    self._reader.release()
-        except Exception:  # must never die silently: every waiter would hang
-            log.exception("%s: shm background reader crashed", self.task)
-            self._inbox.close("the shm background reader crashed (see the log)")
+    def _reader_crashed(self) -> None:
+        self._inbox.close("the shm background reader crashed (see the log)")
 
     def _pump(self, timeout: float) -> None:
         """Deliver what the rings hold; if nothing, wait up to ``timeout`` for a doorbell (reader lock held)."""
-        if self._stopping:
+        if self._reading.stopping:
             return
         self._sync_rings()
         if self._read_all() or timeout <= 0:

@@ -68,6 +68,7 @@ everyone else.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import itertools
 import logging
@@ -90,6 +91,7 @@ from stratagem.core.errors import (
     TransportTimeout,
 )
 from stratagem.core.mailbox import Mailbox
+from stratagem.core.reading import USER_POLL, SharedReader
 from stratagem.core.transport import COMPLETED, Message, SendHandle, Transport
 from stratagem.core.wire import Kind
 from stratagem.core.handshake import CONTROL_LIMITS
@@ -101,8 +103,6 @@ log = logging.getLogger(__name__)
 _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
                    | zmq.EVENT_MONITOR_STOPPED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
-_USER_POLL = 0.1          # a waiting recv() re-checks for losses and timeouts this often
-_BACKGROUND_POLL = 0.05   # the background reader's poll slice
 _BACKGROUND_GRACE = 0.02  # the background reader stays away this long after a recv() read
 _LOSS_GRACE = 0.2         # seconds between a dropped connection and declaring the peer lost
 _FULL_POLL = 0.01         # a reading recv() polls every socket at least this often
@@ -186,19 +186,17 @@ class ZmqTransport(Transport):
         self._peers_lock = threading.Lock()
         self._new_monitors: queue.SimpleQueue = queue.SimpleQueue()
         self._control_lock = threading.Lock()
-        # Whoever holds the reader lock reads the ROUTER and the monitors: a waiting recv() (so a
+        # Whoever holds the reader's lock reads the ROUTER and the monitors: a waiting recv() (so a
         # message reaches it without a thread hand-off), else the background thread.
-        self._reader = threading.Lock()
+        self._reading = SharedReader(f"stratagem-zmq-{self.task.short}", self._pump,
+                                     functools.partial(self._poke, b"wake"), self._reader_crashed,
+                                     grace=_BACKGROUND_GRACE, waiter_read=self._read_for_waiter)
         self._monitors: dict[zmq.Socket, _Peer] = {}
         self._handshakes: dict[zmq.Socket, _Peer] = {}   # DEALERs whose answers the reader reads
         self._poller: zmq.Poller | None = None
         self._pending_loss: dict[TaskId, tuple[float, str, _Peer]] = {}
-        self._background_reading = False
-        self._user_read_at = 0.0
         self._polled_at = 0.0
         self._router_timeout = -1  # the ROUTER's RCVTIMEO (ms), set by _receive_one
-        self._stopping = False
-        self._io_thread: threading.Thread | None = None
         self.address: str | None = None
         #: Counters a test or an operator can read: frames dropped and why.
         self.stats = {"rejected_frames": 0, "data_frames": 0}
@@ -259,21 +257,16 @@ class ZmqTransport(Transport):
         self._poller.register(router, zmq.POLLIN)
         self._poller.register(control_in, zmq.POLLIN)
         self.address = f"{self._host}:{self._port}"
-        self._io_thread = threading.Thread(target=self._background, name=f"stratagem-zmq-{self.task.short}",
-                                           daemon=True)
-        self._io_thread.start()
+        self._reading.start()
 
     def _shutdown(self, graceful: bool) -> None:
         if self._ctx is None:
             self._mailbox.close("closed before it started")
             return
         # The reader stops first: it may be reading DEALERs in their handshake, which are closed below.
-        self._stopping = True
+        self._reading.stop()
         self._mailbox.close(f"{self.task} closed its transport")  # wakes waiting recv() calls
-        self._poke(b"stop")
-        if self._io_thread is not None:
-            self._io_thread.join(timeout=10)
-        got_reader = self._reader.acquire(timeout=10)
+        got_reader = self._reading.lock.acquire(timeout=10)
         try:
             with self._peers_lock:
                 peers = list(self._peers.values())
@@ -308,7 +301,7 @@ class ZmqTransport(Transport):
             self._control_out.close(linger=0)
         finally:
             if got_reader:
-                self._reader.release()
+                self._reading.lock.release()
         # Graceful: every socket keeps its own linger, so the DEALERs closed above still flush for up
         # to linger ms; destroy() (rather than term()) also closes any socket this code lost track of,
         # where term() would wait for it for ever. No other thread uses a socket by now.
@@ -423,7 +416,7 @@ class ZmqTransport(Transport):
             if src != self.task and self._mailbox.is_lost(src) is None:
                 # Connecting to the source lets us watch it, so its death wakes us.
                 self._ensure_peer(src)
-        return self._mailbox.get(src, tag, self._timeout(timeout), pump=self._pump_for_waiter)
+        return self._mailbox.get(src, tag, self._timeout(timeout), pump=self._reading.for_waiter)
 
     def lost_peers(self):
         return self._mailbox.lost()
@@ -494,32 +487,19 @@ class ZmqTransport(Transport):
                 peer.sock.send_multipart(wire.encode(kind, "", meta), flags=zmq.NOBLOCK)
 
     # -- reading: a waiting recv() reads itself; the background thread covers the idle times ----------
-    def _pump_for_waiter(self, remaining: float | None) -> bool:
-        """Read for a waiting ``recv`` if no other thread is reading; False if one is."""
-        if self._stopping:
-            return False
-        self._user_read_at = time.monotonic()  # tells the background thread to stay away
-        if not self._reader.acquire(blocking=False):
-            if self._background_reading:
-                self._poke(b"yield")
-            return False
-        try:
-            slice_ = _USER_POLL if remaining is None else min(remaining, _USER_POLL)
-            now = self._user_read_at
-            if self._handshakes or self._pending_loss or not self._new_monitors.empty():
-                self._polled_at = now  # connections are changing: watch every socket
-                self._pump(min(slice_, _FULL_POLL))
-            elif now - self._polled_at >= _FULL_POLL:
-                # Every socket (monitors, control, the connection gate) at least every _FULL_POLL,
-                # without waiting: the wait is in the ROUTER's receive, on the next call.
-                self._polled_at = now
-                self._pump(0.0)
-            else:
-                self._receive_one(min(slice_, _FULL_POLL))
-        finally:
-            self._user_read_at = time.monotonic()
-            self._reader.release()
-        return True
+    def _read_for_waiter(self, slice_: float) -> None:
+        """A waiting recv()'s read (reader lock held): the ROUTER alone, unless connections change."""
+        now = time.monotonic()
+        if self._handshakes or self._pending_loss or not self._new_monitors.empty():
+            self._polled_at = now  # connections are changing: watch every socket
+            self._pump(min(slice_, _FULL_POLL))
+        elif now - self._polled_at >= _FULL_POLL:
+            # Every socket (monitors, control, the connection gate) at least every _FULL_POLL,
+            # without waiting: the wait is in the ROUTER's receive, on the next call.
+            self._polled_at = now
+            self._pump(0.0)
+        else:
+            self._receive_one(min(slice_, _FULL_POLL))
 
     def _receive_one(self, timeout: float) -> None:
         """Wait up to ``timeout`` for one message on the ROUTER and handle it (reader lock held).
@@ -539,34 +519,17 @@ class ZmqTransport(Transport):
         except zmq.Again:
             return
         except zmq.ZMQError:
-            if self._stopping:
+            if self._reading.stopping:
                 return
             raise
         self._handle(parts)
 
-    def _background(self) -> None:
-        """Reads whenever no recv() has for a while: handshakes, goodbyes, losses, early data."""
-        try:
-            while not self._stopping:
-                quiet = time.monotonic() - self._user_read_at
-                if quiet < _BACKGROUND_GRACE:
-                    time.sleep(_BACKGROUND_GRACE - quiet)
-                    continue
-                if not self._reader.acquire(timeout=_BACKGROUND_POLL):
-                    continue
-                self._background_reading = True
-                try:
-                    self._pump(_BACKGROUND_POLL)
-                finally:
-                    self._background_reading = False
-                    self._reader.release()
-        except Exception:  # must never die silently: every waiter would hang
-            log.exception("%s: zmq background reader crashed", self.task)
-            self._mailbox.close("the zmq background reader crashed (see the log)")
+    def _reader_crashed(self) -> None:
+        self._mailbox.close("the zmq background reader crashed (see the log)")
 
     def _pump(self, timeout: float) -> None:
         """Wait up to ``timeout`` for socket events and handle all that are ready (reader lock held)."""
-        if self._stopping:
+        if self._reading.stopping:
             return
         while not self._new_monitors.empty():
             peer = self._new_monitors.get()
@@ -580,12 +543,12 @@ class ZmqTransport(Transport):
         try:
             ready = dict(self._poller.poll(int(timeout * 1000)))
         except zmq.ZMQError:
-            if self._stopping:
+            if self._reading.stopping:
                 return
             raise
         if self._control_in in ready:
             while self._control_in.poll(0):
-                self._control_in.recv()  # "stop", "watch", "yield": each just wakes the poll
+                self._control_in.recv()  # "wake" (the reader's), "watch": each just wakes the poll
         if self._router_monitor in ready:  # first: a connection's end comes before a reuse of its fd
             while self._router_monitor.poll(0):
                 self._acceptor.connection_closed(recv_monitor_message(self._router_monitor)["value"])
@@ -789,7 +752,7 @@ def heartbeat_ms(peer_timeout: float) -> tuple[int, int]:
     """
     total = peer_timeout * 1000
     interval = max(50, int(total / 5))
-    return interval, max(interval, int(total - interval - (_LOSS_GRACE + _USER_POLL) * 1000))
+    return interval, max(interval, int(total - interval - (_LOSS_GRACE + USER_POLL) * 1000))
 
 
 class _TrackedSend(SendHandle):

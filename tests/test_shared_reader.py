@@ -1,0 +1,90 @@
+"""core.reading.SharedReader: the turn-taking of a transport's readers, over a real pipe and real
+threads (the zmq and shm transports' own suites exercise it under real traffic)."""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+
+import pytest
+
+from stratagem.core.reading import SharedReader
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class PipeSource:
+    """What a transport reads: a pipe; ``pump`` reads what is there, waiting up to its timeout."""
+
+    def __init__(self):
+        self.r, self.w = os.pipe2(os.O_NONBLOCK)
+        self.readers: list[str] = []       # the thread that read each byte
+        self.lock = threading.Lock()
+        self.fail_with: Exception | None = None
+
+    def pump(self, timeout: float) -> None:
+        if self.fail_with is not None:
+            raise self.fail_with
+        select.select([self.r], [], [], timeout)
+        try:
+            data = os.read(self.r, 4096)
+        except BlockingIOError:
+            return
+        with self.lock:
+            self.readers.extend(threading.current_thread().name for b in data if b != 0)
+
+    def wake(self) -> None:
+        os.write(self.w, b"\0")   # a wake-up byte, not counted as data
+
+    def close(self) -> None:
+        os.close(self.r)
+        os.close(self.w)
+
+
+@pytest.fixture
+def source():
+    s = PipeSource()
+    yield s
+    s.close()
+
+
+def wait_for(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def test_a_waiting_recv_reads_itself_and_the_background_reads_when_nobody_waits(source):
+    crashes = []
+    reader = SharedReader("reader-under-test", source.pump, source.wake, lambda: crashes.append(1), grace=0.02)
+    reader.start()
+    try:
+        os.write(source.w, b"\1")
+        wait_for(lambda: source.readers)                  # nobody waits: the background thread read it
+        assert source.readers == ["reader-under-test"]
+        # A waiter keeps reading itself (its grace keeps the background away): everything it sends
+        # itself comes back through its own reads.
+        mine = threading.current_thread().name
+        for _ in range(20):
+            os.write(source.w, b"\1")
+            while not reader.for_waiter(1.0):
+                pass
+        assert source.readers.count(mine) >= 15, source.readers
+        assert crashes == []
+    finally:
+        reader.stop()
+    assert reader.for_waiter(0.1) is False and reader.read_now() is False   # stopped: nobody reads
+
+
+def test_a_crashing_background_reader_is_reported_never_silent(source, caplog):
+    crashed = threading.Event()
+    source.fail_with = RuntimeError("broken frame")
+    reader = SharedReader("crasher", source.pump, source.wake, crashed.set, grace=0.0)
+    with caplog.at_level("ERROR", logger="stratagem.core.reading"):
+        reader.start()
+        assert crashed.wait(10)
+    reader.stop()
+    assert "crasher: the background reader crashed" in caplog.text and "broken frame" in caplog.text
