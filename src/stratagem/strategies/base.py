@@ -408,14 +408,7 @@ class Strategy:
         """
         self._check_open()
         rank, size = self._replica_rank("distribute_dataset()"), self.num_replicas_in_sync
-        try:
-            batches = iter(dataset)
-        except TypeError:
-            raise ConfigurationError(
-                f"distribute_dataset() needs an iterable of global batches (a list, a generator...), "
-                f"got {type(dataset).__name__}"
-            ) from None
-        return self.shard_batches(batches, rank, size)
+        return self.shard_batches(global_batches(dataset), rank, size)
 
     def shard_batches(self, batches: Iterator, rank: int, size: int) -> Iterator:
         for index, batch in enumerate(batches):
@@ -724,6 +717,17 @@ class Strategy:
         state = " (shut down)" if self._closed else ""
         return (f"<{type(self).__name__} {self.name!r} over {self._transport_name!r} on {self.task}, "
                 f"{self.num_replicas_in_sync} replica(s){state}>")
+
+
+def global_batches(dataset) -> Iterator:
+    """An iterator over what ``distribute_dataset()`` was given, or the error that says what it takes."""
+    try:
+        return iter(dataset)
+    except TypeError:
+        raise ConfigurationError(
+            f"distribute_dataset() needs an iterable of global batches (a list, a generator...), "
+            f"got {type(dataset).__name__}"
+        ) from None
 
 
 def evaluator_refusal(task, strategy_name: str, what: str) -> str:

@@ -106,7 +106,7 @@ from stratagem.core.cluster import is_evaluator
 from stratagem.core.errors import ConfigurationError, PeerLostError, TransportTimeout
 from stratagem.core.lifecycle import note_failure
 from stratagem.core import timeline as _timeline
-from stratagem.strategies.base import Strategy, _check_op, evaluator_refusal
+from stratagem.strategies.base import Strategy, _check_op, evaluator_refusal, global_batches
 from stratagem.strategies.in_graph.client import Client, ReplicaError
 from stratagem.strategies.in_graph.devices import CURRENT_STEP, ClientStore, parse_devices
 from stratagem.strategies.in_graph.functions import MODES
@@ -345,14 +345,7 @@ class InGraphStrategy(Strategy):
         strategy.run(step, args=(x, y))``) runs unchanged.
         """
         self._check_client("strategy.distribute_dataset()")
-        try:
-            batches = iter(dataset)
-        except TypeError:
-            raise ConfigurationError(
-                f"distribute_dataset() needs an iterable of global batches (a list, a generator...), "
-                f"got {type(dataset).__name__}"
-            ) from None
-        return self._whole(batches)
+        return self._whole(global_batches(dataset))
 
     @staticmethod
     def _whole(batches):

@@ -67,7 +67,7 @@ from stratagem.ps.server import ParameterServer
 from stratagem.training.sparse import IndexedSlices
 from stratagem.compression.base import FLOAT_DTYPES
 from stratagem.ps.compressed import compress_pieces
-from stratagem.strategies.base import Strategy
+from stratagem.strategies.base import Strategy, global_batches
 from stratagem.strategies import compressing
 from stratagem.strategies.checkpoints import DEFAULT_MAX_TO_KEEP
 from stratagem.strategies.ps.cache import adoptable, write_into
@@ -555,13 +555,7 @@ class PSStrategyBase(Strategy):
         me = task_key(self.task)
         if me not in pushers:
             raise ConfigurationError(f"{self.task} does not compute gradients under {self.name!r}")
-        try:
-            batches = iter(dataset)
-        except TypeError:
-            raise ConfigurationError(
-                f"distribute_dataset() needs an iterable of global batches, got {type(dataset).__name__}"
-            ) from None
-        return self.shard_batches(batches, pushers.index(me), len(pushers))
+        return self.shard_batches(global_batches(dataset), pushers.index(me), len(pushers))
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def save(self, path, *, max_to_keep: int = DEFAULT_MAX_TO_KEEP) -> str | None:

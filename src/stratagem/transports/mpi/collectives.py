@@ -179,15 +179,7 @@ class MpiCollectives:
     # -- the collectives -------------------------------------------------------------------------------
     def allreduce(self, session: CollectiveSession, x, op: str = "sum", algorithm: str = "auto", out=None):
         x = np.asarray(x)
-        sc = self._comm(session)
-        key = ("allreduce", op, x.dtype, x.shape)
-        prepared = sc.prepared.get(key)
-        if prepared is None:
-            prepared = self._prepare(sc, key, x)
-        dtype, plan, static, h = prepared
-        call = _Call(session.seq, static, h, session.name)
-        src = _flat(x, dtype)
-        nan = plan is not None and plan.keyed and bool(np.isnan(src).any())
+        sc, dtype, plan, call, src, nan = self._reduction(session, "allreduce", op, x)
         with self._progress(session, sc, call) as on_poll:
             native = self._agree(session, sc, call, nan, on_poll) == 0 and plan is not None
             if native:
@@ -211,15 +203,7 @@ class MpiCollectives:
 
     def reduce_scatter(self, session: CollectiveSession, x, op: str = "sum"):
         x = np.asarray(x)
-        sc = self._comm(session)
-        key = ("reduce_scatter", op, x.dtype, x.shape)
-        prepared = sc.prepared.get(key)
-        if prepared is None:
-            prepared = self._prepare(sc, key, x)
-        dtype, plan, static, h = prepared
-        call = _Call(session.seq, static, h, session.name)
-        src = _flat(x, dtype)
-        nan = plan is not None and plan.keyed and bool(np.isnan(src).any())
+        sc, dtype, plan, call, src, nan = self._reduction(session, "reduce_scatter", op, x)
         bounds = coll.split_bounds(src.size, session.size)
         counts = [bounds[i + 1] - bounds[i] for i in range(session.size)]
         mine = np.empty(counts[session.rank], dtype)
@@ -323,6 +307,19 @@ class MpiCollectives:
         """This call (the Communicator already counted it: ``session.seq``)."""
         static = fingerprint(collective, **fields)
         return _Call(session.seq, static, self._hash(static), session.name)
+
+    def _reduction(self, session: CollectiveSession, collective: str, op: str, x: np.ndarray) -> tuple:
+        """A reduction's call: ``(session comm, working dtype, plan or None, call, x flat in the
+        working dtype, whether it holds a NaN that the plan's keyed min/max must hand to core)``."""
+        sc = self._comm(session)
+        key = (collective, op, x.dtype, x.shape)
+        prepared = sc.prepared.get(key)
+        if prepared is None:
+            prepared = self._prepare(sc, key, x)
+        dtype, plan, static, h = prepared
+        src = _flat(x, dtype)
+        nan = plan is not None and plan.keyed and bool(np.isnan(src).any())
+        return sc, dtype, plan, _Call(session.seq, static, h, session.name), src, nan
 
     def _prepare(self, sc: _SessionComm, key: tuple, x) -> tuple:
         """What a reduction of ``x`` (``key``: collective, op, dtype, shape) needs, kept for the calls
