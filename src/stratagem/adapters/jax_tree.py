@@ -17,17 +17,7 @@ import numpy as np
 
 from stratagem.core.errors import ConfigurationError
 from stratagem.training.replica_sync import allgather_json, broadcast_arrays, dtype_key
-from stratagem.training.variables import Variable, current_strategy
-
-
-def _strategy(strategy, what: str):
-    strategy = strategy if strategy is not None else current_strategy()
-    if strategy is None:
-        raise ConfigurationError(
-            f"{what} needs a strategy: pass strategy=stratagem.strategy(...), or call it inside "
-            f"`with strategy.scope():`"
-        )
-    return strategy
+from stratagem.training.variables import Variable, resolve_strategy
 
 
 def _key_name(key) -> str:
@@ -66,7 +56,7 @@ class TreeVariables:
     def __init__(self, params, strategy=None, *, prefix: str = ""):
         import jax
 
-        self.strategy = strategy = _strategy(strategy, "TreeVariables")
+        self.strategy = strategy = resolve_strategy(strategy, "TreeVariables")
         leaves, self.treedef = jax.tree_util.tree_flatten(params)
         self.names = leaf_names(params, prefix)
         with strategy.scope():
@@ -128,7 +118,7 @@ def broadcast_parameters(tree, root: int = 0, strategy=None) -> Any:
     import jax
     import jax.numpy as jnp
 
-    strategy = _strategy(strategy, "broadcast_parameters()")
+    strategy = resolve_strategy(strategy, "broadcast_parameters()")
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     arrays = [np.asarray(leaf) for leaf in leaves]
     replicas = strategy.cluster.replicas()

@@ -21,7 +21,8 @@ from typing import Any
 
 from stratagem.core.errors import ConfigurationError
 from stratagem.core import timeline as _timeline
-from stratagem.adapters.torch_params import resolve_strategy, variable_of, wrap_parameters
+from stratagem.adapters.torch_params import variable_of, wrap_parameters
+from stratagem.training.variables import resolve_strategy
 from stratagem.adapters.torch_state import TorchOptimizerState
 from stratagem.adapters.torch_tensors import as_array, as_tensor
 

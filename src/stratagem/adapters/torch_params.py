@@ -15,22 +15,11 @@ import numpy as np
 
 from stratagem.core.errors import ConfigurationError
 from stratagem.training.replica_sync import allgather_json, broadcast_arrays, dtype_key
-from stratagem.training.variables import Variable, current_strategy
+from stratagem.training.variables import Variable, resolve_strategy
 from stratagem.adapters.torch_tensors import as_array, as_tensor
 
 #: The attribute a wrapped parameter carries: its Variable.
 VARIABLE_ATTR = "_stratagem_variable"
-
-
-def resolve_strategy(strategy, what: str):
-    """``strategy``, else the one whose ``scope()`` is active; a clear error if there is none."""
-    strategy = strategy if strategy is not None else current_strategy()
-    if strategy is None:
-        raise ConfigurationError(
-            f"{what} needs a strategy: pass strategy=stratagem.strategy(...), or call it inside "
-            f"`with strategy.scope():`"
-        )
-    return strategy
 
 
 def variable_of(param) -> Variable | None:

@@ -54,6 +54,24 @@ def current_strategy():
     return _CURRENT_STRATEGY.get()
 
 
+def resolve_strategy(strategy, what: str):
+    """``strategy``, else the one whose ``scope()`` is active; a clear error naming ``what`` needs
+    one if there is none (the framework adapters' ``strategy=None`` arguments).
+
+    >>> resolve_strategy(None, "TreeVariables")
+    Traceback (most recent call last):
+    ...
+    stratagem.core.errors.ConfigurationError: TreeVariables needs a strategy: pass strategy=stratagem.strategy(...), or call it inside `with strategy.scope():`
+    """
+    strategy = strategy if strategy is not None else current_strategy()
+    if strategy is None:
+        raise ConfigurationError(
+            f"{what} needs a strategy: pass strategy=stratagem.strategy(...), or call it inside "
+            f"`with strategy.scope():`"
+        )
+    return strategy
+
+
 @contextlib.contextmanager
 def strategy_scope(strategy) -> Iterator[Any]:
     """Make ``strategy`` the current one for the ``with`` block (what ``Strategy.scope()`` does).
