@@ -140,6 +140,19 @@ def working_dtype(op: str | None, dtype) -> np.dtype:
     return dtype
 
 
+def check_allreduce(x, op: str, algorithm: str, out) -> np.dtype:
+    """An all-reduce's arguments checked, as core's :func:`allreduce` checks them (``check_out``
+    below); returns the dtype it reduces and returns in. For native all-reduces, which are handed
+    what the caller passed."""
+    check_dtype(x.dtype, "allreduce")
+    check_op(op, x.dtype, "allreduce")
+    check_algorithm(algorithm, ALLREDUCE_ALGORITHMS, "allreduce")
+    dtype = working_dtype(op, x.dtype)
+    if out is not None:
+        check_out(out, x, dtype, "allreduce")
+    return dtype
+
+
 # -- small helpers ----------------------------------------------------------------------------------
 
 def is_device_array(x) -> bool:

@@ -182,11 +182,7 @@ class Communicator:
             # A native implementation is handed checked arguments, and a device array's out is not
             # passed on (the result is copied into it); otherwise core's allreduce checks them itself,
             # the same way (once per call: this is on every training step's path).
-            coll.check_dtype(x.dtype, "allreduce")
-            coll.check_op(op, x.dtype, "allreduce")
-            coll.check_algorithm(algorithm, coll.ALLREDUCE_ALGORITHMS, "allreduce")
-            if out is not None:
-                coll.check_out(out, x, coll.working_dtype(op, x.dtype), "allreduce")
+            coll.check_allreduce(x, op, algorithm, out)
         if out is None:
             return self._call("allreduce", x, op=op, algorithm=algorithm)
         return self._call("allreduce", x, op=op, algorithm=algorithm, out=out)

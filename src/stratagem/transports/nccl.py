@@ -299,12 +299,7 @@ class NcclTransport(Transport):
 
     def _allreduce(self, session: CollectiveSession, x, op: str = "sum", algorithm: str = "auto", out=None):
         x = coll.as_array(x)
-        coll.check_dtype(x.dtype, "allreduce")
-        coll.check_op(op, x.dtype, "allreduce")
-        coll.check_algorithm(algorithm, coll.ALLREDUCE_ALGORITHMS, "allreduce")
-        dtype = coll.working_dtype(op, x.dtype)
-        if out is not None:
-            coll.check_out(out, x, dtype, "allreduce")
+        dtype = coll.check_allreduce(x, op, algorithm, out)
         fp = fingerprint("allreduce", seq=session.seq, op=op, dtype=dtype_name(x.dtype), shape=x.shape)
         comm, stream = self._agree(session, fp)
         carrier = _carrier(dtype, op)

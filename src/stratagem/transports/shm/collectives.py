@@ -113,12 +113,7 @@ class ShmCollectives:
         if coll.is_device_array(x):
             return NotImplemented
         x = coll.as_array(x)
-        coll.check_dtype(x.dtype, "allreduce")
-        coll.check_op(op, x.dtype, "allreduce")
-        coll.check_algorithm(algorithm, coll.ALLREDUCE_ALGORITHMS, "allreduce")
-        dtype = coll.working_dtype(op, x.dtype)
-        if out is not None:
-            coll.check_out(out, x, dtype, "allreduce")
+        dtype = coll.check_allreduce(x, op, algorithm, out)
         nbytes = x.size * dtype.itemsize
         # The same choice on every member: it depends only on what the fingerprint covers.
         if (algorithm != "auto" or session.size < 2 or nbytes < self.min_bytes or x.size < session.size
