@@ -62,8 +62,16 @@ def test_a_quick_run_measures_predicts_and_recommends(measured):
         for ps in (1, 2)])
     rates = [p["samples_per_s"] for p in doc["predictions"]]
     assert rates == sorted(rates, reverse=True)
+    # the rows to the target loss were measured (sync and async, from 1 replica up), and the
+    # recommendation is the setup first to reach it (the fastest in samples/s if none does)
+    conv = m["convergence"]
+    assert conv["target_loss"] > 0 and conv["sync"][0][0] == 1 and conv["async_"][0][0] == 1
+    assert conv["sync"][0][1] == conv["async_"][0][1] > 0          # one replica: no staleness, same run
+    to_target = [p["time_to_target_s"] for p in doc["predictions"]]
+    reached = [(t, i) for i, t in enumerate(to_target) if t is not None]
+    first = doc["predictions"][min(reached)[1] if reached else 0]
     best = doc["recommendation"]
-    assert (best["label"], best["ps"]) == (doc["predictions"][0]["label"], doc["predictions"][0]["ps"])
+    assert (best["label"], best["ps"]) == (first["label"], first["ps"])
     assert best["reason"].startswith(f"{best['label']} over zmq")
     for p in doc["predictions"]:
         assert p["step_ms"] == pytest.approx(p["workers"] * 32 / p["samples_per_s"] * 1e3)
@@ -118,6 +126,7 @@ def test_the_table_shows_the_recommendation(measured):
     recommended = [line for line in out.splitlines() if line.startswith("recommended: ")]
     assert len(recommended) == 1 and " over zmq" in recommended[0]
     assert "not measured: local: in-process only" in out
+    assert "convergence (this process" in out and "s to loss" in out
     own = out.splitlines()[out.splitlines().index("a step's own work beyond the links (ms, measured through each strategy):") + 1]
     assert own.startswith("  zmq: async ") and "sync round of 2" in own and "dispatch" in own and "per remote replica" in own
 

@@ -324,3 +324,39 @@ def test_the_ps_pays_its_measured_cpu_per_step_beyond_a_bare_push():
     assert crowded.limit == "ps queue" and crowded.step_s == pytest.approx(16 * 3.0 * MS)
     bare = cm.predict(cm.Setup("between_graph", "async", "zmq", 16, 1), WORK, served, IDLE)
     assert bare.step_s == pytest.approx(16 * 1.0 * MS)                     # (a bare push alone: 16 x 1 ms)
+
+
+# -- convergence: rows to the target loss, and what they make of the recommendation ------------------
+
+CONVERGENCE = cm.Convergence(1.0, sync=((1, 1000), (2, 2000), (4, 4000)), async_=((1, 1000), (2, 1400), (4, None)))
+
+
+def test_rows_to_the_target_are_interpolated_then_extrapolated_and_a_stall_stays_a_stall():
+    assert CONVERGENCE.rows("sync", 3) == (3000.0, False)
+    assert CONVERGENCE.rows("sync", 16) == (16000.0, True)            # along the last two points
+    assert CONVERGENCE.rows("async", 2) == (1400.0, False)
+    assert CONVERGENCE.rows("async", 3) == (None, False)              # on the way to a count that did not converge
+    assert CONVERGENCE.rows("async", 64) == (None, False)             # nor beyond it
+    flat = cm.Convergence(1.0, sync=((1, 1000), (2, 900)))
+    assert flat.rows("sync", 8) == (900.0, True)                       # extrapolation never falls below the last
+
+
+def test_time_to_target_is_rows_over_samples_per_second():
+    p = predict("mirrored", None, 2)
+    seconds, guessed = cm.time_to_target_s(p, CONVERGENCE)
+    assert seconds == pytest.approx(2000 / p.samples_per_s) and not guessed
+    assert cm.time_to_target_s(p, None) == (None, False)
+    assert cm.time_to_target_s(predict("between_graph", "async", 4, ps=1), CONVERGENCE) == (None, False)
+
+
+def test_a_faster_setup_that_does_not_reach_the_target_is_not_recommended():
+    slow_ring = cm.TransportFigures("zmq", allreduce=cm.Link(5 * MS, 1e8), p2p=ZMQ.p2p, ps=ZMQ.ps)
+    setups = cm.setups_for(4, ["zmq"], [1], strategies=["mirrored", "between_graph:async"])
+    predictions = cm.predict_all(setups, WORK, {"zmq": slow_ring}, IDLE)
+    fastest = max(predictions, key=lambda p: p.samples_per_s)
+    assert fastest.setup.label == "between_graph:async"                # by samples/s alone it would win...
+    best, why = cm.recommend(predictions, WORK, CONVERGENCE)
+    assert best.setup.strategy == "mirrored"                           # ...but its staleness never gets there
+    assert "loss 1 in" in why and "did not reach that loss in the convergence probe" in why
+    reached = cm.Convergence(1.0, sync=((1, 1000), (4, 4000)), async_=((1, 1000), (4, 1500)))
+    assert cm.recommend(predictions, WORK, reached)[0].setup.label == "between_graph:async"

@@ -279,7 +279,7 @@ def advise(measured, workers: int, ps_counts: Sequence[int], strategies: Sequenc
     """Predictions for this machine, fastest first, and ``(best, reason)``."""
     setups = cm.setups_for(workers, list(measured.transports), ps_counts, strategies=strategies)
     predictions = cm.predict_all(setups, measured.work, measured.transports, measured.host)
-    return predictions, cm.recommend(predictions, measured.work)
+    return predictions, cm.recommend(predictions, measured.work, measured.convergence)
 
 
 def extrapolate(measured, counts: Sequence[int], ps_counts: Sequence[int], strategies: Sequence[str],
@@ -290,7 +290,7 @@ def extrapolate(measured, counts: Sequence[int], ps_counts: Sequence[int], strat
     for n in counts:
         setups = cm.setups_for(n, list(transports), ps_counts, strategies=strategies, colocated=False)
         predictions = cm.predict_all(setups, measured.work, transports, measured.host)
-        out[n] = (predictions, cm.recommend(predictions, measured.work))
+        out[n] = (predictions, cm.recommend(predictions, measured.work, measured.convergence))
     return out
 
 
@@ -314,6 +314,19 @@ def _own_work(steps: cm.StepCosts) -> str:
     if steps.in_graph is not None:
         words.append(f"in_graph {steps.in_graph.wall_s * 1e3:.2g} per remote replica")
     return ", ".join(words) or "not measured"
+
+
+def _rows(points) -> str:
+    """``6,144 / 10,240 / not reached`` for measured (replicas, rows) points."""
+    return " / ".join("not reached" if rows is None else f"{rows:,}" for _, rows in points) or "-"
+
+
+def _to_target(p: cm.Prediction, convergence: cm.Convergence) -> str:
+    seconds, guessed = cm.time_to_target_s(p, convergence)
+    if seconds is None:
+        return "not reached" if convergence.rows("async" if p.setup.mode == "async" else "sync",
+                                                  p.setup.workers)[0] is None else "-"
+    return ("~" if guessed else "") + f"{seconds:.3g}"
 
 
 def print_report(measured, predictions, best_reason, extrapolated: dict, settings: dict, console) -> None:
@@ -345,14 +358,26 @@ def print_report(measured, predictions, best_reason, extrapolated: dict, setting
     console.print("a step's own work beyond the links (ms, measured through each strategy):")
     for t in measured.transports.values():
         console.print(f"  {t.name}: {_own_work(t.steps)}", markup=False, highlight=False, soft_wrap=True)
+    conv = measured.convergence
+    if conv is not None:
+        console.print(f"convergence (this process, plain SGD at the model's learning rate): rows to loss "
+                      f"{conv.target_loss:.3g} with 1, 2, 4... replicas: sync {_rows(conv.sync)}; async "
+                      f"{_rows(conv.async_)}", markup=False, highlight=False, soft_wrap=True)
     table = Table(box=None, pad_edge=False)
-    for name, justify in (("strategy", "left"), ("transport", "left"), ("ps", "right"), ("tasks", "right"),
-                          ("samples/s", "right"), ("step ms", "right"), ("where the step goes (ms)", "left")):
+    columns = [("strategy", "left"), ("transport", "left"), ("ps", "right"), ("tasks", "right"),
+               ("samples/s", "right"), ("step ms", "right")]
+    if conv is not None:
+        columns.append((f"s to loss {conv.target_loss:.3g}", "right"))
+    columns.append(("where the step goes (ms)", "left"))
+    for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=name != "where the step goes (ms)")
     best, reason = best_reason
     for p in predictions:
-        table.add_row(p.setup.label, p.setup.transport, str(p.setup.ps or "-"), str(p.setup.tasks),
-                      f"{p.samples_per_s:,.0f}" + (" *" if p is best else "  "), _ms(p.step_s), _parts(p))
+        cells = [p.setup.label, p.setup.transport, str(p.setup.ps or "-"), str(p.setup.tasks),
+                 f"{p.samples_per_s:,.0f}" + (" *" if p is best else "  "), _ms(p.step_s)]
+        if conv is not None:
+            cells.append(_to_target(p, conv))
+        table.add_row(*cells, _parts(p))
     console.print(f"predicted for {settings['workers']} workers here (tasks share the {host.cores:g} cores):")
     console.print(table)
     console.print(f"recommended: {reason}", markup=False, highlight=False, soft_wrap=True)
@@ -396,16 +421,25 @@ def print_report(measured, predictions, best_reason, extrapolated: dict, setting
 
 def document(measured, predictions, best_reason, extrapolated: dict, settings: dict) -> dict:
     best, reason = best_reason
+
+    def record(p: cm.Prediction) -> dict:
+        out = p.as_dict()
+        if measured.convergence is not None:
+            seconds, guessed = cm.time_to_target_s(p, measured.convergence)
+            out.update(time_to_target_s=seconds, time_to_target_extrapolated=guessed,
+                       target_loss=measured.convergence.target_loss)
+        return out
+
     doc = {"model": measured.work.name, "workers": settings["workers"], "ps": settings["ps"],
-           "recommendation": {**best.as_dict(), "reason": reason},
-           "predictions": [p.as_dict() for p in predictions],
+           "recommendation": {**record(best), "reason": reason},
+           "predictions": [record(p) for p in predictions],
            "measurements": measured.as_dict()}
     if extrapolated:
         doc["extrapolation"] = {
             "assumptions": list(ASSUMPTIONS),
             "network": {"bandwidth_Bps": settings.get("bandwidth"), "latency_s": settings.get("latency")},
-            "workers": {str(n): {"recommendation": {**b.as_dict(), "reason": r},
-                                 "predictions": [p.as_dict() for p in preds]}
+            "workers": {str(n): {"recommendation": {**record(b), "reason": r},
+                                 "predictions": [record(p) for p in preds]}
                         for n, (preds, (b, r)) in extrapolated.items()}}
     return doc
 

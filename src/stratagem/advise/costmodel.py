@@ -255,6 +255,68 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class Convergence:
+    """Rows of data the model takes to reach ``target_loss`` (:mod:`stratagem.advise.convergence`):
+    ``sync``, ``(replicas, rows)`` with every replica's gradient in each update; ``async_``,
+    ``(workers, rows)`` with each gradient applied ``workers - 1`` updates stale. ``rows`` is None
+    where the run did not reach the target (or diverged).
+
+    >>> c = Convergence(2.2, sync=((1, 6000), (2, 10000), (4, 18000)), async_=((1, 6000), (2, 11000), (4, None)))
+    >>> c.rows("sync", 3), c.rows("sync", 8), c.rows("async", 4)
+    ((14000.0, False), (34000.0, True), (None, False))
+    """
+
+    target_loss: float
+    sync: tuple = ()
+    async_: tuple = ()
+
+    def rows(self, mode: str, n: int) -> tuple[float | None, bool]:
+        """Rows to the target with ``n`` workers in ``mode`` (``async`` for async, anything else is
+        sync), and whether that is extrapolated beyond the measured counts: linear between measured
+        counts, and beyond the last along the last two (never below the last). None where a measured
+        count on the way did not reach the target."""
+        points = sorted((int(k), r) for k, r in (self.async_ if mode == "async" else self.sync))
+        if not points:
+            return None, False
+        for (k0, r0), (k1, r1) in zip(points, points[1:]):
+            if k0 <= n <= k1:
+                if r0 is None or r1 is None:
+                    return (float(r0), False) if n == k0 and r0 is not None else (None, False)
+                return r0 + (r1 - r0) * (n - k0) / (k1 - k0), False
+        if n <= points[0][0]:
+            return (None, False) if points[0][1] is None else (float(points[0][1]), n != points[0][0])
+        reached = [(k, r) for k, r in points if r is not None]
+        if len(reached) < len(points) or not reached:   # the last measured count did not converge
+            return None, False
+        if len(reached) == 1:
+            return float(reached[0][1]), True
+        (k0, r0), (k1, r1) = reached[-2], reached[-1]
+        return r1 + max(0.0, (r1 - r0) / (k1 - k0)) * (n - k1), True
+
+
+def time_to_target_s(p: "Prediction", convergence: Convergence | None) -> tuple[float | None, bool]:
+    """Seconds ``p``'s setup takes to reach the convergence's target loss (its rows to the target at
+    the predicted samples/s), and whether that rests on an extrapolation; None where it is not known
+    or the target was not reached. An async setup pays its staleness here, a sync one its global batch.
+
+    >>> c = Convergence(1.0, sync=((1, 1000), (2, 2000)), async_=((1, 1000), (2, 1500)))
+    >>> work = Workload("m", 100, 1_000_000, 0, 0.0, 0.010, 0.0, 0.0)
+    >>> t = TransportFigures("zmq", Link(1e-4, 1e9), Link(1e-4, 1e9))
+    >>> p = predict(Setup("between_graph", "async", "zmq", workers=2, ps=1), work, t, Host(8))
+    >>> seconds, guessed = time_to_target_s(p, c)
+    >>> round(seconds / (1500 / p.samples_per_s), 6), guessed
+    (1.0, False)
+    """
+    if convergence is None or p.samples_per_s <= 0:
+        return None, False
+    mode = "async" if p.setup.mode == "async" else "sync"
+    rows, extrapolated = convergence.rows(mode, p.setup.workers)
+    if rows is None:
+        return None, False
+    return rows / p.samples_per_s, extrapolated
+
+
+@dataclass(frozen=True)
 class Setup:
     """One way to run the job: strategy (and mode), transport, workers, ps tasks; ``colocated``: every
     task on one host, sharing its cores (``False``: one task per host)."""
@@ -739,9 +801,14 @@ def communication(p: Prediction, work: Workload) -> str:
     return f"ps fan-in of {_mb(biggest)} per worker"
 
 
-def recommend(predictions: Sequence[Prediction], work: Workload) -> tuple[Prediction, str]:
+def recommend(predictions: Sequence[Prediction], work: Workload,
+              convergence: Convergence | None = None) -> tuple[Prediction, str]:
     """The fastest prediction and the reason, in a sentence: its communication against that of the best
     setup of the other family (all-reduce against parameter servers), and what an async choice costs.
+
+    With ``convergence`` (rows to the target loss, measured), *fastest* means first to the target:
+    throughput bought with staleness or a larger global batch is paid for in data, and a setup that
+    does not reach the target at all is ranked last, whatever its samples/s.
 
     >>> work = Workload("m", 100, 2_000_000, 0, 0.0, 0.010, 0.0, 0.0, {1: (2_000_000,)})
     >>> t = {"zmq": TransportFigures("zmq", allreduce=Link(1e-4, 1e9), p2p=Link(1e-4, 1e9))}
@@ -753,6 +820,9 @@ def recommend(predictions: Sequence[Prediction], work: Workload) -> tuple[Predic
     if not predictions:
         raise ValueError("nothing to recommend: no setup could be predicted")
     ranked = sorted(predictions, key=lambda p: -p.samples_per_s)
+    to_target = {id(p): time_to_target_s(p, convergence)[0] for p in ranked}
+    if any(t is not None for t in to_target.values()):
+        ranked.sort(key=lambda p: (to_target[id(p)] is None, to_target[id(p)] or 0.0))  # stable: ties by samples/s
     best = ranked[0]
     on_ps = best.setup.strategy in PS_STRATEGIES
     rival = next((p for p in ranked[1:] if (p.setup.strategy in PS_STRATEGIES) != on_ps), None)
@@ -772,7 +842,23 @@ def recommend(predictions: Sequence[Prediction], work: Workload) -> tuple[Predic
         sync = next((p for p in ranked if p.setup.mode != "async"), None)
         if sync is not None:
             text += f"; the fastest synchronous choice is {where(sync)} ({rate(sync.samples_per_s)} samples/s)"
+    if convergence is not None:
+        seconds, guessed = time_to_target_s(best, convergence)
+        if seconds is not None:
+            text += (f"; loss {convergence.target_loss:.3g} in {'about ' if guessed else ''}{_seconds(seconds)} "
+                     f"(rows to it measured{', then extrapolated' if guessed else ''})")
+        fast = max(predictions, key=lambda p: p.samples_per_s)
+        if fast is not best and to_target[id(fast)] is None:
+            text += (f"; {where(fast)} moves more samples/s ({rate(fast.samples_per_s)}) but did not reach that "
+                     f"loss in the convergence probe (its staleness diverged or stalled at this learning rate)")
+        elif fast is not best:
+            text += (f"; {where(fast)} moves more samples/s ({rate(fast.samples_per_s)}) but needs more rows: "
+                     f"{_seconds(to_target[id(fast)])} to that loss")
     return best, text
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:.2g} s" if seconds >= 0.1 else _ms(seconds)
 
 
 # -- fitting the figures to measurements (pure: the probe hands in the numbers) -----------------------

@@ -89,10 +89,13 @@ class Measurements:
     skipped: dict = field(default_factory=dict)
     raw: dict = field(default_factory=dict)
     seconds: float = 0.0
+    #: Rows to the target loss, sync and async (None: not measured, as in an older measurement).
+    convergence: cm.Convergence | None = None
 
     def as_dict(self) -> dict:
         return {"host": cm.figures_as_dict(self.host), "workload": cm.figures_as_dict(self.work),
                 "transports": {k: cm.figures_as_dict(v) for k, v in self.transports.items()},
+                "convergence": None if self.convergence is None else cm.figures_as_dict(self.convergence),
                 "skipped": dict(self.skipped), "seconds": self.seconds, "raw": self.raw}
 
     @classmethod
@@ -102,7 +105,7 @@ class Measurements:
         work["shards"] = {int(k): tuple(v) for k, v in work.get("shards", {}).items()}
         transports = {name: transport_from_dict(t) for name, t in doc["transports"].items()}
         return cls(host_from_dict(doc["host"]), cm.Workload(**work), transports, dict(doc.get("skipped", {})),
-                   doc.get("raw", {}), doc.get("seconds", 0.0))
+                   doc.get("raw", {}), doc.get("seconds", 0.0), convergence_from_dict(doc.get("convergence")))
 
 
 def transport_from_dict(t: dict) -> cm.TransportFigures:
@@ -113,6 +116,15 @@ def transport_from_dict(t: dict) -> cm.TransportFigures:
     return cm.TransportFigures(t["name"], link(t["allreduce"]), link(t["p2p"]), link(t.get("ps")),
                                t.get("idle_burn", 0.0), t.get("one_group", False),
                                cpu=cm.CpuCosts(**{k: link(v) for k, v in cpu.items()}), steps=cm.StepCosts(**steps))
+
+
+def convergence_from_dict(doc: dict | None) -> cm.Convergence | None:
+    """The convergence figures back from JSON (the probe's raw output, or ``Convergence`` as a dict)."""
+    if not doc:
+        return None
+    as_pairs = lambda points: tuple((int(k), None if r is None else int(r)) for k, r in points)  # noqa: E731
+    return cm.Convergence(float(doc["target_loss"]), as_pairs(doc.get("sync", ())),
+                          as_pairs(doc.get("async_", doc.get("async", ()))))
 
 
 def host_from_dict(doc: dict) -> cm.Host:
@@ -378,6 +390,8 @@ def measure(settings: ProbeSettings, on_progress: Callable[[str], None] = lambda
     host, work = fit_machine(machine, model)
     on_progress(f"machine: {cores} cores, background {host.background:.1f} busy processes, "
                 f"compute {work.compute_s * 1e3:.2f} ms on an idle core")
+    on_progress("convergence: rows to the target loss, sync and async, 1-8 replicas (this process)")
+    convergence = measure_convergence(settings)
 
     plan = schedule(sizes_around(model["param_bytes"], settings.quick), settings.quick)
     grouped = autogroup()
@@ -390,7 +404,7 @@ def measure(settings: ProbeSettings, on_progress: Callable[[str], None] = lambda
                               settings.timeout, mpi_job=checks[name].mpi_job, ps=1)
         links[name]["one_group"] = bool(checks[name].mpi_job and grouped)
         links[name]["steps"] = measure_steps(settings, name, checks[name].mpi_job, on_progress)
-    raw = {"model": model, "machine": machine, "links": links, "plan": plan,
+    raw = {"model": model, "machine": machine, "links": links, "plan": plan, "convergence": convergence,
            "loadavg_at_end": list(os.getloadavg())}
     return fit(raw, skipped, time.monotonic() - started)
 
@@ -491,6 +505,15 @@ def _cpu_per_step(clock: Sequence | None, ended: Sequence[float]) -> float:
     return max(0.0, cpu_at(ended[-1]) - cpu_at(ended[0])) / (len(ended) - 1)
 
 
+def measure_convergence(settings: ProbeSettings) -> dict:
+    """Rows to the target loss (:mod:`stratagem.advise.convergence`), in this process: the model
+    trained with 1, 2, 4 and 8 replicas, sync and async, for at most a few seconds."""
+    from stratagem.advise import convergence
+    from stratagem.bench.models import build_model
+
+    return convergence.measure(build_model(settings.model), settings.seed, budget_s=2.0 if settings.quick else 5.0)
+
+
 def fit(raw: dict, skipped: dict | None = None, seconds: float = 0.0) -> Measurements:
     """The cost model's figures from the probes' raw output (``Measurements.raw``): refitting a
     saved measurement gives the same figures as when it was measured."""
@@ -500,4 +523,5 @@ def fit(raw: dict, skipped: dict | None = None, seconds: float = 0.0) -> Measure
         figures[name] = t = fit_transport(link, one_group=link.get("one_group", False))
         if link.get("steps"):   # the strategies' own work, beyond what these links explain
             figures[name] = dataclasses.replace(t, steps=cm.step_residuals(fit_steps(link["steps"]), work, t))
-    return Measurements(host, work, figures, dict(skipped or {}), raw, seconds)
+    return Measurements(host, work, figures, dict(skipped or {}), raw, seconds,
+                        convergence_from_dict(raw.get("convergence")))
