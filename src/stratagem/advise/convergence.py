@@ -14,8 +14,9 @@ SGD at its learning rate, and counts the rows each way takes to bring the loss t
   from the values as they were ``k - 1`` updates before (the staleness of round-robin workers), and the
   gradient is applied to the current values.
 
-The loss is the mean of the last updates' losses (each worker reports the loss of the values it read,
-as an async worker does), compared with the model's ``target_loss`` (else half the first loss). The
+The target is crossed as ``stratagem bench`` sees it (:func:`stratagem.bench.measure.summarize`): when
+the mean of the last ``k`` losses reported (one per replica; an async worker reports the loss of the
+values it read) is at most the model's ``target_loss`` (else half its first loss). The
 model is deterministic in its seed, so the figures are too. The cost model turns them into time to
 the target (:func:`stratagem.advise.costmodel.time_to_target_s`).
 
@@ -31,10 +32,6 @@ import time
 from collections import deque
 
 import numpy as np
-
-#: The losses averaged for the target check: one update's loss is too noisy to trust its first crossing.
-WINDOW = 5
-
 
 def _apply(params: dict, grads: dict, rows: dict, lr: float) -> None:
     """Plain SGD in place; a sparse parameter's gradient covers the rows its batch read."""
@@ -62,18 +59,18 @@ def rows_to_target(model, seed: int, mode: str, k: int, target: float, max_rows:
 def _train(model, seed: int, mode: str, k: int, target: float, max_rows: int) -> int | None:
     params = {name: np.array(value, dtype=np.float32) for name, value in model.init_params(seed).items()}
     lr, b = float(model.learning_rate), int(model.batch_size)
-    losses: deque = deque(maxlen=WINDOW)
+    losses: deque = deque(maxlen=k)   # the last k losses reported, as the bench's loss curve smooths
     read: deque = deque()      # async: the values each of the last k - 1 updates' readers saw
     used, update = 0, 0
     while used < max_rows:
         if mode == "sync":
             # Every replica's gradient from the same values, then their mean applied: one update.
-            step_loss, shares = 0.0, []
+            reported, shares = [], []
             for replica in range(k):
                 batch = model.batch(seed, replica, update, b)
                 batch_rows = model.sparse_rows(batch)
                 loss, grads = model.loss_and_grads(_values(params, batch_rows), batch)
-                step_loss += loss / k
+                reported.append(loss)
                 shares.append((grads, batch_rows))
             for grads, batch_rows in shares:   # (a sparse gradient covers its own replica's rows)
                 _apply(params, grads, batch_rows, lr / k)
@@ -88,20 +85,22 @@ def _train(model, seed: int, mode: str, k: int, target: float, max_rows: int) ->
                 update += 1
                 continue
             values, batch, batch_rows = read.popleft()
-            step_loss, grads = model.loss_and_grads(values, batch)
+            loss, grads = model.loss_and_grads(values, batch)
+            reported = [loss]
             _apply(params, grads, batch_rows, lr)
             used += b
-        if not np.isfinite(step_loss):
+        if not all(np.isfinite(reported)):
             return None   # diverged: this staleness or batch does not converge at this learning rate
-        losses.append(step_loss)
+        losses.extend(reported)
         update += 1
-        if len(losses) == WINDOW and sum(losses) / WINDOW <= target:
+        if sum(losses) / len(losses) <= target:
             return used
     return None
 
 
 def target_of(model, seed: int) -> float:
-    """The model's ``target_loss``, else half its first batch's loss at the initial values."""
+    """The model's ``target_loss``, else half its first batch's loss at the initial values (the bench:
+    half the first losses' mean)."""
     target = getattr(model, "target_loss", None)
     if target is not None:
         return float(target)
