@@ -117,8 +117,10 @@ class ShmCollectives:
         nbytes = x.size * dtype.itemsize
         # The same choice on every member: it depends only on what the fingerprint covers.
         if (algorithm != "auto" or session.size < 2 or nbytes < self.min_bytes or x.size < session.size
-                or nbytes > MAX_CAPACITY):
-            return NotImplemented  # core's algorithm runs it (see Communicator)
+                or nbytes > MAX_CAPACITY or not self.transport.ring_peers.issuperset(session.members)):
+            # Core's algorithm runs it (see Communicator). A communicator with a member on another
+            # host (remote="zmq") has no shared arena: every member sees one and declines alike.
+            return NotImplemented
         # The communicator numbered this call already, and session.collective numbers it again:
         # take the first number back, so that calls stay counted once.
         session.seq -= 1

@@ -206,6 +206,13 @@ class ShmTransport(Transport):
             shared arenas (:mod:`~stratagem.transports.shm.collectives`), smaller ones core's ring
             over the rings; ``None``: always core's. The same on every task.
         control_options: options for the control :class:`ZmqTransport` (``bind_host``...).
+        remote: ``None`` (the default): every task must be on this host (refused otherwise);
+            ``"zmq"``: a cluster that spans hosts, where peers on this host exchange through the
+            rings and the others over the zmq connections the control transport already keeps:
+            shared memory chosen automatically wherever it can be used. (This host: the tasks whose
+            address this process can bind, i.e. in this network namespace, which the rings' abstract
+            Unix sockets need.) The native all-reduce then runs only in communicators whose members
+            are all on this host.
         **common: the options every transport takes (``secret``, ``timeout``...), shared with the
             control transport.
     """
@@ -215,7 +222,7 @@ class ShmTransport(Transport):
 
     def __init__(self, cluster, task, *, ring_bytes: int = 8 << 20, chunk_bytes: int = 1 << 20,
                  native_allreduce_bytes: int | None = NATIVE_MIN_BYTES, control_options: dict | None = None,
-                 **common):
+                 remote: str | None = None, **common):
         super().__init__(cluster, task, **common)
         if not isinstance(ring_bytes, int) or not MIN_CAPACITY <= ring_bytes <= MAX_CAPACITY:
             raise ConfigurationError(f"shm: ring_bytes must be an int between {MIN_CAPACITY} and {MAX_CAPACITY}, "
@@ -223,7 +230,14 @@ class ShmTransport(Transport):
         if not isinstance(chunk_bytes, int) or not 4096 <= chunk_bytes <= ring_bytes // 2:
             raise ConfigurationError(f"shm: chunk_bytes must be an int between 4096 and ring_bytes/2 "
                                      f"({ring_bytes // 2}), got {chunk_bytes!r}")
-        check_same_host(self.cluster)
+        if remote is None:
+            check_same_host(self.cluster)
+            self.ring_peers = frozenset(self.cluster.tasks())
+        elif remote == "zmq":
+            self.ring_peers = same_host_tasks(self.cluster)
+        else:
+            raise ConfigurationError(f"shm: remote must be None (every task on this host) or 'zmq' (tasks on "
+                                     f"other hosts over zmq), got {remote!r}")
         self.ring_bytes, self.chunk_bytes = ring_bytes, chunk_bytes
         if native_allreduce_bytes is not None and (isinstance(native_allreduce_bytes, bool)
                                                    or not isinstance(native_allreduce_bytes, int)
@@ -328,6 +342,9 @@ class ShmTransport(Transport):
         dst = self._route(dst, tag, msg, self._inbox)
         if dst is None:
             return
+        if dst not in self.ring_peers:   # on another host (remote="zmq"): the control connection carries it
+            self.control.send(dst, tag, msg, timeout)
+            return
         timeout = self._timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         parts = wire.encode(Kind.DATA, tag, msg.meta, msg.buffers, self.limits)
@@ -363,6 +380,11 @@ class ShmTransport(Transport):
                 # wakes us even before it ever sent us anything.
                 self.control._ensure_peer(src)
         return self._inbox.get(src, tag, self._timeout(timeout), pump=self._reading.for_waiter)
+
+    def flush(self, timeout=None, tasks=None) -> None:
+        """What went over zmq (announcements, and with ``remote="zmq"`` every message to another
+        host) is written out; what is in a ring is already in the peer's memory."""
+        self.control.flush(timeout, tasks)
 
     def lost_peers(self) -> dict[TaskId, str]:
         return self._inbox.lost()
@@ -675,18 +697,29 @@ def _is_local_host(host: str) -> bool | None:
     return False
 
 
+def _task_is_local(cluster: ClusterSpec, task: TaskId) -> bool:
+    """Whether ``task``'s address is on this host (``ConfigurationError`` if it has none or does not resolve)."""
+    address = cluster.address(task)
+    if address is None:
+        raise ConfigurationError(f"{task} has no network address (the cluster came from an MPI world): "
+                                 f"transport 'shm' needs addresses for its control connections")
+    host = address.rpartition(":")[0].strip("[]")
+    local = _is_local_host(host)
+    if local is None:
+        raise ConfigurationError(f"transport 'shm': cannot resolve {task}'s host {host!r}")
+    return local
+
+
 def check_same_host(cluster: ClusterSpec) -> None:
     """Raise ``ConfigurationError`` unless every task of ``cluster`` has an address on this machine."""
     for task in cluster.tasks():
-        address = cluster.address(task)
-        if address is None:
-            raise ConfigurationError(f"{task} has no network address (the cluster came from an MPI world): "
-                                     f"transport 'shm' needs addresses for its control connections")
-        host = address.rpartition(":")[0].strip("[]")
-        local = _is_local_host(host)
-        if local is None:
-            raise ConfigurationError(f"transport 'shm': cannot resolve {task}'s host {host!r}")
-        if not local:
+        if not _task_is_local(cluster, task):
             raise ConfigurationError(
-                f"transport 'shm' connects only tasks on one host, but {task} is at {address}, which is not an "
-                f"address of this machine; use transport='zmq' or transport='grpc' across hosts")
+                f"transport 'shm' connects only tasks on one host, but {task} is at {cluster.address(task)}, which "
+                f"is not an address of this machine; use transport_options={{'remote': 'zmq'}} (shared memory "
+                f"between the tasks on each host, zmq between hosts), or transport='zmq' or 'grpc'")
+
+
+def same_host_tasks(cluster: ClusterSpec) -> frozenset:
+    """The tasks of ``cluster`` whose address is on this machine (ourselves included)."""
+    return frozenset(task for task in cluster.tasks() if _task_is_local(cluster, task))
