@@ -112,6 +112,13 @@ def test_a_task_that_fails_ends_the_job_with_its_error_on_every_host(two_hosts):
     assert codes[1:] == [0, 0], [err for _, _, err in results]   # the others had finished their work
 
 
+def test_a_task_killed_on_the_other_host_is_named_by_the_others(two_hosts):
+    results = run_job(two_hosts, "--die")
+    assert results[2][0] == -9
+    for code, _, err in results[:2]:
+        assert code == 1 and "PeerLostError" in err and "worker/task:2" in err, err[-2000:]
+
+
 def test_the_remote_option_says_what_it_takes():
     from stratagem.core.cluster import ClusterSpec
     from stratagem.core.errors import ConfigurationError

@@ -13,6 +13,10 @@ from stratagem.core.transport import Message
 
 comm = stratagem.communicator(transport="shm", transport_options={"remote": "zmq"})
 small = comm.allreduce(np.full(1000, comm.rank + 1, np.float32))
+if comm.rank == 2 and "--die" in sys.argv:   # the task on the other host dies: the others must say so
+    import os
+    import signal
+    os.kill(os.getpid(), signal.SIGKILL)
 large = comm.allreduce(np.full(3_000_000, comm.rank + 1, np.float32))   # 12 MB: the native size, declined
 everyone = comm.allgather(np.array([comm.rank]))
 t = comm.transport
