@@ -849,8 +849,9 @@ def recommend(predictions: Sequence[Prediction], work: Workload,
                      f"(rows to it measured{', then extrapolated' if guessed else ''})")
         fast = max(predictions, key=lambda p: p.samples_per_s)
         if fast is not best and to_target[id(fast)] is None:
+            cause = "its staleness" if fast.setup.mode == "async" else "its global batch"
             text += (f"; {where(fast)} moves more samples/s ({rate(fast.samples_per_s)}) but did not reach that "
-                     f"loss in the convergence probe (its staleness diverged or stalled at this learning rate)")
+                     f"loss in the convergence probe ({cause}: the run diverged or stalled at this learning rate)")
         elif fast is not best:
             text += (f"; {where(fast)} moves more samples/s ({rate(fast.samples_per_s)}) but needs more rows: "
                      f"{_seconds(to_target[id(fast)])} to that loss")
