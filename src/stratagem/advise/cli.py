@@ -324,8 +324,7 @@ def _rows(points) -> str:
 def _to_target(p: cm.Prediction, convergence: cm.Convergence) -> str:
     seconds, guessed = cm.time_to_target_s(p, convergence)
     if seconds is None:
-        return "not reached" if convergence.rows("async" if p.setup.mode == "async" else "sync",
-                                                  p.setup.workers)[0] is None else "-"
+        return "not reached" if convergence.rows_for(p.setup)[0] is None else "-"
     return ("~" if guessed else "") + f"{seconds:.3g}"
 
 

@@ -293,6 +293,10 @@ class Convergence:
         (k0, r0), (k1, r1) = reached[-2], reached[-1]
         return r1 + max(0.0, (r1 - r0) / (k1 - k0)) * (n - k1), True
 
+    def rows_for(self, setup: "Setup") -> tuple[float | None, bool]:
+        """:meth:`rows` for ``setup``: an async setup pays its staleness, any other its global batch."""
+        return self.rows("async" if setup.mode == "async" else "sync", setup.workers)
+
 
 def time_to_target_s(p: "Prediction", convergence: Convergence | None) -> tuple[float | None, bool]:
     """Seconds ``p``'s setup takes to reach the convergence's target loss (its rows to the target at
@@ -309,8 +313,7 @@ def time_to_target_s(p: "Prediction", convergence: Convergence | None) -> tuple[
     """
     if convergence is None or p.samples_per_s <= 0:
         return None, False
-    mode = "async" if p.setup.mode == "async" else "sync"
-    rows, extrapolated = convergence.rows(mode, p.setup.workers)
+    rows, extrapolated = convergence.rows_for(p.setup)
     if rows is None:
         return None, False
     return rows / p.samples_per_s, extrapolated
