@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -53,6 +54,13 @@ def two_hosts():
         pytest.skip(why)
     hosts = [subprocess.Popen(["unshare", "-n", "--", "sleep", "300"]) for _ in range(2)]
     try:
+        # unshare may not have made its namespace yet: until it has, nsenter would enter ours, and the
+        # veth pair and addresses below would land in this machine's own namespace.
+        ours, deadline = os.readlink("/proc/self/ns/net"), time.monotonic() + 30
+        for ns in hosts:
+            while os.readlink(f"/proc/{ns.pid}/ns/net") == ours:
+                assert ns.poll() is None and time.monotonic() < deadline, "unshare -n made no namespace"
+                time.sleep(0.01)
         name = f"st{uuid.uuid4().hex[:6]}"
         # Made inside host A with its peer end moved straight into host B: never in our own namespace.
         _in(hosts[0], "ip", "link", "add", f"{name}a", "type", "veth", "peer", "name", f"{name}b",
