@@ -18,6 +18,7 @@ import importlib.util
 import io
 import os
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -233,6 +234,39 @@ def test_launch_mpi_ranks_die_with_a_launcher_killed_outright():
             launcher.wait(30)
         for line in _processes_with(marker):  # never leave one behind, even when the test failed
             os.kill(int(line.split(":", 1)[0]), 9)
+
+
+def _status_of_a_rank_whose(tmp_path, mpiexec_state: str) -> str:
+    """The exit status of ``true`` run as a rank of ``launch --mpi`` runs it (``die_with_mpiexec``),
+    started by a shell in a session whose leader (the job's mpiexec) is ``alive`` or ``gone``."""
+    status = tmp_path / "status"
+    rank = " ".join(map(shlex.quote, mpi_launch.die_with_mpiexec(["true"])))
+    if mpiexec_state == "alive":
+        script = f"{rank}; echo $? > {status}"
+    else:  # the leader exits at once; its child starts the rank only after that
+        script = f"( while kill -0 $$ 2>/dev/null; do sleep 0.05; done; {rank}; echo $? > {status} ) & exit 0"
+    leader = subprocess.Popen(["sh", "-c", script], start_new_session=True)
+    try:
+        leader.wait(30)
+        deadline = time.monotonic() + 30
+        while not (status.exists() and status.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return status.read_text().strip()
+    finally:
+        mpi_launch.kill_session(leader.pid)
+        if leader.poll() is None:
+            leader.kill()
+            leader.wait(30)
+
+
+def test_a_rank_runs_while_its_mpiexec_lives(tmp_path):
+    assert _status_of_a_rank_whose(tmp_path, "alive") == "0"
+
+
+def test_a_rank_started_after_its_mpiexec_died_does_not_run(tmp_path):
+    # The race a launcher killed outright can lose: prterun forked the rank, then died before the rank
+    # read its parent, so the rank's parent was init and PR_SET_PDEATHSIG never fired (CI, stop 19).
+    assert _status_of_a_rank_whose(tmp_path, "gone") == "1"
 
 
 @pytest.mark.parametrize("args, message", [

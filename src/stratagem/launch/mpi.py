@@ -52,10 +52,31 @@ from stratagem.launch.task_output import COLORS, OutputPump, PipeReader, Sink, t
 _NETNS_SCRIPT = 'ip link set lo up 2>/dev/null || exit 97; exec "$@"'
 #: Run before each rank's command (Linux): the rank gets SIGKILL when its parent, Open MPI's launcher,
 #: dies (PR_SET_PDEATHSIG survives exec), so no rank outlives a launcher that was killed outright.
-_DIE_WITH_MPIEXEC = ("import ctypes, os, signal, sys; parent = os.getppid(); "
-                     "ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
-                     "os.getppid() == parent or os._exit(1); "   # it died before prctl took effect
-                     "os.execvp(sys.argv[1], sys.argv[1:])")
+#: After prctl it checks that neither its parent nor the job's mpiexec (the leader of the session
+#: the launch gave the job) has died already: a rank forked just before mpiexec was killed may read
+#: its parent only after that death, when the parent it reads is init, which never dies.
+_DIE_WITH_MPIEXEC = (
+    "import ctypes, os, signal, sys\n"
+    "parent = os.getppid()\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+    "def alive(pid):\n"
+    "    try:\n"
+    "        with open(f'/proc/{pid}/stat', 'rb') as f:\n"
+    "            return f.read().rpartition(b')')[2].split()[0] not in (b'Z', b'X')\n"
+    "    except (OSError, IndexError):\n"
+    "        return False\n"
+    "if os.getppid() != parent or not alive(os.getsid(0)):\n"
+    "    os._exit(1)  # mpiexec died before prctl took effect\n"
+    "os.execvp(sys.argv[1], sys.argv[1:])\n"
+)
+
+
+def die_with_mpiexec(command: Sequence[str]) -> list[str]:
+    """``command`` as a rank of ``stratagem launch --mpi`` runs it: it gets SIGKILL when its parent
+    (mpiexec) dies, and does not start at all if mpiexec, the leader of its session, is gone."""
+    return [sys.executable, "-c", _DIE_WITH_MPIEXEC, *command]
+
+
 #: Output tag Open MPI 5 puts before every line with ``--output tag``: ``[1,3]<stdout>: ``.
 _TAG = re.compile(rb"^\[\d+,(\d+)\]<std(?:out|err)>: ?")
 
@@ -311,7 +332,7 @@ def launch_mpi(command: Sequence[str], workers: int = 1, ps: int = 0, chief: boo
         raise ConfigurationError(f"--mpi: {no_mpiexec()}")
     ulfm = ulfm_available(mpiexec) if ulfm is None else ulfm
     if sys.platform.startswith("linux"):
-        command = [sys.executable, "-c", _DIE_WITH_MPIEXEC, *command]
+        command = die_with_mpiexec(command)
     cmd = mpiexec_command(n, command, mpiexec=mpiexec, ulfm=ulfm, tag_output=True)
     for key in ("STRATAGEM_CONFIG", "TF_CONFIG"):
         base_env.pop(key, None)
