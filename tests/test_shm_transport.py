@@ -360,6 +360,33 @@ def test_a_send_blocked_by_a_frozen_receiver_ends_by_loss_or_close():
         t.close()
 
 
+def test_a_ring_announced_while_the_receiver_is_still_starting_is_read():
+    """A peer can finish its handshake and announce a ring the moment our control transport starts,
+    before our own start() has returned: that ring must be read (its announcement once came before
+    the listener was in place and was dropped, so everything the peer sent was lost: a hang)."""
+    cluster = local_cluster(2)
+    a, b = ShmTransport(cluster, "worker:0", timeout=CALL), ShmTransport(cluster, "worker:1", timeout=CALL)
+    start_control = b.control.start
+    sent = []
+
+    def start_control_then_let_a_announce():
+        start_control()
+        sender = threading.Thread(target=lambda: sent.append(a.send(b.task, "x", Message({"n": 1}))))
+        sender.start()
+        sender.join(CALL)
+        _wait_until(lambda: a.task in b._announced, 5.0)   # b's control reader handles the announcement
+
+    b.control.start = start_control_then_let_a_announce
+    a.start()
+    try:
+        b.start()
+        assert sent == [None]
+        assert b.recv(a.task, "x", timeout=10).meta == {"n": 1}
+    finally:
+        a.close()
+        b.close()
+
+
 # -- hostile peers ----------------------------------------------------------------------------------
 
 def test_a_producer_counter_beyond_the_ring_drops_that_peer_only():

@@ -283,14 +283,30 @@ class ShmTransport(Transport):
         if self._closed:
             raise TransportClosed(f"{self.task}: a closed transport cannot be started again")
         listener = Listener(self._address)
+        # The listener and the wake-up pipe are in place before the control transport starts: from
+        # then on a peer can complete its handshake and announce a ring (on the control's reader
+        # thread), and an announcement that found no listener would be dropped: that peer's ring
+        # would never be read, and everything it sends us lost.
         try:
-            self.control.start()
+            wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         except BaseException:
             listener.close()
             raise
-        self._listener = listener
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._poller.register(self._wake_r, select.POLLIN)
+        with self._listener_lock:
+            self._listener = listener
+        self._wake_r, self._wake_w = wake_r, wake_w
+        self._poller.register(wake_r, select.POLLIN)
+        try:
+            self.control.start()
+        except BaseException:
+            with self._listener_lock:
+                self._listener = None
+            listener.close()
+            self._poller.unregister(wake_r)
+            self._wake_r = self._wake_w = -1
+            os.close(wake_r)
+            os.close(wake_w)
+            raise
         self._started = True
         self._reading.start()
 
