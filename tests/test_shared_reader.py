@@ -79,6 +79,21 @@ def test_a_waiting_recv_reads_itself_and_the_background_reads_when_nobody_waits(
     assert reader.for_waiter(0.1) is False and reader.read_now() is False   # stopped: nobody reads
 
 
+def test_after_read_follows_every_read_by_a_caller_once_the_lock_is_free(source):
+    # The shm transport wakes its other waiters there: they must find the lock free and what was read.
+    seen = []
+    reader = SharedReader("after-read", source.pump, source.wake, lambda: None, grace=10.0,
+                          after_read=lambda: seen.append((reader.lock.locked(), len(source.readers))))
+    os.write(source.w, b"\1")
+    assert reader.read_now() is True
+    os.write(source.w, b"\1")
+    assert reader.for_waiter(1.0) is True
+    assert seen == [(False, 1), (False, 2)]
+    with reader.lock:                                  # another thread reads: no read, no call
+        assert reader.read_now() is False and reader.for_waiter(0.1) is False
+    assert len(seen) == 2
+
+
 def test_a_crashing_background_reader_is_reported_never_silent(source, caplog):
     crashed = threading.Event()
     source.fail_with = RuntimeError("broken frame")

@@ -37,7 +37,8 @@ class SharedReader:
     waits, who would otherwise hang. ``grace``: how long the background thread stays away after a
     ``recv()`` read. A waiting ``recv()`` reads with ``waiter_read(timeout)`` if given (a cheaper read
     than the pump's, when the transport has one), else with the pump; ``after_read()``, if given, is
-    called after each such read, once the lock is released (to let another waiter take over reading).
+    called after each read by a caller (:meth:`for_waiter`, :meth:`read_now`), once the lock is
+    released (to let another waiter take over reading, or find what was just read).
     """
 
     def __init__(self, name: str, pump: Callable[[float], None], wake: Callable[[], None],
@@ -96,6 +97,8 @@ class SharedReader:
             self._pump(0.0)
         finally:
             self.lock.release()
+            if self._after_read is not None:
+                self._after_read()
         return True
 
     def _background(self) -> None:

@@ -459,8 +459,7 @@ class ShmTransport(Transport):
         if remaining is not None and remaining <= 0:
             raise TransportTimeout(f"{self.task}: {ring.dst} did not take a message from the shared-memory ring "
                                    f"within {timeout:g} s (is it stuck?)")
-        if self._reading.read_now():  # never waits for the reader lock
-            self._inbox.notify()
+        self._reading.read_now()  # never waits for the reader lock
         wait = _SEND_POLL if remaining is None else min(remaining, _SEND_POLL)
         ring.writer.sleeping(True)
         try:
