@@ -33,6 +33,7 @@ from collections import deque
 
 import numpy as np
 
+
 def _apply(params: dict, grads: dict, rows: dict, lr: float) -> None:
     """Plain SGD in place; a sparse parameter's gradient covers the rows its batch read."""
     for name, grad in grads.items():

@@ -823,9 +823,10 @@ def recommend(predictions: Sequence[Prediction], work: Workload,
     if not predictions:
         raise ValueError("nothing to recommend: no setup could be predicted")
     ranked = sorted(predictions, key=lambda p: -p.samples_per_s)
-    to_target = {id(p): time_to_target_s(p, convergence)[0] for p in ranked}
-    if any(t is not None for t in to_target.values()):
-        ranked.sort(key=lambda p: (to_target[id(p)] is None, to_target[id(p)] or 0.0))  # stable: ties by samples/s
+    to_target = {id(p): time_to_target_s(p, convergence) for p in ranked}   # (seconds or None, extrapolated)
+    if any(seconds is not None for seconds, _ in to_target.values()):
+        # Stable: setups as fast to the target stay in samples/s order; those that never reach it last.
+        ranked.sort(key=lambda p: (to_target[id(p)][0] is None, to_target[id(p)][0] or 0.0))
     best = ranked[0]
     on_ps = best.setup.strategy in PS_STRATEGIES
     rival = next((p for p in ranked[1:] if (p.setup.strategy in PS_STRATEGIES) != on_ps), None)
@@ -846,18 +847,18 @@ def recommend(predictions: Sequence[Prediction], work: Workload,
         if sync is not None:
             text += f"; the fastest synchronous choice is {where(sync)} ({rate(sync.samples_per_s)} samples/s)"
     if convergence is not None:
-        seconds, guessed = time_to_target_s(best, convergence)
+        seconds, guessed = to_target[id(best)]
         if seconds is not None:
             text += (f"; loss {convergence.target_loss:.3g} in {'about ' if guessed else ''}{_seconds(seconds)} "
                      f"(rows to it measured{', then extrapolated' if guessed else ''})")
         fast = max(predictions, key=lambda p: p.samples_per_s)
-        if fast is not best and to_target[id(fast)] is None:
+        if fast is not best and to_target[id(fast)][0] is None:
             cause = "its staleness" if fast.setup.mode == "async" else "its global batch"
             text += (f"; {where(fast)} moves more samples/s ({rate(fast.samples_per_s)}) but did not reach that "
                      f"loss in the convergence probe ({cause}: the run diverged or stalled at this learning rate)")
         elif fast is not best:
             text += (f"; {where(fast)} moves more samples/s ({rate(fast.samples_per_s)}) but needs more rows: "
-                     f"{_seconds(to_target[id(fast)])} to that loss")
+                     f"{_seconds(to_target[id(fast)][0])} to that loss")
     return best, text
 
 
