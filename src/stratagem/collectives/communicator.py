@@ -77,7 +77,7 @@ class Communicator:
         small_bytes: tensors of at most this size use the latency-optimal algorithms (direct
             exchange or recursive doubling, binomial tree) instead of the bandwidth-optimal ones
             (default 64 KiB; up to 4 ranks the direct exchange also covers tensors a little larger,
-            see :mod:`stratagem.core.collectives`).
+            see :mod:`stratagem.collectives.algorithms`).
         owns_transport: close the transport in :meth:`close` (``open_communicator`` sets it).
 
     If the transport's ``native_collectives()`` offers a collective, it is called instead of the core
@@ -162,7 +162,7 @@ class Communicator:
         ``mean`` sums in ``x``'s dtype, then divides; bools accept ``min``/``max``/``mean`` only).
         ``algorithm``: ``auto`` (up to 4 ranks: a direct exchange for small tensors, else pairwise
         or, at 2 ranks, the ring; larger worlds: recursive doubling up to ``small_bytes``, else the
-        pipelined ring: see :mod:`stratagem.core.collectives`), ``ring``, ``recursive_doubling``,
+        pipelined ring: see :mod:`stratagem.collectives.algorithms`), ``ring``, ``recursive_doubling``,
         ``direct`` or ``pairwise``. ``out``: write the result there instead (an array of x's
         shape and the result dtype; ``out=x`` reduces in place); reusing one buffer across steps
         saves an allocation per call.

@@ -31,7 +31,7 @@ see the README).
 A compressor of your own subclasses :class:`Compressor` and implements :meth:`~Compressor.encode`,
 :meth:`~Compressor.layout`, :meth:`~Compressor.expand` and :meth:`~Compressor.error_bound`; see
 :mod:`stratagem.compression.casts` for the smallest ones. Register it through the
-``stratagem_add_compressors`` hook and check it with :class:`stratagem.testing.CompressorContract`.
+``stratagem_add_compressors`` hook and check it with :class:`stratagem.testing.compressor_contract.CompressorContract`.
 
     >>> import numpy as np
     >>> from stratagem.compression.topk import TopKCompressor

@@ -247,7 +247,7 @@ class Transport(abc.ABC):
     def peer_losses(self, task: TaskId) -> int:
         """How many times ``task`` was declared lost, even if a new process of it was accepted since
         (a counter that never goes down): an elastic communicator waiting on a member sees that the
-        process it waits for was replaced (:mod:`stratagem.core.elastic`). The default counts none."""
+        process it waits for was replaced (:mod:`stratagem.collectives.elastic`). The default counts none."""
         return 0
 
     def flush(self, timeout: float | None = None, tasks=None) -> None:

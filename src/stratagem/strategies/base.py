@@ -490,7 +490,7 @@ class Strategy:
         return np.asarray(result).item()
 
     def _comm(self):
-        """The replicas' communicator, created on first use with :meth:`_communicator_options`."""
+        """The replicas' communicator, created on first use with :meth:`communicator_options`."""
         if self._communicator is None:
             from stratagem.collectives.communicator import Communicator
 
@@ -678,7 +678,7 @@ class Strategy:
 
     def _end_at_exit(self, error: str | None) -> None:
         """Called once at interpreter exit if the script did not shut the strategy down: ``shutdown()``
-        after a normal end; after an uncaught exception (``error``), :meth:`_leave_with_error`."""
+        after a normal end; after an uncaught exception (``error``), :meth:`leave_with_error`."""
         if self._closed:
             return
         if error is None:

@@ -106,7 +106,7 @@ class NcclTransport(Transport):
 
     Args:
         device: the CUDA device of this process (default: the local rank modulo the device count).
-        control_options: options for the control :class:`ZmqTransport` (``bind_host``...).
+        control_options: options for the control :class:`~stratagem.transports.zmq.transport.ZmqTransport` (``bind_host``...).
         **common: the options every transport takes (``secret``, ``timeout``...), shared with the
             control transport.
     """

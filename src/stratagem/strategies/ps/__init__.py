@@ -5,7 +5,8 @@
   checkpoints;
 - :mod:`.between_graph`: every worker runs its own loop and pushes to the shards;
 - :mod:`.parameter_server`: a coordinator schedules closures on workers (:mod:`.coordinator`,
-  :mod:`.worker`), with functions and values shipped by :mod:`.functions`.
+  :mod:`.worker`), with functions and values shipped by
+  :mod:`stratagem.core.remote_code` and :mod:`stratagem.core.values`.
 
 The service itself (server, client, protocol) is :mod:`stratagem.ps`.
 """
