@@ -411,10 +411,13 @@ class FakeStrategy:
     """The strategy hooks an optimizer calls; applies locally and records the pairs it was given."""
 
     def __init__(self):
-        self.variables, self.calls = [], []
+        self.variables, self.optimizers, self.calls = [], [], []
 
     def on_variable(self, var):
         self.variables.append(var)
+
+    def on_optimizer(self, optimizer):
+        self.optimizers.append(optimizer)
 
     def on_apply_gradients(self, optimizer, pairs):
         self.calls.append((optimizer, pairs))
@@ -431,7 +434,7 @@ def test_an_optimizer_made_in_scope_hands_gradients_to_its_strategy():
         a = Variable(np.zeros(2, np.float32), name="a")
         b = Variable(np.zeros(3, np.float32), name="b")
         opt = SGD(0.5)
-    assert opt.strategy is strategy
+    assert opt.strategy is strategy and strategy.optimizers == [opt]   # known before its first step
     assert opt.apply_gradients([(torch.ones(2), a), (None, b)]) == 1
     [(called, pairs)] = strategy.calls
     assert called is opt and [v for _, v in pairs] == [a]

@@ -19,7 +19,16 @@ What every strategy promises, whatever it does inside:
   that names the failed task or (a strategy whose replicas do not wait for each other) exits 0 having
   finished its own training; a ``sys.exit(3)`` keeps its code and hangs nobody;
 - **bad options are refused by name** (with the known ones), before any process is contacted;
-- **a transport it cannot use is one clear error** (``IncompatibleError`` naming both plugins).
+- **a transport it cannot use is one clear error** (``IncompatibleError`` naming both plugins);
+- **it trains what the user asked**: :mod:`stratagem.testing.conformance_training` (SGD with momentum on
+  global batches whose rows do not split evenly over the replicas) ends with the values one process
+  reaches on the whole batches, on every task that holds the variables (a strategy that promises it:
+  :attr:`StrategyContract.one_process`);
+- **a checkpoint resumes the job**: the same script saving halfway, then a fresh job restoring it, ends
+  where the uninterrupted job ends (values, and the optimizer's iterations and slots).
+
+The last two depend on the strategy alone, not on the transport: a suite run over several transports
+may keep them to one (:attr:`StrategyContract.training_checks`).
 
 The tasks run as independent processes, each with its own ``STRATAGEM_CONFIG`` and the cluster secret,
 as a Kubernetes TFJob starts them (not under ``stratagem launch``, which would stop the others itself).
@@ -35,15 +44,21 @@ import sys
 import time
 from typing import ClassVar
 
+import numpy as np
 import pytest
 
 from stratagem.core.errors import ConfigurationError, IncompatibleError
 from stratagem.testing.world import free_ports
+from stratagem.training.checkpoint import load as load_checkpoint
 
 #: Seconds every task of a job gets to end, start-up included (generous: tests share 2 cores).
 LIMIT = 60
 #: The module every task runs.
 SCRIPT_MODULE = "stratagem.testing.plain_training"
+#: The module every task runs for the training checks.
+TRAINING_MODULE = "stratagem.testing.conformance_training"
+#: The training checks' learning rate and momentum (those of :data:`TRAINING_MODULE`).
+LEARNING_RATE, MOMENTUM = 0.05, 0.9
 
 
 def clean_env() -> dict:
@@ -100,6 +115,31 @@ def names(text: str, task: str) -> bool:
     return f"/job:{job}/task:{index}" in text or re.search(rf"\b{job}:{index}\b", text) is not None
 
 
+def write_training_data(path, *, batches: int = 6, rows: int = 7, seed: int = 0) -> None:
+    """Write the training checks' data to ``path`` (an ``.npz``): initial ``w`` (5x3) and ``b`` (3), and
+    ``batches`` global batches of ``rows`` rows (``x``, ``y``: one row per batch) of a noisy linear map."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(batches, rows, 5)).astype(np.float32)
+    y = (x @ rng.normal(size=(5, 3)) + 0.5 + 0.1 * rng.normal(size=(batches, rows, 3))).astype(np.float32)
+    np.savez(path, w=rng.normal(size=(5, 3)).astype(np.float32), b=np.zeros(3, np.float32), x=x, y=y)
+
+
+def one_process_values(path) -> dict[str, np.ndarray]:
+    """What one process reaches on the whole of each global batch of ``path``, in plain numpy (float64):
+    the SGD-with-momentum rule (``v = m v - lr g; w += v``) on the mean squared error."""
+    with np.load(path) as data:
+        params = {"w": data["w"].astype(np.float64), "b": data["b"].astype(np.float64)}
+        batches = list(zip(data["x"].astype(np.float64), data["y"].astype(np.float64)))
+    velocity = {k: np.zeros_like(v) for k, v in params.items()}
+    for x, y in batches:
+        err = x @ params["w"] + params["b"] - y
+        grads = {"w": 2 * x.T @ err / len(x), "b": 2 * err.mean(axis=0)}
+        for k in params:
+            velocity[k] = MOMENTUM * velocity[k] - LEARNING_RATE * grads[k]
+            params[k] += velocity[k]
+    return {**params, "iterations": len(batches)}
+
+
 class StrategyContract:
     """The conformance tests; subclass and set :attr:`strategy` (and what else differs)."""
 
@@ -115,6 +155,11 @@ class StrategyContract:
     #: Tasks that run the training loop and may fail in it (under ``in_graph`` and ``parameter_server``
     #: only the chief, worker:0, does: the others serve it).
     culprits: ClassVar[tuple[str, ...]] = ("worker:0",)
+    #: The strategy promises the update one process makes on the whole global batch (a synchronous
+    #: strategy); the training checks then compare with :func:`one_process_values`.
+    one_process: ClassVar[bool] = False
+    #: Run the training checks (they depend on the strategy, not on the transport).
+    training_checks: ClassVar[bool] = True
 
     # -- helpers ---------------------------------------------------------------------------------------
     def tasks(self) -> list[str]:
@@ -123,6 +168,21 @@ class StrategyContract:
     def run_job(self, *ending: str) -> dict[str, tuple[int | None, str, float]]:
         name = f"{self.strategy}:{self.mode}" if self.mode else self.strategy
         return run_tasks(self.tasks(), [sys.executable, "-m", SCRIPT_MODULE, name, self.transport, *ending])
+
+    def run_training(self, tmp_path, *phase: str) -> tuple[dict[str, np.ndarray], dict]:
+        """Run the training script as every task (``phase``: ``CKPT save|restore``); return the chief's
+        trained values and the job's results."""
+        if not self.training_checks:
+            pytest.skip(f"the training checks of {self.strategy} run over another transport of this suite")
+        data, out = tmp_path / "data.npz", tmp_path / f"out{'-' + phase[-1] if phase else ''}.npz"
+        if not data.exists():
+            write_training_data(data)
+        name = f"{self.strategy}:{self.mode}" if self.mode else self.strategy
+        results = run_tasks(self.tasks(), [sys.executable, "-m", TRAINING_MODULE, name, self.transport,
+                                           str(data), str(out), *phase])
+        assert all(code == 0 for code, _, _ in results.values()), report(results)
+        with np.load(out) as values:
+            return {k: values[k] for k in values.files}, results
 
     def strategy_class(self) -> type:
         from stratagem.plugins.manager import plugin_manager
@@ -152,6 +212,31 @@ class StrategyContract:
         results = self.run_job(culprit, "exit")
         assert results[culprit][0] == 3, report(results)
         assert all(code is not None for code, _, _ in results.values()), report(results)
+
+    def test_it_trains_as_one_process_on_the_whole_batch(self, tmp_path):
+        if not self.one_process:
+            pytest.skip(f"{self.strategy} {self.mode} does not promise the update of one process")
+        trained, results = self.run_training(tmp_path)
+        expected = one_process_values(tmp_path / "data.npz")
+        assert int(trained["iterations"]) == expected["iterations"], report(results)
+        for key in ("w", "b"):
+            np.testing.assert_allclose(trained[key], expected[key], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{key} differs from one process on the whole batch")
+
+    def test_a_checkpoint_resumes_the_job_where_it_was_saved(self, tmp_path):
+        ckpt = tmp_path / "ckpt"
+        halfway, _ = self.run_training(tmp_path, str(ckpt), "save")
+        saved = load_checkpoint(ckpt)
+        for key in ("w", "b"):
+            np.testing.assert_array_equal(saved.variables[key], halfway[key], err_msg=f"checkpointed {key}")
+        resumed, results = self.run_training(tmp_path, str(ckpt), "restore")
+        assert int(resumed["iterations"]) > int(halfway["iterations"]), report(results)
+        if self.one_process:
+            uninterrupted, _ = self.run_training(tmp_path)
+            assert int(resumed["iterations"]) == int(uninterrupted["iterations"]), report(results)
+            for key in ("w", "b"):   # the momentum slots travelled too, or the second half would differ
+                np.testing.assert_allclose(resumed[key], uninterrupted[key], rtol=1e-6, atol=1e-6,
+                                           err_msg=f"{key} after the restore differs from the uninterrupted job")
 
     def test_an_unknown_option_is_refused_with_the_known_ones(self):
         import stratagem
@@ -188,4 +273,5 @@ def run_strategy_contract(strategy: str, transport: str = "zmq", **attributes) -
     return type(name, (StrategyContract,), {"strategy": strategy, "transport": transport, **attributes})
 
 
-__all__ = ["StrategyContract", "run_strategy_contract", "run_tasks", "report", "names", "clean_env", "LIMIT"]
+__all__ = ["StrategyContract", "run_strategy_contract", "run_tasks", "report", "names", "clean_env", "LIMIT",
+           "write_training_data", "one_process_values"]

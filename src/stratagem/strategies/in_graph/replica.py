@@ -112,6 +112,9 @@ class _PickledScope:
     def on_variable(self, variable) -> None:
         pass
 
+    def on_optimizer(self, optimizer) -> None:
+        pass      # a stand-in for the client's optimizer, whose state the client keeps
+
     def on_apply_gradients(self, optimizer, pairs):
         return self._server.strategy.on_apply_gradients(optimizer, pairs)
 

@@ -399,6 +399,8 @@ class PSStrategyBase(Strategy):
             self._versions[index] = int(meta["step"])
             if index == 0:
                 self._global_step = self._step = int(meta["step"])
+                for optimizer in self._optimizers:    # the updates the shards applied: also on a
+                    optimizer.iterations = self._global_step   # coordinator, whose steps run elsewhere
         if meta.get("stop"):
             self._stop = True
 

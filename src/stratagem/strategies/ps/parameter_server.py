@@ -79,6 +79,7 @@ from stratagem.training.optimizers.rules import from_config
 from stratagem.ps.placement import Piece
 from stratagem.strategies.ps.coordinator import FUNCTION_MODES, Coordinator, PerWorkerDataset, RemoteValue
 from stratagem.ps.protocol import ShardLostError, spec_dtype, task_key
+from stratagem.strategies.base import global_batches
 from stratagem.strategies.ps.base import READY_POLL, PSStrategyBase
 from stratagem.strategies.ps.worker import Worker
 from stratagem.training.variables import Variable, strategy_scope
@@ -146,6 +147,15 @@ class ParameterServerStrategy(PSStrategyBase):
         """Wait until every scheduled step has run; raise the first step error (once), or
         ``ShardLostError`` if a ps task is gone."""
         self._require_coordinator("join()").join(timeout)
+
+    def distribute_dataset(self, dataset):
+        """On the coordinator: the global batches as they are. Each step the coordinator runs
+        (``run``, ``schedule``) computes on the whole batch it is given, on one worker, so the
+        coordinator's loop is the loop of one process (to give each worker data of its own, use
+        :meth:`create_per_worker_dataset`)."""
+        self._check_trains()
+        self._require_coordinator("distribute_dataset()")
+        return global_batches(dataset)
 
     def run(self, fn: Callable, args: tuple = (), kwargs: Mapping[str, Any] | None = None):
         """On the coordinator: schedule ``fn`` and wait for its result."""

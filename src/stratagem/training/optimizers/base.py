@@ -81,7 +81,18 @@ def _as_gradient(grad, var_name: str):
 
 # -- the base class -----------------------------------------------------------------------------------
 
-class Optimizer:
+class _Registered(type):
+    """Optimizers made in a strategy's ``scope()`` are recorded by it once fully built (not at their first
+    step): a coordinator whose steps run on other tasks still sees its optimizer's iterations."""
+
+    def __call__(cls, *args, **kwargs):
+        optimizer = super().__call__(*args, **kwargs)
+        if optimizer.strategy is not None:
+            optimizer.strategy.on_optimizer(optimizer)
+        return optimizer
+
+
+class Optimizer(metaclass=_Registered):
     """Base class of the optimizers: owns ``iterations``, the slots, the state and the dispatch.
 
     Args:
