@@ -20,9 +20,7 @@ import sys
 import pytest
 
 import stratagem
-
-#: Scripts inside the package, run as files by the processes they start; importing one runs it.
-SCRIPTS = {"stratagem.bench.train_task", "stratagem.advise.steps_task", "stratagem.testing.plain_training"}
+from test_docstrings import SCRIPTS     # scripts inside the package: importing one runs it
 
 ROLE = re.compile(r":(func|mod|class|meth|attr|exc|data|obj):`~?([^`<>]+?)`")
 
