@@ -33,7 +33,7 @@ from stratagem.core.errors import (
     PeerLostError,
     TransportClosed,
 )
-from stratagem.core.transport import Transport
+from stratagem.core.transport import NativeCollective, Transport
 from stratagem.testing.world import local_cluster
 from stratagem.transports.local import LocalFabric, LocalTransport
 
@@ -597,30 +597,43 @@ def _two_ranks_over(cls: type[LocalTransport]) -> list[Communicator]:
 
 
 class _NativeLocal(LocalTransport):
-    """A local transport that claims a native all-reduce, to check the communicator uses it."""
+    """A local transport that claims a native all-reduce for "max" only, to check the communicator
+    asks it first and uses it."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.native_calls = []
 
     def native_collectives(self):
-        return {"allreduce": self._allreduce}
+        return {"allreduce": NativeCollective(self._allreduce, lambda session, x, op="sum", **_: op == "max")}
 
     def _allreduce(self, session, x, op="sum", algorithm="auto"):
-        self.native_calls.append((session.rank, session.size, op, algorithm))
+        self.native_calls.append((session.rank, session.size, op, algorithm, session.seq))
         return np.full_like(x, 42)
 
 
-def test_native_collectives_replace_core_algorithms():
+def test_native_collectives_replace_core_algorithms_they_accept():
     comms = _two_ranks_over(_NativeLocal)
     try:
-        results = run_ranks(comms, lambda c: (c.allreduce(np.ones(3), op="max"), c.barrier())[0])
-        np.testing.assert_array_equal(results[1], [42, 42, 42])
-        assert comms[0].transport.native_calls == [(0, 2, "max", "auto")]
-        assert comms[0]._session.seq == 2  # native calls are numbered too
+        results = run_ranks(comms, lambda c: (c.allreduce(np.ones(3), op="max"), c.allreduce(np.ones(3)),
+                                              c.allreduce(np.ones(3), op="max"), c.barrier()))
+        np.testing.assert_array_equal(results[1][0], [42, 42, 42])
+        np.testing.assert_array_equal(results[1][1], [2, 2, 2])      # declined: core's sum
+        # Asked before running, numbered once each (by the session), native or not.
+        assert comms[0].transport.native_calls == [(0, 2, "max", "auto", 1), (0, 2, "max", "auto", 3)]
+        assert comms[0]._session.seq == 4
     finally:
         for comm in comms:
             comm.close()
+
+
+def test_a_native_that_is_not_a_native_collective_is_refused_by_name():
+    class Bare(LocalTransport):
+        def native_collectives(self):
+            return {"allreduce": lambda session, x, **kwargs: x}
+
+    with pytest.raises(ConfigurationError, match=r"Bare.native_collectives\(\) must map .*NativeCollective"):
+        _two_ranks_over(Bare)
 
 
 class _HostOnlyLocal(LocalTransport):

@@ -3,6 +3,7 @@ the README's map names every package and module of the tree."""
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -76,3 +77,31 @@ def test_core_imports_nothing_above_it_even_lazily():
             if found and found.group(1) not in ("core", "_version"):
                 offenders.append(f"core/{path.name}:{number}: {line.strip()}")
     assert not offenders, offenders
+
+
+def _sources():
+    package = ROOT / "src" / "stratagem"
+    for path in sorted(package.rglob("*.py")):
+        yield path.relative_to(package), ast.parse(path.read_text(), str(path))
+
+
+def test_only_the_collective_session_numbers_calls():
+    """A collective's number (``seq``) is written by ``collectives/session.py`` alone: a native
+    collective declines before it runs instead of taking a number back."""
+    writes = [f"{rel}:{node.lineno}" for rel, tree in _sources() for node in ast.walk(tree)
+              if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+              for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+              if isinstance(target, ast.Attribute) and target.attr == "seq"]
+    assert writes and all(w.startswith("collectives/session.py:") for w in writes), writes
+
+
+def test_no_module_imports_a_private_name_of_another_package():
+    reach_ins = []
+    for rel, tree in _sources():
+        package = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("stratagem."):
+                other = node.module.split(".")[1]
+                reach_ins += [f"{rel}:{node.lineno}: {node.module}.{alias.name}" for alias in node.names
+                              if alias.name.startswith("_") and not alias.name.startswith("__") and other != package]
+    assert not reach_ins, reach_ins

@@ -207,12 +207,58 @@ def test_message_pieces() -> None:
     comm.barrier()
 
 
+def test_accepted_and_declined_calls() -> None:
+    """With MPI's count limit made tiny: a broadcast beyond it moves in pieces, a reduction or
+    all-gather beyond it is declined (core runs it), NaN propagates through min and max natively,
+    and every call, accepted or declined, is numbered once (a mismatch names the same number)."""
+    from stratagem.transports.mpi import collectives as natives
+
+    size = comm.size
+    saved, natives.MAX_COUNT = natives.MAX_COUNT, 1000
+    counted = Communicator(comm.transport, name="counted", timeout=30)
+    try:
+        value = inputs(np.float32, (2500,), 0)
+        got = counted.broadcast(value if counted.rank == 0 else None)
+        check(np.array_equal(got, value), "a broadcast in pieces of MAX_COUNT elements")
+        mine = inputs(np.float64, (1500,), counted.rank)
+        got = counted.allreduce(mine)            # declined: core's ring
+        want = reference("sum", [inputs(np.float64, (1500,), r) for r in range(size)])
+        check(close_enough(got, want, "sum"), "a declined all-reduce (beyond MAX_COUNT)")
+        got = counted.allgather(np.full(600, counted.rank, np.int16))  # declined when 600 * size > 1000
+        check(np.array_equal(got, np.stack([np.full(600, r, np.int16) for r in range(size)])), "a declined allgather")
+        x = np.array([1.0, np.nan if counted.rank == 0 else 2.0, -np.nan if counted.rank == size - 1 else 0.5],
+                     np.float32)
+        for op in ("min", "max"):
+            got = counted.allreduce(x, op=op)
+            want = reference(op, [np.array([1.0, np.nan if r == 0 else 2.0, -np.nan if r == size - 1 else 0.5],
+                                           np.float32) for r in range(size)])
+            check(np.array_equal(np.isnan(got), np.isnan(want)) and close_enough(got, want, op),
+                  f"allreduce({op}) with NaNs on two ranks: {got} vs {want}")
+            same_bits_everywhere(got, f"allreduce({op}) with NaNs")
+        def holes(rank):
+            return np.where(np.arange(2 * size) == rank, np.nan, 1.0)
+        got = counted.reduce_scatter(holes(counted.rank), op="min")
+        want = np.array_split(reference("min", [holes(r) for r in range(size)]), size)[counted.rank]
+        check(np.array_equal(got, want, equal_nan=True), f"reduce_scatter(min) with NaNs: {got} vs {want}")
+        try:   # the 7th call: rank 0 all-reduces, the others all-gather
+            if counted.rank == 0:
+                counted.allreduce(np.zeros(3, np.int8))
+            else:
+                counted.allgather(np.zeros(3, np.int8))
+            check(False, "a mismatched 7th call did not raise")
+        except CollectiveMismatchError as exc:
+            check("#7" in str(exc), f"the mismatch does not name call #7: {exc}")
+    finally:
+        natives.MAX_COUNT = saved
+    comm.barrier()
+
+
 def main() -> int:
     global comm
     comm = stratagem.communicator("mpi", timeout=60)
     print(f"MODE rank {comm.rank}: blocking_collectives={comm.transport.blocking_collectives}", flush=True)
     for test in (test_allreduce, test_reduce_scatter, test_allgather_broadcast_barrier, test_message_pieces,
-                 test_failures):
+                 test_accepted_and_declined_calls, test_failures):
         try:
             test()
         except Exception:  # a crash is a failure too; keep the other ranks' checks going

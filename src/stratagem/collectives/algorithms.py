@@ -647,11 +647,24 @@ def _run_broadcast(call: CollectiveCall, work, algo: str, root: int) -> None:
 def barrier(session: CollectiveSession) -> None:
     """Return only once every rank has entered the barrier (dissemination: ceil(log2 size) rounds)."""
     with session.collective(fingerprint("barrier")) as call:
-        distance = 1
-        while distance < call.size:
-            call.send((call.rank + distance) % call.size)
-            call.recv((call.rank - distance) % call.size)
-            distance <<= 1
+        _disseminate(call)
+
+
+def meet(session: CollectiveSession, purpose: str) -> None:
+    """A barrier inside the call numbered last, for a native collective that must know every member
+    arrived before it blocks in its library (MPI's communicator creation has no timeout): it has the
+    barrier's timeout, loss detection and mismatch checks, and is not a call of its own."""
+    with session.current(fingerprint("barrier", purpose=purpose)) as call:
+        _disseminate(call)
+
+
+def _disseminate(call) -> None:
+    """Dissemination: ceil(log2 size) rounds of one message to the rank ``distance`` ahead."""
+    distance = 1
+    while distance < call.size:
+        call.send((call.rank + distance) % call.size)
+        call.recv((call.rank - distance) % call.size)
+        distance <<= 1
 
 
 #: name -> core implementation; the Communicator falls back to these when the transport has no native one.

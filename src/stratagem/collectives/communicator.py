@@ -37,7 +37,7 @@ import numpy as np
 from stratagem.collectives import algorithms as coll
 from stratagem.core.cluster import ClusterResolver, TaskId
 from stratagem.core.errors import CollectiveMismatchError, CommunicationError, ConfigurationError, PeerLostError, TransportClosed
-from stratagem.core.transport import Transport
+from stratagem.core.transport import NativeCollective, Transport
 from stratagem.core.transport_factory import default_factory
 from stratagem.core import timeline as _timeline
 
@@ -80,10 +80,10 @@ class Communicator:
             see :mod:`stratagem.collectives.algorithms`).
         owns_transport: close the transport in :meth:`close` (``open_communicator`` sets it).
 
-    If the transport's ``native_collectives()`` offers a collective, it is called instead of the core
-    algorithm, with the signature documented in :mod:`stratagem.collectives.algorithms`. A native may return
-    ``NotImplemented`` (before moving any data, on the same inputs on every rank) to have core's
-    algorithm run the call instead.
+    If the transport's ``native_collectives()`` offers a collective
+    (:class:`~stratagem.core.transport.NativeCollective`) and it accepts the call, it runs instead of
+    the core algorithm (:mod:`stratagem.collectives.algorithms`); a call it declines runs core's. Either
+    way the call is numbered once, by the session.
 
     Methods may be called from one thread at a time per communicator (calls are serialised).
     """
@@ -106,7 +106,7 @@ class Communicator:
             timeout=transport.timeout if timeout is None else float(timeout),
             chunk_bytes=int(chunk_bytes), small_bytes=int(small_bytes),
         )
-        self._native = dict(transport.native_collectives() or {})
+        self._native = _natives(transport)
         self._lock = threading.Lock()  # one collective at a time: interleaved calls would mismatch
         self._close_lock = threading.Lock()
         self._closed = False
@@ -308,6 +308,8 @@ class Communicator:
             if out is not None and restore is not _identity:
                 del kwargs["out"]  # computed on the host, then copied into the device's out
             native = self._native.get(collective)
+            if native is not None and not native.takes(self._session, x, kwargs):
+                native = None
             if native is None:
                 result = self._core(collective, x, kwargs)
             else:
@@ -336,17 +338,14 @@ class Communicator:
         algorithm = coll.ALGORITHMS[collective]
         return algorithm(self._session) if collective == "barrier" else algorithm(self._session, x, **kwargs)
 
-    def _run_native(self, native: Callable, collective: str, x, kwargs: dict):
+    def _run_native(self, native: NativeCollective, collective: str, x, kwargs: dict):
         session = self._session
-        session.next_seq()  # keep "collective #N" counting every call, native or not
+        session.next_seq()  # "collective #N" counts every call, native or not
         try:
-            result = native(session) if collective == "barrier" else native(session, x, **kwargs)
+            result = native.run(session) if collective == "barrier" else native.run(session, x, **kwargs)
         except Exception as exc:
             session.broken = exc
             raise
-        if result is NotImplemented:  # declined: core runs it (and numbers it, and counts its traffic)
-            session.seq -= 1
-            return self._core(collective, x, kwargs)
         if collective != "barrier":
             sized = x if x is not None else result       # a broadcast's non-roots pass no input
             nbytes = _ring_bytes(collective, int(getattr(sized, "nbytes", 0)), session.size)
@@ -360,6 +359,17 @@ class Communicator:
         broken = self._session.broken
         if broken is not None:
             raise _broken_error(self.name, broken) from broken
+
+
+def _natives(transport: Transport) -> dict[str, NativeCollective]:
+    natives = dict(transport.native_collectives() or {})
+    for name, native in natives.items():
+        if name not in coll.ALGORITHMS or not isinstance(native, NativeCollective):
+            raise ConfigurationError(
+                f"{type(transport).__name__}.native_collectives() must map collective names "
+                f"({', '.join(coll.ALGORITHMS)}) to NativeCollective(run, accepts) objects "
+                f"(stratagem.core.transport), not {name!r}: {type(native).__name__}")
+    return natives
 
 
 def _broken_error(name: str, cause: BaseException) -> Exception:

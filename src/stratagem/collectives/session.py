@@ -130,7 +130,13 @@ class CollectiveSession:
     def collective(self, fingerprint: dict, learn: Sequence[str] = ()) -> "_Running":
         """Run one collective call (``with session.collective(fp) as call:``): number it, and on
         failure break the session and warn the peers."""
-        fp = {"seq": self.next_seq(), **fingerprint}
+        self.next_seq()
+        return self.current(fingerprint, learn)
+
+    def current(self, fingerprint: dict, learn: Sequence[str] = ()) -> "_Running":
+        """Run the call numbered last (``session.seq``) as :meth:`collective` runs a new one: what a
+        native collective uses, the communicator having numbered its call already."""
+        fp = {"seq": self.seq, **fingerprint}
         if self.generation is not None:
             fp["gen"] = self.generation
         return _Running(self, CollectiveCall(self, fp, learn))

@@ -89,6 +89,28 @@ class SendHandle:
 COMPLETED = SendHandle()
 
 
+@dataclass(frozen=True)
+class NativeCollective:
+    """A transport's own implementation of one collective (as Horovod's operation manager asks each
+    backend op whether it enabled a call, before it runs).
+
+    ``run(session, x, **kwargs)`` has the signature of the core algorithm it replaces
+    (:mod:`stratagem.collectives.algorithms`) and keeps its semantics. ``accepts(session, x, **kwargs)``
+    (``None``: every call) decides, before anything moves, whether ``run`` takes the call; core's
+    algorithm runs it otherwise. It must decide from what the call's fingerprint covers (collective,
+    op, dtype, shape, options) and the transport's fixed state, so that every member decides alike,
+    and must not communicate. The communicator numbers the call before ``run``: a native names it
+    ``session.seq`` and opens it with ``session.current(fingerprint)``, never renumbering it.
+    """
+
+    run: Callable
+    accepts: Callable | None = None
+
+    def takes(self, session, x, kwargs: Mapping[str, Any]) -> bool:
+        """Whether ``run`` takes this call (see the class doc)."""
+        return self.accepts is None or bool(self.accepts(session, x, **kwargs))
+
+
 class Transport(abc.ABC):
     """Base class of every transport plugin.
 
@@ -231,12 +253,12 @@ class Transport(abc.ABC):
         if the transport is closed while waiting.
         """
 
-    def native_collectives(self) -> Mapping[str, Callable]:
-        """Faster collective implementations this transport has natively (MPI, NCCL).
+    def native_collectives(self) -> Mapping[str, "NativeCollective"]:
+        """Faster collective implementations this transport has natively (MPI, NCCL, shared memory).
 
         Maps a collective name (``allreduce``, ``broadcast``, ``allgather``, ``reduce_scatter``,
-        ``barrier``) to a callable with the signature of the core algorithm it replaces. Core's
-        algorithms cover whatever is missing.
+        ``barrier``) to a :class:`NativeCollective`, which says whether it takes a call before it
+        runs. Core's algorithms run whatever is missing or declined.
         """
         return {}
 

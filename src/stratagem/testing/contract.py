@@ -365,5 +365,84 @@ class TransportContract:
             b.send(a.task, "y", Message({"back": 1}))
             assert a.recv(b.task, "y", timeout=CALL_TIMEOUT).meta == {"back": 1}
 
+    # -- native collectives ----------------------------------------------------------------------------
+    #: Calls that exercise what natives take and decline: (collective, rank -> input, options).
+    NATIVE_CALLS = (
+        ("allreduce", lambda r: np.arange(10, dtype=np.float32) * (r + 1), {"op": "sum"}),
+        ("allreduce", lambda r: np.full(1 << 21, r - 0.5, np.float32), {"op": "max"}),    # 8 MiB
+        ("allreduce", lambda r: np.full(1 << 21, r + 1, np.float32), {"op": "sum"}),
+        ("allreduce", lambda r: np.arange(6, dtype=np.float16), {"op": "sum"}),
+        ("allreduce", lambda r: np.array([r, -r], np.int32), {"op": "min"}),
+        ("reduce_scatter", lambda r: np.arange(7, dtype=np.float64), {"op": "sum"}),
+        ("allgather", lambda r: np.array([r, r], np.int64), {}),
+        ("broadcast", lambda r: np.arange(5, dtype=np.float32) if r == 0 else None, {"root": 0}),
+        ("barrier", lambda r: None, {}),
+    )
+
+    def _natives_and_sessions(self, world):
+        from stratagem.collectives.session import CollectiveSession
+        from stratagem.core.transport import NativeCollective
+
+        natives = [dict(t.native_collectives() or {}) for t in world]
+        if not any(natives):
+            pytest.skip(f"the {self.transport} transport has no native collectives")
+        members = [t.task for t in world]
+        sessions = [CollectiveSession(t, members, rank, name="contract", timeout=CALL_TIMEOUT,
+                                      chunk_bytes=1 << 22, small_bytes=1 << 16) for rank, t in enumerate(world)]
+        for table in natives:
+            for name, native in table.items():
+                assert isinstance(native, NativeCollective), f"native {name!r} is a {type(native).__name__}"
+        return natives, sessions
+
+    def test_natives_decide_alike_on_every_rank_before_anything_moves(self):
+        with self.world(2, **self.native_options()) as world:
+            natives, sessions = self._natives_and_sessions(world)
+            for collective, make, options in self.NATIVE_CALLS:
+                if collective == "barrier":
+                    continue
+                decided = []
+                for rank in range(2):   # one rank at a time, its peer idle: deciding must not communicate
+                    native = natives[rank].get(collective)
+                    started = time.monotonic()
+                    decided.append(native is not None and native.takes(sessions[rank], make(rank), options))
+                    assert time.monotonic() - started < 1.0, f"{collective}: accepts() took a second"
+                assert decided[0] == decided[1], f"{collective}{options}: the ranks decide differently: {decided}"
+
+    def test_natives_give_core_results_and_every_call_is_numbered_once(self):
+        from stratagem.collectives.communicator import Communicator
+        from stratagem.core.errors import CollectiveMismatchError
+
+        with self.world(2, **self.native_options()) as world:
+            self._natives_and_sessions(world)
+            comms = [Communicator(t, timeout=CALL_TIMEOUT) for t in world]
+
+            def calls(rank, _transport):
+                comm = comms[rank]
+                out = [getattr(comm, c)(*([] if c == "barrier" else [make(rank)]), **o)
+                       for c, make, o in self.NATIVE_CALLS]
+                # A mismatch names the call by its number: the same on both ranks, so counted once each.
+                with pytest.raises(CollectiveMismatchError) as caught:
+                    if rank == 0:
+                        comm.allreduce(np.zeros(3, np.int8))
+                    else:
+                        comm.allgather(np.zeros(3, np.int8))
+                return out, str(caught.value)
+
+            results = run_ranks(world, calls, timeout=CALL_TIMEOUT * 2)
+            for rank, (out, error) in enumerate(results):
+                assert f"#{len(self.NATIVE_CALLS) + 1}" in error, f"rank {rank}: {error}"
+                np.testing.assert_array_equal(out[0], np.arange(10, dtype=np.float32) * 3)
+                np.testing.assert_array_equal(out[1], np.full(1 << 21, 0.5, np.float32))
+                np.testing.assert_array_equal(out[2], np.full(1 << 21, 3, np.float32))
+                np.testing.assert_array_equal(out[3], np.arange(6, dtype=np.float16) * 2)
+                np.testing.assert_array_equal(out[4], [0, -1])
+                np.testing.assert_array_equal(out[5], np.array_split(np.arange(7.0) * 2, 2)[rank])
+                np.testing.assert_array_equal(out[6], [[0, 0], [1, 1]])
+                np.testing.assert_array_equal(out[7], np.arange(5, dtype=np.float32))
+
+    def native_options(self) -> dict:
+        """Options that let the natives take the suite's calls (override: e.g. a lower threshold)."""
+        return {}
+
 
 __all__ = ["TransportContract", "CALL_TIMEOUT", "PEER_TIMEOUT", "TaskId"]

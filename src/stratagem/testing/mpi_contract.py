@@ -18,9 +18,11 @@ inside one:
   with no change. Such a transport must accept a ``comm`` option: the mpi4py communicator of its
   world (one per test).
 
-Two contract tests cannot take this form and are skipped with the reason: a peer *process* killed
-with SIGKILL (an MPI job's ranks are not spawned by the test; the transport's own tests kill a rank)
-and, for a transport that authenticates nobody (``authenticates_peers = False``), the secret mismatch.
+Some contract tests cannot take this form and are skipped with the reason: a peer *process* killed
+with SIGKILL (an MPI job's ranks are not spawned by the test; the transport's own tests kill a rank),
+the native collectives (every rank must call them at once; the transport's own tests do, inside
+``mpiexec``) and, for a transport that authenticates nobody (``authenticates_peers = False``), the
+secret mismatch.
 """
 
 from __future__ import annotations
@@ -318,6 +320,13 @@ class _InJobContract(TransportContract):
     def test_sigkilled_peer_process_raises_peer_lost(self):
         pytest.skip(f"the {self.transport} transport's peers are ranks of one MPI job, not processes a test "
                     f"can spawn; its own tests kill a rank with SIGKILL instead")
+
+    def test_natives_decide_alike_on_every_rank_before_anything_moves(self):
+        pytest.skip(f"the {self.transport} transport's natives run on every rank of the MPI job at once, which "
+                    f"this suite's one driving rank cannot do; its own tests run them inside mpiexec")
+
+    test_natives_give_core_results_and_every_call_is_numbered_once = \
+        test_natives_decide_alike_on_every_rank_before_anything_moves
 
     def test_secret_mismatch_is_refused(self):
         if getattr(self.transport_class(), "authenticates_peers", True) is False:

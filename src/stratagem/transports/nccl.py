@@ -43,7 +43,7 @@ from stratagem.core.cluster import TaskId
 from stratagem.collectives.session import CollectiveSession, describe, fingerprint
 from stratagem.core.errors import (CollectiveMismatchError, ConfigurationError, PluginError, TransportClosed,
                            TransportTimeout)
-from stratagem.core.transport import Message, SendHandle, Transport
+from stratagem.core.transport import Message, NativeCollective, SendHandle, Transport
 from stratagem.core.wire import DTYPES, dtype_name
 
 INSTALL_HINT = "pip install 'stratagem[gpu]'"
@@ -225,9 +225,11 @@ class NcclTransport(Transport):
         self.control.flush(timeout, tasks)
 
     # -- native collectives ------------------------------------------------------------------------
-    def native_collectives(self) -> Mapping[str, Callable]:
-        return {"allreduce": self._allreduce, "broadcast": self._broadcast,
-                "allgather": self._allgather, "reduce_scatter": self._reduce_scatter}
+    def native_collectives(self) -> Mapping[str, NativeCollective]:
+        return {"allreduce": NativeCollective(self._allreduce, _accepts_allreduce),
+                "broadcast": NativeCollective(self._broadcast),
+                "allgather": NativeCollective(self._allgather),
+                "reduce_scatter": NativeCollective(self._reduce_scatter, _accepts_reduce_scatter)}
 
     def _comm(self, session: CollectiveSession):
         """The NCCL communicator of ``session``'s members (made on first use) and its stream."""
@@ -303,8 +305,6 @@ class NcclTransport(Transport):
         fp = fingerprint("allreduce", seq=session.seq, op=op, dtype=dtype_name(x.dtype), shape=x.shape)
         comm, stream = self._agree(session, fp)
         carrier = _carrier(dtype, op)
-        if carrier is None:  # agreed, so every rank falls back together
-            return coll.allreduce(session, x, op=op, algorithm=algorithm, out=out)
         cupy = _cupy()
         with cupy.cuda.Device(self.device):
             work = self._device_flat(x, dtype)
@@ -328,8 +328,6 @@ class NcclTransport(Transport):
         fp = fingerprint("reduce_scatter", seq=session.seq, op=op, dtype=dtype_name(x.dtype), shape=x.shape)
         comm, stream = self._agree(session, fp)
         carrier = _carrier(dtype, op)
-        if carrier is None:
-            return coll.reduce_scatter(session, x, op=op)
         cupy = _cupy()
         size, bounds = session.size, coll.split_bounds(int(x.size), session.size)
         with cupy.cuda.Device(self.device):
@@ -406,6 +404,19 @@ class NcclTransport(Transport):
             if x is not None and not coll.is_device_array(x):
                 return result.get()
             return result
+
+
+def _accepts_allreduce(session: CollectiveSession, x, op: str = "sum", algorithm: str = "auto", out=None) -> bool:
+    """NCCL reduces the working dtype with ``op`` (else core's algorithm runs the call)."""
+    x = coll.as_array(x)
+    return _carrier(coll.check_allreduce(x, op, algorithm, out), op) is not None
+
+
+def _accepts_reduce_scatter(session: CollectiveSession, x, op: str = "sum") -> bool:
+    x = coll.as_array(x)
+    coll.check_dtype(x.dtype, "reduce_scatter")
+    coll.check_op(op, x.dtype, "reduce_scatter")
+    return _carrier(coll.working_dtype(op, x.dtype), op) is not None
 
 
 def _unpack_header(raw: bytes):

@@ -1,11 +1,14 @@
 """MPI's own collectives behind :class:`~stratagem.collectives.communicator.Communicator` (``mpi`` transport).
 
-:meth:`MpiTransport.native_collectives` returns :meth:`MpiCollectives.table`; each entry has the
-signature of the core algorithm it replaces (``collectives/algorithms.py``) and keeps its semantics:
+:meth:`MpiTransport.native_collectives` returns :meth:`MpiCollectives.table`: a
+:class:`~stratagem.core.transport.NativeCollective` per collective, whose ``run`` has the signature of
+the core algorithm it replaces (``collectives/algorithms.py``) and keeps its semantics, and whose
+``accepts`` declines, before anything moves, the calls MPI cannot do exactly (below):
 
 * Every member of a communicator gets its own MPI communicator, made on the first call
-  (``MPI_Comm_create_group`` over the members, after a core barrier so that nobody waits in it for a
-  member that never comes).
+  (``MPI_Comm_create_group`` over the members, after a barrier over point-to-point within that call,
+  :func:`~stratagem.collectives.algorithms.meet`, so that nobody waits in it for a member that never
+  comes).
 * Every call first *agrees*: an all-reduce (max) of a hash of the call's fingerprint (collective,
   op, dtype, shape, root; the sequence number mixed in) and of its negation -- three int64s, a few
   microseconds. Unequal hashes mean the ranks called different things: every rank raises
@@ -35,10 +38,12 @@ signature of the core algorithm it replaces (``collectives/algorithms.py``) and 
 * Reductions MPI does exactly and identically on every rank run natively: sum/prod/mean of integer,
   float32/float64 and complex dtypes, min/max of integers and bools (``MPI_LAND``/``MPI_LOR``), and
   min/max of floating-point dtypes (float16 and bfloat16 too) as integer min/max of an order-preserving
-  key of the bits (so ``-0.0 < +0.0`` on every rank, where MPI's float MIN depends on operand order).
-  The rest falls back to core's algorithm after the agreement: float16/bfloat16 sum/prod/mean (no MPI
-  type), complex min/max, float min/max when some rank holds a NaN (numpy propagates NaN; MPI does not),
-  and counts beyond a C int.
+  key of the bits (so ``-0.0 < +0.0`` on every rank, where MPI's float MIN depends on operand order);
+  when some rank holds a NaN (the agreement's flag says so), a logical-or of the NaN positions follows
+  and puts NaN there, as numpy propagates it. Broadcasts beyond a C int's count of elements move in
+  pieces. The rest is declined (core's algorithm runs it), by the same choice on every rank:
+  float16/bfloat16 sum/prod/mean (no MPI type), complex min/max, reductions and all-gathers beyond a C
+  int's count.
 """
 
 from __future__ import annotations
@@ -55,11 +60,14 @@ from stratagem.collectives import algorithms as coll
 from stratagem.collectives.session import CollectiveSession, describe, fingerprint
 from stratagem.core.errors import CollectiveMismatchError, ConfigurationError, PeerLostError
 from stratagem.core.wire import DTYPES, dtype_name
+from stratagem.core.transport import NativeCollective
 from stratagem.transports.mpi.progress import Guard
 
 #: Bytes of a broadcast's header (dtype and shape, msgpack) and of a call's description on mismatch.
 _HEADER_BYTES = 1024
-_MAX_COUNT = (1 << 31) - 1
+#: The most elements one MPI call moves (a C int): a broadcast moves larger arrays in pieces, and larger
+#: reductions and all-gathers are declined (core's algorithm runs them).
+MAX_COUNT = (1 << 31) - 1
 _KEY_TYPES = {2: np.int16, 4: np.int32, 8: np.int64}
 _HALF_FLOATS = (np.dtype(np.float16), DTYPES["bfloat16"])
 #: Mixing a call's sequence number into its hash (an odd 62-bit constant), modulo 2**62.
@@ -173,30 +181,49 @@ class MpiCollectives:
         self._last: tuple | None = None   # (session, _SessionComm) of the latest call
 
     def table(self) -> dict:
-        return {"allreduce": self.allreduce, "broadcast": self.broadcast, "allgather": self.allgather,
-                "reduce_scatter": self.reduce_scatter, "barrier": self.barrier}
+        return {"allreduce": NativeCollective(self.allreduce, self.accepts_allreduce),
+                "reduce_scatter": NativeCollective(self.reduce_scatter, self.accepts_reduce_scatter),
+                "allgather": NativeCollective(self.allgather, self.accepts_allgather),
+                "broadcast": NativeCollective(self.broadcast), "barrier": NativeCollective(self.barrier)}
+
+    # -- what MPI takes: the same choice on every rank, from what the fingerprint covers --------------
+    def accepts_allreduce(self, session: CollectiveSession, x, op: str = "sum", algorithm: str = "auto",
+                          out=None) -> bool:
+        x = np.asarray(x)
+        return self._plan(op, coll.check_allreduce(x, op, algorithm, out), x.size) is not None
+
+    def accepts_reduce_scatter(self, session: CollectiveSession, x, op: str = "sum") -> bool:
+        x = np.asarray(x)
+        coll.check_dtype(x.dtype, "reduce_scatter")
+        coll.check_op(op, x.dtype, "reduce_scatter")
+        return self._plan(op, coll.working_dtype(op, x.dtype), x.size) is not None
+
+    def accepts_allgather(self, session: CollectiveSession, x) -> bool:
+        x = np.asarray(x)
+        return (coll.working_dtype(None, x.dtype).itemsize in self._bit_types
+                and x.size * session.size <= MAX_COUNT)
 
     # -- the collectives -------------------------------------------------------------------------------
     def allreduce(self, session: CollectiveSession, x, op: str = "sum", algorithm: str = "auto", out=None):
         x = np.asarray(x)
         sc, dtype, plan, call, src, nan = self._reduction(session, "allreduce", op, x)
         with self._progress(session, sc, call) as on_poll:
-            native = self._agree(session, sc, call, nan, on_poll) == 0 and plan is not None
-            if native:
-                flat = np.empty(x.size, dtype) if out is None else out.reshape(-1)
-                if plan.keyed:
-                    keys = _order_keys(src)
-                    self._run(session, sc, call, on_poll, "Allreduce",
-                              self.MPI.IN_PLACE, [keys, plan.mpi_type], plan.mpi_op)
-                    _from_keys(keys, dtype, flat)
-                elif out is x:  # in place (the Communicator refuses any other out that overlaps x)
-                    self._run(session, sc, call, on_poll, "Allreduce",
-                              self.MPI.IN_PLACE, [flat, plan.mpi_type], plan.mpi_op)
-                else:
-                    self._run(session, sc, call, on_poll, "Allreduce",
-                              [src, plan.mpi_type], [flat, plan.mpi_type], plan.mpi_op)
-        if not native:
-            return self._core("allreduce", session, x, op=op, algorithm=algorithm, out=out)
+            nan_anywhere = self._agree(session, sc, call, nan, on_poll)
+            flat = np.empty(x.size, dtype) if out is None else out.reshape(-1)
+            if plan.keyed:
+                keys = _order_keys(src)
+                nans = self._nan_positions(session, sc, call, on_poll, src) if nan_anywhere else None
+                self._run(session, sc, call, on_poll, "Allreduce",
+                          self.MPI.IN_PLACE, [keys, plan.mpi_type], plan.mpi_op)
+                _from_keys(keys, dtype, flat)
+                if nans is not None:
+                    flat[nans] = np.nan
+            elif out is x:  # in place (the Communicator refuses any other out that overlaps x)
+                self._run(session, sc, call, on_poll, "Allreduce",
+                          self.MPI.IN_PLACE, [flat, plan.mpi_type], plan.mpi_op)
+            else:
+                self._run(session, sc, call, on_poll, "Allreduce",
+                          [src, plan.mpi_type], [flat, plan.mpi_type], plan.mpi_op)
         if op == "mean" and session.size > 1:
             np.true_divide(flat, dtype.type(session.size), out=flat)
         return flat.reshape(x.shape) if out is None else out
@@ -208,18 +235,18 @@ class MpiCollectives:
         counts = [bounds[i + 1] - bounds[i] for i in range(session.size)]
         mine = np.empty(counts[session.rank], dtype)
         with self._progress(session, sc, call) as on_poll:
-            native = self._agree(session, sc, call, nan, on_poll) == 0 and plan is not None
-            if native:
-                if plan.keyed:
-                    keys, got = _order_keys(src), np.empty(mine.size, _KEY_TYPES[dtype.itemsize])
-                    self._run(session, sc, call, on_poll, "Reduce_scatter",
-                              [keys, plan.mpi_type], [got, plan.mpi_type], counts, plan.mpi_op)
-                    _from_keys(got, dtype, mine)
-                else:
-                    self._run(session, sc, call, on_poll, "Reduce_scatter",
-                              [src, plan.mpi_type], [mine, plan.mpi_type], counts, plan.mpi_op)
-        if not native:
-            return self._core("reduce_scatter", session, x, op=op)
+            nan_anywhere = self._agree(session, sc, call, nan, on_poll)
+            if plan.keyed:
+                nans = self._nan_positions(session, sc, call, on_poll, src) if nan_anywhere else None
+                keys, got = _order_keys(src), np.empty(mine.size, _KEY_TYPES[dtype.itemsize])
+                self._run(session, sc, call, on_poll, "Reduce_scatter",
+                          [keys, plan.mpi_type], [got, plan.mpi_type], counts, plan.mpi_op)
+                _from_keys(got, dtype, mine)
+                if nans is not None:
+                    mine[nans[bounds[session.rank]:bounds[session.rank + 1]]] = np.nan
+            else:
+                self._run(session, sc, call, on_poll, "Reduce_scatter",
+                          [src, plan.mpi_type], [mine, plan.mpi_type], counts, plan.mpi_op)
         if op == "mean" and session.size > 1:
             np.true_divide(mine, dtype.type(session.size), out=mine)
         return mine
@@ -229,18 +256,14 @@ class MpiCollectives:
         dtype = coll.working_dtype(None, x.dtype)
         sc = self._comm(session)
         call = self._call(session, "allgather", dtype=dtype_name(x.dtype), shape=x.shape)
-        bits = self._bit_types.get(dtype.itemsize)
-        fits = bits is not None and x.size * session.size <= _MAX_COUNT
+        bits = self._bit_types[dtype.itemsize]
         with self._progress(session, sc, call) as on_poll:
             self._agree(session, sc, call, 0, on_poll)
-            if fits:
-                src = _flat(x, dtype)
-                result = np.empty((session.size, *x.shape), dtype)
-                flat = result.reshape(-1)
-                self._run(session, sc, call, on_poll, "Allgather",
-                          [src.view(np.uint8), src.size, bits], [flat.view(np.uint8), src.size, bits])
-        if not fits:
-            return self._core("allgather", session, x)
+            src = _flat(x, dtype)
+            result = np.empty((session.size, *x.shape), dtype)
+            flat = result.reshape(-1)
+            self._run(session, sc, call, on_poll, "Allgather",
+                      [src.view(np.uint8), src.size, bits], [flat.view(np.uint8), src.size, bits])
         return result
 
     def broadcast(self, session: CollectiveSession, x, root: int = 0, algorithm: str = "auto"):
@@ -266,15 +289,12 @@ class MpiCollectives:
             call.fp.update(dtype=name, shape=list(shape))
             wrong = x is not None and not is_root and (dtype_name(x.dtype) != name or x.shape != shape)
             self._agree_on_arguments(session, sc, call, wrong, on_poll, x)
-            count = int(np.prod(shape, dtype=np.int64))
-            fits = count <= _MAX_COUNT
-            if fits:
-                if not is_root:
-                    work = np.empty(shape, dtype)
-                raw = work.reshape(-1).view(np.uint8)
-                self._run(session, sc, call, on_poll, "Bcast", [raw, count, self._bit_types[dtype.itemsize]], root)
-        if not fits:
-            return self._core("broadcast", session, x, root=root, algorithm=algorithm)
+            if not is_root:
+                work = np.empty(shape, dtype)
+            flat, bits = work.reshape(-1), self._bit_types[dtype.itemsize]
+            for lo in range(0, flat.size, MAX_COUNT):      # a C int's count of elements at a time
+                piece = flat[lo:lo + MAX_COUNT]
+                self._run(session, sc, call, on_poll, "Bcast", [piece.view(np.uint8), piece.size, bits], root)
         return work
 
     def barrier(self, session: CollectiveSession) -> None:
@@ -287,7 +307,7 @@ class MpiCollectives:
     def _plan(self, op: str, dtype: np.dtype, count: int) -> _Plan | None:
         """How MPI reduces ``dtype`` with ``op`` exactly and identically on every rank, or None."""
         MPI = self.MPI
-        if count > _MAX_COUNT or dtype.byteorder == ">":
+        if count > MAX_COUNT or dtype.byteorder == ">":
             return None
         if op in ("sum", "mean", "prod"):
             mpi_type = self._value_types.get(dtype)
@@ -339,10 +359,12 @@ class MpiCollectives:
         digest = hashlib.blake2b(msgpack.packb(static), digest_size=8).digest()
         return int.from_bytes(digest, "little") >> 2
 
-    def _core(self, collective: str, session: CollectiveSession, x, **kwargs):
-        """Core's algorithm for what MPI cannot do; it counts the call itself, so uncount it first."""
-        session.seq -= 1
-        return coll.ALGORITHMS[collective](session, x, **kwargs)
+    def _nan_positions(self, session, sc: _SessionComm, call: _Call, on_poll, src: np.ndarray) -> np.ndarray:
+        """Where any rank holds a NaN (a logical-or of each rank's ``isnan``): numpy's min/max put NaN
+        there, and the keyed min/max would not."""
+        nans = np.isnan(src)
+        self._run(session, sc, call, on_poll, "Allreduce", self.MPI.IN_PLACE, [nans, self.MPI.C_BOOL], self.MPI.LOR)
+        return nans
 
     def _progress(self, session: CollectiveSession, sc: _SessionComm, call: _Call):
         """``with``, around one collective: polling MPI holds the reader role (and hears heartbeats
@@ -364,14 +386,9 @@ class MpiCollectives:
         if sc is not None:
             self._last = (session, sc)
             return sc
-        # Creating it blocks until every member arrives, without a timeout: meet first (core's
-        # barrier, over point-to-point, with the timeout, loss detection and mismatch checks).
-        seq = session.seq
-        session.seq -= 1
-        try:
-            coll.barrier(session)
-        finally:
-            session.seq = seq
+        # Creating it blocks until every member arrives, without a timeout: meet first (over
+        # point-to-point, with the timeout, loss detection and mismatch checks).
+        coll.meet(session, "mpi communicator")
         ranks = [self.t.rank_of(m) for m in session.members]
         tag = zlib.crc32(session.name.encode()) & 0x7FFF
         with self.t.mpi_lock:

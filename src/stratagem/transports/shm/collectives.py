@@ -26,9 +26,9 @@ call's timeout, so a dead member raises ``PeerLostError`` naming it and a missin
 ``TransportTimeout``; never a hang. A member's words are compared for equality-or-more with ``k``
 only, and every arena is checked against the size the call needs, so a hostile peer cannot make us
 read out of bounds. Calls this path does not take (device arrays, tensors under ``min_bytes``, an
-explicit ``algorithm``) are declined (``NotImplemented``) and run core's algorithm, by the same choice
-on every member (the fingerprint differs between the two paths, so members that disagree raise a
-mismatch instead of hanging).
+explicit ``algorithm``) are declined before they run (:meth:`ShmCollectives.accepts_allreduce`) and run
+core's algorithm, by the same choice on every member (the fingerprint differs between the two paths,
+so members that disagree raise a mismatch instead of hanging).
 
 Arena header words (in the region's first 4096 bytes, each on its own cache line): 64 ``in``,
 128 ``out``.
@@ -46,6 +46,7 @@ import numpy as np
 from stratagem.collectives import algorithms as coll
 from stratagem.collectives.session import CollectiveSession, fingerprint
 from stratagem.core.errors import CollectiveMismatchError, PeerLostError, TransportClosed, TransportTimeout
+from stratagem.core.transport import NativeCollective
 from stratagem.core.wire import dtype_name
 from stratagem.transports.shm.rendezvous import TOKEN_BYTES, offer, socket_address
 from stratagem.transports.shm.ring import MAX_CAPACITY, MIN_CAPACITY, Region, RingError, fence
@@ -83,7 +84,7 @@ class ShmCollectives:
         self._arenas: "weakref.WeakKeyDictionary[CollectiveSession, _Arenas]" = weakref.WeakKeyDictionary()
 
     def table(self) -> dict:
-        return {"allreduce": self.allreduce}
+        return {"allreduce": NativeCollective(self.allreduce, self.accepts_allreduce)}
 
     def close(self) -> None:
         for arenas in list(self._arenas.values()):
@@ -109,21 +110,22 @@ class ShmCollectives:
             finally:
                 arenas.lock.release()
 
-    def allreduce(self, session: CollectiveSession, x, op: str = "sum", algorithm: str = "auto", out=None):
+    def accepts_allreduce(self, session: CollectiveSession, x, op: str = "sum", algorithm: str = "auto",
+                          out=None) -> bool:
+        """Whether the arenas take this all-reduce: the same choice on every member, from what the
+        fingerprint covers. A communicator with a member on another host (``remote="zmq"``) has no
+        shared arena: every member sees one and declines alike."""
         if coll.is_device_array(x):
-            return NotImplemented
+            return False
+        x = coll.as_array(x)
+        nbytes = x.size * coll.check_allreduce(x, op, algorithm, out).itemsize
+        return not (algorithm != "auto" or session.size < 2 or nbytes < self.min_bytes or x.size < session.size
+                    or nbytes > MAX_CAPACITY or not self.transport.ring_peers.issuperset(session.members))
+
+    def allreduce(self, session: CollectiveSession, x, op: str = "sum", algorithm: str = "auto", out=None):
         x = coll.as_array(x)
         dtype = coll.check_allreduce(x, op, algorithm, out)
         nbytes = x.size * dtype.itemsize
-        # The same choice on every member: it depends only on what the fingerprint covers.
-        if (algorithm != "auto" or session.size < 2 or nbytes < self.min_bytes or x.size < session.size
-                or nbytes > MAX_CAPACITY or not self.transport.ring_peers.issuperset(session.members)):
-            # Core's algorithm runs it (see Communicator). A communicator with a member on another
-            # host (remote="zmq") has no shared arena: every member sees one and declines alike.
-            return NotImplemented
-        # The communicator numbered this call already, and session.collective numbers it again:
-        # take the first number back, so that calls stay counted once.
-        session.seq -= 1
         fp = fingerprint("allreduce", op=op, dtype=dtype_name(x.dtype), shape=x.shape, algo="shm")
         src = x.reshape(-1) if x.dtype == dtype and x.flags.c_contiguous else x.astype(dtype).reshape(-1)
         work = np.empty(x.size, dtype=dtype) if out is None else out.reshape(-1)
@@ -132,7 +134,7 @@ class ShmCollectives:
         arenas = self._arenas.get(session)
         if arenas is None:
             arenas = self._arenas[session] = _Arenas()
-        with arenas.lock, session.collective(fp) as call:
+        with arenas.lock, session.current(fp) as call:
             try:
                 self._agree(session, call, arenas, nbytes)
                 self._run(session, call.fp["seq"], arenas, src, work, coll.OPS[op], dtype)
