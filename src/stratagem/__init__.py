@@ -45,19 +45,22 @@ _LAZY = {
     "ClosureError": ("strategies.ps.coordinator", "ClosureError"),
     "CheckpointError": ("training.checkpoint", "CheckpointError"),
     "CheckpointNotFoundError": ("training.checkpoint", "CheckpointNotFoundError"),
+    "ReduceOp": ("strategies.distribute", "ReduceOp"),
+    "InputContext": ("strategies.distribute", "InputContext"),
+    "PerReplica": ("strategies.in_graph.wire", "PerReplica"),
 }
 
 __all__ = [
     "AuthenticationError", "ClusterResolver", "ClusterSpec", "CollectiveMismatchError",
     "CommunicationError", "ConfigurationError", "IncompatibleError", "PeerLostError", "PluginError",
     "ProtocolError", "StratagemError", "TaskId", "TransportClosed", "TransportTimeout", "WorldChangedError",
-    "communicator", "compressor", "strategy", "transport", "plugin_manager", "__version__", "optimizers", "ray",
+    "communicator", "compressor", "strategy", "transport", "plugin_manager", "__version__", "optimizers", "ray", "nn",
     *_LAZY,
 ]
 
 
 def __getattr__(name: str):
-    """The names of ``_LAZY``, ``stratagem.optimizers``, the adapters ``stratagem.torch`` and
+    """The names of ``_LAZY``, ``stratagem.optimizers``, ``stratagem.nn``, the adapters ``stratagem.torch`` and
     ``stratagem.jax``, and ``stratagem.ray`` (jobs on a Ray cluster), imported at first use (keeps the
     import light: no torch, jax or ray until then)."""
     import importlib
@@ -67,7 +70,7 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f"{__name__}.{module}"), attribute)
         globals()[name] = value
         return value
-    if name in ("optimizers", "torch", "jax"):   # torch / jax: the adapters, which import those frameworks
+    if name in ("optimizers", "torch", "jax", "nn"):   # torch / jax: the adapters, which import those frameworks
         return importlib.import_module(f"{__name__}.{name}")  # importing sets the attribute
     if name == "ray":
         # stratagem.ray.run(...): jobs on a Ray cluster. Imports stratagem's engine, not Ray itself.
