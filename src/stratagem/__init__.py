@@ -31,6 +31,11 @@ from stratagem.core.errors import (
 )
 
 from stratagem._version import __version__
+from stratagem.core import user_errors as _user_errors
+
+# A configuration or usage error that ends a script is printed as one line (STRATAGEM_TRACEBACK=1: the
+# traceback); see stratagem.core.user_errors.
+_user_errors.install()
 
 #: Public names imported at first use (module, attribute), which keeps ``import stratagem`` light.
 #: The errors among them are the ones callers catch: a lost ps shard, a failed in_graph replica, a
