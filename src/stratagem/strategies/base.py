@@ -39,8 +39,9 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping
 
 import numpy as np
 
-from stratagem.core.cluster import ClusterSpec, TaskId, is_evaluator
+from stratagem.core.cluster import ClusterResolver, ClusterSpec, TaskId, is_evaluator
 from stratagem.core.errors import ConfigurationError, IncompatibleError, StratagemError
+from stratagem.core import endpoints
 from stratagem.core.lifecycle import end_at_exit
 from stratagem.core.transport import Transport
 from stratagem.core.options import declared_options, reject_unknown_options
@@ -176,13 +177,20 @@ class Strategy:
             self._adopt(transport, cluster, task, transport_options)
         elif isinstance(transport, str):
             check_compatible(type(self), factory.transport_class(transport), transport_name=transport)
-            created = factory.create_transport(transport, cluster, task, **dict(transport_options or {}))
-            try:
-                created.start()
-            except BaseException:
-                created.close()
-                raise
-            self._transport, self._transport_name, self._owns_transport = created, transport, True
+            # A communicator of this process already serves this task: share its transport.
+            running = endpoints.shared(transport, *_where(cluster, task), transport_options,
+                                       who=f"strategy {self.name!r}")
+            if running is not None:
+                self._transport, self._transport_name, self._owns_transport = running, transport, False
+            else:
+                created = factory.create_transport(transport, cluster, task, **dict(transport_options or {}))
+                try:
+                    created.start()
+                except BaseException:
+                    created.close()
+                    raise
+                endpoints.hold(created)
+                self._transport, self._transport_name, self._owns_transport = created, transport, True
         else:
             raise ConfigurationError(
                 f"transport must be a transport name (e.g. 'zmq') or a Transport instance, "
@@ -825,6 +833,15 @@ class Strategy:
         state = " (shut down)" if self._closed else ""
         return (f"<{type(self).__name__} {self.name!r} over {self._transport_name!r} on {self.task}, "
                 f"{self.num_replicas_in_sync} replica(s){state}>")
+
+
+def _where(cluster, task) -> tuple[ClusterSpec, TaskId]:
+    """The cluster and task a strategy runs on: those given, else the environment's."""
+    if cluster is None or task is None:
+        resolved = ClusterResolver.from_env()
+        cluster = resolved.cluster if cluster is None else cluster
+        task = resolved.task if task is None else task
+    return ClusterSpec(cluster), TaskId.parse(task)
 
 
 def global_batches(dataset) -> Iterator:
