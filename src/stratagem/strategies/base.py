@@ -52,6 +52,7 @@ from stratagem.strategies.checkpoints import DEFAULT_MAX_TO_KEEP, check_restorab
 from stratagem.training.variables import array_module, is_device_array, strategy_scope
 from stratagem.core import timeline as _timeline
 from stratagem.strategies.distribute import (
+    DistributedDataset,
     InputContext,
     LossScaling,
     ReduceOp,
@@ -439,21 +440,25 @@ class Strategy:
         rank, size = self._replica_rank("distribute_dataset()"), self.num_replicas_in_sync
         return self.shard_batches(global_batches(dataset), rank, size)
 
-    def experimental_distribute_dataset(self, dataset: Iterable, options=None) -> Iterator:
-        """TF's name for :meth:`distribute_dataset`: each replica's part of every global batch. The split
-        is TF's: a global batch of ``B`` rows gives each of ``N`` replicas ``B // N`` rows, the first
-        ``B % N`` one more (``options`` is accepted for TF's signature and must be ``None``)."""
+    def experimental_distribute_dataset(self, dataset: Iterable, options=None) -> DistributedDataset:
+        """TF's ``experimental_distribute_dataset``: :meth:`distribute_dataset` (each replica's part of every
+        global batch), as an iterable that starts over each time it is iterated (``for epoch in ...: for
+        x in dist_dataset``), when ``dataset`` can (a list). The split is TF's: a global batch of ``B``
+        rows gives each of ``N`` replicas ``B // N`` rows, the first ``B % N`` one more. ``options`` is
+        there for TF's signature and must be ``None``."""
+        self._check_open()
         if options is not None:
             raise ConfigurationError("experimental_distribute_dataset() takes no options here; leave options out")
-        return self.distribute_dataset(dataset)
+        global_batches(dataset)          # not iterable: say so now
+        return DistributedDataset(lambda: self.distribute_dataset(dataset))
 
-    def distribute_datasets_from_function(self, dataset_fn: Callable, options=None) -> Iterator:
+    def distribute_datasets_from_function(self, dataset_fn: Callable, options=None) -> DistributedDataset:
         """This replica's batches from ``dataset_fn(input_context)`` (TF's
         ``distribute_datasets_from_function``): ``input_context`` is an :class:`InputContext` saying
         which input pipeline this replica runs (``input_pipeline_id`` of ``num_input_pipelines``) and
         ``get_per_replica_batch_size(global_batch_size)``; ``dataset_fn`` returns an iterable of this
-        replica's batches, already per replica, which is iterated as it is. Every replica's batches
-        count the same in the gradient mean."""
+        replica's batches, already per replica, which is iterated as it is (again at each ``for``, if
+        it can be). Every replica's batches count the same in the gradient mean."""
         self._check_open()
         if options is not None:
             raise ConfigurationError("distribute_datasets_from_function() takes no options here; leave options out")
@@ -461,8 +466,9 @@ class Strategy:
             raise ConfigurationError(f"distribute_datasets_from_function() needs a function of an InputContext, "
                                      f"got {type(dataset_fn).__name__}")
         count, index = self.input_pipeline()
-        context = InputContext(count, index, self.num_replicas_in_sync)
-        return self._per_replica_batches(global_batches(dataset_fn(context)))
+        dataset = dataset_fn(InputContext(count, index, self.num_replicas_in_sync))
+        global_batches(dataset)          # not iterable: say so now
+        return DistributedDataset(lambda: self._per_replica_batches(global_batches(dataset)))
 
     def _per_replica_batches(self, batches: Iterator) -> Iterator:
         for batch in batches:

@@ -4,7 +4,8 @@ What ``Strategy`` needs to offer TensorFlow's custom-training-loop API, kept apa
 own machinery:
 
 - :class:`ReduceOp` (``stratagem.ReduceOp.SUM`` / ``MEAN``), accepted wherever an op string is;
-- :class:`InputContext`, what ``distribute_datasets_from_function`` hands the dataset function;
+- :class:`InputContext`, what ``distribute_datasets_from_function`` hands the dataset function, and
+  :class:`DistributedDataset`, what it and ``experimental_distribute_dataset`` return (iterable per epoch);
 - :func:`local_reduction` / :func:`finish_reduction`: ``strategy.reduce(op, value, axis=k)``, a
   reduction along an axis within each replica first, then across the replicas;
 - :func:`as_host` / :func:`like_input`: a torch tensor goes in, a torch tensor comes out (torch is
@@ -111,6 +112,28 @@ class InputContext:
     def __repr__(self) -> str:
         return (f"InputContext(num_input_pipelines={self.num_input_pipelines}, "
                 f"input_pipeline_id={self.input_pipeline_id}, num_replicas_in_sync={self.num_replicas_in_sync})")
+
+
+class DistributedDataset:
+    """What ``experimental_distribute_dataset`` and ``distribute_datasets_from_function`` return: an
+    iterable that yields this replica's batches each time it is iterated (once per epoch, as TF's),
+    as long as the dataset under it can be iterated again (a list can; a generator cannot).
+
+    >>> ds = DistributedDataset(lambda: iter([1, 2]))
+    >>> list(ds), list(ds)
+    ([1, 2], [1, 2])
+    """
+
+    __slots__ = ("_batches",)
+
+    def __init__(self, batches):
+        self._batches = batches          # a function returning a fresh iterator of this replica's batches
+
+    def __iter__(self):
+        return self._batches()
+
+    def __repr__(self) -> str:
+        return "<DistributedDataset: this replica's batches>"
 
 
 def check_gradient_reduction(value) -> str:
