@@ -286,3 +286,27 @@ def test_user_error_line():
     assert line.startswith("stratagem: ConfigurationError: strategy 'mirrored' does not accept option(s) 'buket_bytes'")
     assert "(did you mean 'bucket_bytes'?)" in line and "\n" not in line
     assert re.search(r"\(test_tf_distribute\.py:\d+; STRATAGEM_TRACEBACK=1 shows the traceback\)$", line), line
+
+
+@pytest.mark.parametrize("gradient_reduction", ["mean", "sum"])
+def test_in_graph_merges_as_gradient_reduction_says(gradient_reduction):
+    # in_graph's client merges its devices' gradients: weighted by rows (mean), or summed (TF's idiom).
+    from stratagem.strategies.in_graph.strategy import InGraphStrategy
+
+    batch = np.arange(10.0).reshape(5, 2)
+    with InGraphStrategy("local", cluster=ClusterSpec({"worker": ["local:0"]}), task="worker:0", devices=2,
+                         transport_options={"fabric": LocalFabric()}, gradient_reduction=gradient_reduction) as strategy:
+        with strategy.scope():
+            w = stratagem.Variable(np.zeros(2), name="w")
+            opt = stratagem.optimizers.SGD(learning_rate=1.0)
+
+        def step(x):
+            opt.apply_gradients([(x.sum(axis=0) / 5 if gradient_reduction == "sum" else x.mean(axis=0), w)])
+            return x.sum(axis=0)
+
+        per_replica = strategy.run(step, args=(batch,))
+        assert isinstance(per_replica, stratagem.PerReplica)
+        local = strategy.experimental_local_results(per_replica)
+        assert len(local) == 2 and [v.tolist() for v in local] == [[6.0, 9.0], [14.0, 16.0]]
+        np.testing.assert_allclose(strategy.reduce(ReduceOp.SUM, per_replica), batch.sum(axis=0))
+        np.testing.assert_allclose(w.value, -batch.mean(axis=0))
