@@ -52,7 +52,7 @@ _LAZY = {
     "CheckpointNotFoundError": ("training.checkpoint", "CheckpointNotFoundError"),
     "ReduceOp": ("strategies.distribute", "ReduceOp"),
     "InputContext": ("strategies.distribute", "InputContext"),
-    "PerReplica": ("strategies.in_graph.wire", "PerReplica"),
+    "PerReplica": ("strategies.distribute", "PerReplica"),
 }
 
 __all__ = [

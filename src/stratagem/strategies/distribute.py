@@ -4,6 +4,7 @@ What ``Strategy`` needs to offer TensorFlow's custom-training-loop API, kept apa
 own machinery:
 
 - :class:`ReduceOp` (``stratagem.ReduceOp.SUM`` / ``MEAN``), accepted wherever an op string is;
+- :class:`PerReplica`, the replicas' values of a step that ran on several (``in_graph``'s ``run``);
 - :class:`InputContext`, what ``distribute_datasets_from_function`` hands the dataset function, and
   :class:`DistributedDataset`, what it and ``experimental_distribute_dataset`` return (iterable per epoch);
 - :func:`local_reduction` / :func:`finish_reduction`: ``strategy.reduce(op, value, axis=k)``, a
@@ -148,16 +149,46 @@ def check_gradient_reduction(value) -> str:
     return value
 
 
-def local_results(value) -> tuple:
-    """``experimental_local_results``: this task's replicas' values as a tuple (a ``PerReplica``'s values,
-    else the value itself, alone).
+class PerReplica:
+    """What ``InGraphStrategy.run`` returns: each replica's value of the step, in replica order.
 
-    >>> local_results(3.0)
-    (3.0,)
+    ``values`` has one entry per replica that ran the step (a replica whose shard of the batch was
+    empty does not run), ``rows`` how many rows of the batch each got (``None`` when the arguments
+    held no batch) and ``replicas`` who they are. Combine the values with
+    ``strategy.reduce(op, per_replica)``.
+
+    >>> p = PerReplica([1.0, 3.0], rows=[3, 1], replicas=["cpu:0", "cpu:1"])
+    >>> p.values, len(p)
+    ((1.0, 3.0), 2)
     """
-    values = getattr(value, "values", None)
-    if type(value).__name__ == "PerReplica" and isinstance(values, tuple):
-        return values
+
+    __slots__ = ("values", "rows", "replicas")
+
+    def __init__(self, values, rows=None, replicas=None):
+        self.values = tuple(values)
+        self.rows = None if rows is None else tuple(int(r) for r in rows)
+        self.replicas = tuple(replicas if replicas is not None else (f"replica {i}" for i in range(len(self.values))))
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __iter__(self):
+        return iter(self.values)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{who}: {value!r}" for who, value in zip(self.replicas, self.values))
+        return f"PerReplica({{{parts}}})"
+
+
+def local_results(value) -> tuple:
+    """``experimental_local_results``: this task's replicas' values as a tuple (a :class:`PerReplica`'s
+    values, else the value itself, alone).
+
+    >>> local_results(3.0), local_results(PerReplica([1, 2]))
+    ((3.0,), (1, 2))
+    """
+    if isinstance(value, PerReplica):
+        return value.values
     return (value,)
 
 
