@@ -521,3 +521,14 @@ def test_resolved_cluster_never_shows_the_secret():
     for text in (repr(found), str(found), f"{found}", repr([found])):
         assert "hunter2" not in text and "secret=<set>" in text
     assert "secret=None" in repr(ClusterResolver.from_env({}))
+
+
+def test_strategy_and_transport_never_show_the_secret():
+    import stratagem
+    from stratagem.transports.local import LocalFabric
+
+    with stratagem.strategy("mirrored", transport="local", cluster=ClusterSpec({"worker": ["local:0"]}),
+                            task="worker:0", transport_options={"fabric": LocalFabric(), "secret": b"hunter2-xyz"}) as s:
+        assert s.transport.secret == b"hunter2-xyz"
+        for text in (repr(s), str(s), repr(s.transport), str(s.transport), repr(s.config), repr(s.cluster)):
+            assert "hunter2" not in text, text

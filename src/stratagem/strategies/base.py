@@ -127,6 +127,10 @@ class Strategy:
       and apply ``[(gradient, variable), ...]`` as the strategy does;
     - ``shard_batches(batches, rank, size)``: this replica's part of each global batch
       (``distribute_dataset``);
+    - ``input_pipeline()``: ``(num_input_pipelines, input_pipeline_id)`` of this task
+      (``distribute_datasets_from_function``);
+    - ``_reduce_impl(op, value)``: ``reduce`` of a checked op across the replicas (``in_graph``: of a
+      ``PerReplica``);
     - ``communicator_options()``: options of the replicas' communicator (``chunk_bytes``...);
     - ``scope_context()``: a context manager entered by ``scope()`` around the user's block;
     - ``run(fn, args, kwargs)`` when a step must run elsewhere (``in_graph``, ``parameter_server``);
