@@ -493,3 +493,42 @@ def test_from_mpi_directly():
     assert found.task == TaskId("ps", 0)
     assert [t.short for t in found.cluster.tasks()] == ["worker:0", "worker:1", "worker:2", "worker:3", "ps:0", "ps:1"]
     raises(lambda: ClusterResolver.from_mpi(0, 2, num_ps=-1), "STRATAGEM_NUM_PS=-1")
+
+
+# -- TensorFlow's TFConfigClusterResolver semantics (#24) ---------------------------------------------
+
+@pytest.mark.parametrize("text", ["{}", '{"cluster": {}, "task": {}}', '{"cluster": {}}', " { } "])
+def test_resolver_empty_tf_config_is_no_tf_config(text):
+    # TF reads TF_CONFIG='{}' as no TF_CONFIG: a world of one (or the next source, here MPI).
+    found = ClusterResolver.from_env({"TF_CONFIG": text})
+    assert found.cluster == ClusterSpec({"worker": ["127.0.0.1:0"]}) and found.task == TaskId("worker", 0)
+    found = ClusterResolver.from_env({"TF_CONFIG": text, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"})
+    assert found.task == TaskId("worker", 1) and found.source.startswith("mpi")
+
+
+def test_cluster_allows_at_most_one_evaluator():
+    # TF: "There must be at most one 'evaluator' job."
+    assert ClusterSpec({"worker": ["a:1"], "evaluator": ["e:1"]}).num_tasks("evaluator") == 1
+    raises(lambda: ClusterSpec({"worker": ["a:1"], "evaluator": ["e:1", "e:2"]}),
+           "job 'evaluator' must have at most one task, it has 2")
+    config = {"cluster": {"worker": ["a:1"], "evaluator": ["e:1", "e:2"]}, "task": {"type": "evaluator", "index": 1}}
+    raises(lambda: ClusterResolver.from_env({"TF_CONFIG": json.dumps(config)}), "at most one task")
+
+
+def test_resolved_cluster_never_shows_the_secret():
+    found = ClusterResolver.from_env({"TF_CONFIG": tf_config(CLUSTER, "worker", 0), "STRATAGEM_SECRET": "hunter2-xyz"})
+    assert found.secret == b"hunter2-xyz"
+    for text in (repr(found), str(found), f"{found}", repr([found])):
+        assert "hunter2" not in text and "secret=<set>" in text
+    assert "secret=None" in repr(ClusterResolver.from_env({}))
+
+
+def test_strategy_and_transport_never_show_the_secret():
+    import stratagem
+    from stratagem.transports.local import LocalFabric
+
+    with stratagem.strategy("mirrored", transport="local", cluster=ClusterSpec({"worker": ["local:0"]}),
+                            task="worker:0", transport_options={"fabric": LocalFabric(), "secret": b"hunter2-xyz"}) as s:
+        assert s.transport.secret == b"hunter2-xyz"
+        for text in (repr(s), str(s), repr(s.transport), str(s.transport), repr(s.config), repr(s.cluster)):
+            assert "hunter2" not in text, text

@@ -377,8 +377,8 @@ def test_unknown_and_bad_options_are_rejected_before_the_transport_starts():
     with pytest.raises(ConfigurationError) as info:
         MirroredStrategy("local", bucket_byte=1024, **common)
     assert "does not accept option(s) 'bucket_byte' (did you mean 'bucket_bytes'?)" in str(info.value)
-    assert ("bucket_bytes, chunk_bytes, cluster, commit_every, compression, compression_options, on_failure, "
-            "plugins, small_bytes, task, timeout") in str(info.value)
+    assert ("bucket_bytes, chunk_bytes, cluster, commit_every, compression, compression_options, gradient_reduction, "
+            "on_failure, plugins, small_bytes, task, timeout") in str(info.value)
     for bad, message in [({"compression": "int8"}, "compression='int8': unknown compressor 'int8'; known: bf16, "
                                                    "fp16, powersgd, topk"),
                          ({"compression": "topk", "compression_options": {"rank": 2}},

@@ -402,7 +402,7 @@ def test_third_party_plugin_in_process(example_plugin, monkeypatch):
     assert pm.sources()["example"] == PLUGIN_SOURCE
     with pm.create_strategy("solo", transport="loopback") as strategy:
         assert strategy.run(lambda: 1) == 1 and strategy.steps == 1
-    with pytest.raises(ConfigurationError, match="it accepts: cluster, plugins, task, transport_options, verbose"):
+    with pytest.raises(ConfigurationError, match="it accepts: cluster, gradient_reduction, plugins, task, transport_options, verbose"):
         pm.create_strategy("solo", transport="loopback", verbos=True)
     assert PluginManager(autoload=False).names("strategy") == BUILTIN_STRATEGIES
 
@@ -504,7 +504,7 @@ def test_unknown_strategy_options_are_rejected_with_the_known_list(manager):
     with pytest.raises(ConfigurationError) as info:
         Picky("zmq", plugins=manager, alpah=2)
     assert str(info.value) == ("strategy 'picky' does not accept option(s) 'alpah' (did you mean 'alpha'?); "
-                               "it accepts: alpha, cluster, plugins, task, transport_options")
+                               "it accepts: alpha, cluster, gradient_reduction, plugins, task, transport_options")
 
 
 def test_strategy_base_single_replica(manager):

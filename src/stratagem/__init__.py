@@ -31,6 +31,11 @@ from stratagem.core.errors import (
 )
 
 from stratagem._version import __version__
+from stratagem.core import user_errors as _user_errors
+
+# A configuration or usage error that ends a script is printed as one line (STRATAGEM_TRACEBACK=1: the
+# traceback); see stratagem.core.user_errors.
+_user_errors.install()
 
 #: Public names imported at first use (module, attribute), which keeps ``import stratagem`` light.
 #: The errors among them are the ones callers catch: a lost ps shard, a failed in_graph replica, a
@@ -45,19 +50,22 @@ _LAZY = {
     "ClosureError": ("strategies.ps.coordinator", "ClosureError"),
     "CheckpointError": ("training.checkpoint", "CheckpointError"),
     "CheckpointNotFoundError": ("training.checkpoint", "CheckpointNotFoundError"),
+    "ReduceOp": ("strategies.distribute", "ReduceOp"),
+    "InputContext": ("strategies.distribute", "InputContext"),
+    "PerReplica": ("strategies.distribute", "PerReplica"),
 }
 
 __all__ = [
     "AuthenticationError", "ClusterResolver", "ClusterSpec", "CollectiveMismatchError",
     "CommunicationError", "ConfigurationError", "IncompatibleError", "PeerLostError", "PluginError",
     "ProtocolError", "StratagemError", "TaskId", "TransportClosed", "TransportTimeout", "WorldChangedError",
-    "communicator", "compressor", "strategy", "transport", "plugin_manager", "__version__", "optimizers", "ray",
+    "communicator", "compressor", "strategy", "transport", "plugin_manager", "__version__", "optimizers", "ray", "nn",
     *_LAZY,
 ]
 
 
 def __getattr__(name: str):
-    """The names of ``_LAZY``, ``stratagem.optimizers``, the adapters ``stratagem.torch`` and
+    """The names of ``_LAZY``, ``stratagem.optimizers``, ``stratagem.nn``, the adapters ``stratagem.torch`` and
     ``stratagem.jax``, and ``stratagem.ray`` (jobs on a Ray cluster), imported at first use (keeps the
     import light: no torch, jax or ray until then)."""
     import importlib
@@ -67,7 +75,7 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f"{__name__}.{module}"), attribute)
         globals()[name] = value
         return value
-    if name in ("optimizers", "torch", "jax"):   # torch / jax: the adapters, which import those frameworks
+    if name in ("optimizers", "torch", "jax", "nn"):   # torch / jax: the adapters, which import those frameworks
         return importlib.import_module(f"{__name__}.{name}")  # importing sets the attribute
     if name == "ray":
         # stratagem.ray.run(...): jobs on a Ray cluster. Imports stratagem's engine, not Ray itself.

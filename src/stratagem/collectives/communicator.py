@@ -39,6 +39,7 @@ from stratagem.core.cluster import ClusterResolver, TaskId
 from stratagem.core.errors import CollectiveMismatchError, CommunicationError, ConfigurationError, PeerLostError, TransportClosed
 from stratagem.core.transport import NativeCollective, Transport
 from stratagem.core.transport_factory import default_factory
+from stratagem.core import endpoints
 from stratagem.core import timeline as _timeline
 
 #: Options ``open_communicator`` passes to the Communicator (anything else must go in transport_options).
@@ -424,7 +425,9 @@ def open_communicator(transport_name: str | None = None, *, transport_options: d
     ``STRATAGEM_CONFIG``, ``TF_CONFIG`` or MPI variables). ``options`` are the Communicator's
     (``members``, ``name``, ``timeout``, ``chunk_bytes``, ``small_bytes``; ``timeout`` also becomes the
     transport's default); ``transport_options`` go to the transport plugin. The communicator owns the
-    transport and closes it in ``close()``.
+    transport and closes it in ``close()``. If a strategy or communicator of this process already
+    runs this task's transport (bound to a fixed address), the communicator shares it instead (and
+    leaves it to its owner): see :mod:`stratagem.core.endpoints`.
 
     >>> from stratagem.transports.local import LocalTransport
     >>> comm = open_communicator("local", transport_options=LocalTransport.world_options())  # doctest: +SKIP
@@ -443,12 +446,20 @@ def open_communicator(transport_name: str | None = None, *, transport_options: d
         transport_options.setdefault("timeout", options["timeout"])
     factory = default_factory()
     transport_name = factory.transport_or_default(transport_name)
+    # A strategy (or communicator) of this process already serves this task: share its transport.
+    running = endpoints.shared(transport_name, resolved.cluster, resolved.task,
+                               {k: v for k, v in transport_options.items() if not (k == "timeout" and
+                                                                                  options.get("timeout") == v)},
+                               who="stratagem.communicator()")
+    if running is not None:
+        return Communicator(running, owns_transport=False, **options)
     transport = factory.create_transport(
         transport_name, cluster=resolved.cluster, task=resolved.task, secret=resolved.secret,
         **transport_options,
     )
     try:
         transport.start()
+        endpoints.hold(transport)
         return Communicator(transport, owns_transport=True, **options)
     except BaseException:
         transport.close()

@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Mapping
 
 from stratagem.core import slurm
@@ -180,6 +180,11 @@ class ClusterSpec:
             raise ConfigurationError(
                 f"job 'chief' must have exactly one task, it has {len(normalized['chief'])}"
             )
+        if len(normalized.get(EVALUATOR_JOB, ())) > 1:   # TF's rule (multi_worker_util)
+            raise ConfigurationError(
+                f"job 'evaluator' must have at most one task, it has {len(normalized[EVALUATOR_JOB])}: TensorFlow "
+                f"allows one evaluator per cluster; evaluate with one, or run the others as separate jobs"
+            )
         seen: dict[str, TaskId] = {}
         for job, addresses in normalized.items():
             for index, address in enumerate(addresses):
@@ -300,13 +305,26 @@ class ClusterSpec:
 
 @dataclass(frozen=True)
 class ResolvedCluster:
-    """What ``ClusterResolver`` found: the cluster, this process's task, the secret and the source."""
+    """What ``ClusterResolver`` found: the cluster, this process's task, the secret and the source.
+
+    The secret is never shown (``repr``, ``str``, logs): only whether there is one.
+
+    >>> ResolvedCluster(ClusterSpec({"worker": ["a:1"]}), TaskId("worker", 0), b"hunter2")
+    ResolvedCluster(cluster=ClusterSpec({'worker': ['a:1']}), task=TaskId('/job:worker/task:0'), secret=<set>, source='default', rpc_layer=None)
+    """
 
     cluster: ClusterSpec
     task: TaskId
-    secret: bytes | None = None
+    secret: bytes | None = field(default=None, repr=False)
     source: str = "default"
     rpc_layer: str | None = None
+
+    def __repr__(self) -> str:
+        secret = "<set>" if self.secret else "None"
+        return (f"ResolvedCluster(cluster={self.cluster!r}, task={self.task!r}, secret={secret}, "
+                f"source={self.source!r}, rpc_layer={self.rpc_layer!r})")
+
+    __str__ = __repr__
 
     @property
     def is_chief(self) -> bool:
@@ -369,7 +387,7 @@ class ClusterResolver:
         env = os.environ if environ is None else environ
         secret_bytes = secret_from_env(env)
         for var in ("STRATAGEM_CONFIG", "TF_CONFIG"):
-            if env.get(var):
+            if env.get(var) and not (var == "TF_CONFIG" and _empty_config(env[var])):
                 return ClusterResolver.from_config(env[var], source=var, secret=secret_bytes)
         mpi = next(((r, _int_var(env, r), _int_var(env, s)) for r, s in MPI_RANK_VARS if r in env and s in env), None)
         if mpi is not None and not _srun_set(env, mpi[1:]):
@@ -457,6 +475,16 @@ class ClusterResolver:
         where = iter(slurm.addresses(environ, rank, size))
         jobs = {job: [next(where) for _ in tasks] for job, tasks in resolved.cluster.jobs.items()}
         return ResolvedCluster(ClusterSpec(jobs), resolved.task, secret, f"slurm (SLURM_PROCID, {slurm.PORT_VAR})")
+
+
+def _empty_config(text: str) -> bool:
+    """True for a TF_CONFIG that says nothing (``{}``, or empty ``cluster`` and ``task``): TensorFlow
+    reads it as no TF_CONFIG at all, so the next source applies (alone: a world of one)."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError:
+        return False          # from_config says what is wrong with it
+    return isinstance(config, dict) and not config.get("cluster") and not config.get("task")
 
 
 def _srun_set(env: Mapping[str, str], world: tuple[int, int]) -> bool:

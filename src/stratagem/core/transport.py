@@ -183,6 +183,11 @@ class Transport(abc.ABC):
     def start(self) -> None:
         """Bind this task's address and start serving. Idempotent."""
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` or :meth:`abort` ran."""
+        return self._closed
+
     def close(self) -> None:
         """Tell peers we are leaving, release every resource, and wake blocked callers. Idempotent:
         a second call, or a call after :meth:`abort`, does nothing."""

@@ -39,8 +39,9 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping
 
 import numpy as np
 
-from stratagem.core.cluster import ClusterSpec, TaskId, is_evaluator
+from stratagem.core.cluster import ClusterResolver, ClusterSpec, TaskId, is_evaluator
 from stratagem.core.errors import ConfigurationError, IncompatibleError, StratagemError
+from stratagem.core import endpoints
 from stratagem.core.lifecycle import end_at_exit
 from stratagem.core.transport import Transport
 from stratagem.core.options import declared_options, reject_unknown_options
@@ -50,6 +51,19 @@ from stratagem.training.sharding import shard_batch
 from stratagem.strategies.checkpoints import DEFAULT_MAX_TO_KEEP, check_restorable, optimizer_name
 from stratagem.training.variables import array_module, is_device_array, strategy_scope
 from stratagem.core import timeline as _timeline
+from stratagem.strategies.distribute import (
+    DistributedDataset,
+    InputContext,
+    LossScaling,
+    ReduceOp,
+    as_host,
+    check_axis,
+    finish_reduction,
+    like_input,
+    local_reduction,
+    local_results,
+    replica_context,
+)
 
 #: The reductions ``Strategy.reduce`` (and the collectives) know.
 REDUCE_OPS = ("sum", "mean", "min", "max", "prod")
@@ -113,6 +127,10 @@ class Strategy:
       and apply ``[(gradient, variable), ...]`` as the strategy does;
     - ``shard_batches(batches, rank, size)``: this replica's part of each global batch
       (``distribute_dataset``);
+    - ``input_pipeline()``: ``(num_input_pipelines, input_pipeline_id)`` of this task
+      (``distribute_datasets_from_function``);
+    - ``_reduce_impl(op, value)``: ``reduce`` of a checked op across the replicas (``in_graph``: of a
+      ``PerReplica``);
     - ``communicator_options()``: options of the replicas' communicator (``chunk_bytes``...);
     - ``scope_context()``: a context manager entered by ``scope()`` around the user's block;
     - ``run(fn, args, kwargs)`` when a step must run elsewhere (``in_graph``, ``parameter_server``);
@@ -126,8 +144,10 @@ class Strategy:
 
     #: The strategy's registered short name.
     name: ClassVar[str] = "base"
-    #: The strategy's own options and their defaults (merged with those of its base classes).
-    options: ClassVar[Mapping[str, Any]] = {}
+    #: The strategy's own options and their defaults (merged with those of its base classes). Every
+    #: strategy takes ``gradient_reduction``: ``"mean"`` (the replicas' gradients averaged, weighted by
+    #: their rows) or ``"sum"`` (summed, TF's convention; see :mod:`stratagem.strategies.distribute`).
+    options: ClassVar[Mapping[str, Any]] = {"gradient_reduction": "mean"}
     #: Why ``compression=`` is refused, for a strategy without that option (one ``IncompatibleError``).
     compression_refusal: ClassVar[str] = ("it takes no compression= option (the strategies that all-reduce or "
                                           "push gradients do: mirrored, between_graph, parameter_server)")
@@ -142,6 +162,8 @@ class Strategy:
         self.config: dict[str, Any] = {**defaults, **options}
         factory = plugins if plugins is not None else default_factory()
         self._plugins = factory     # where named plugins come from (transports; compressors: check_config)
+        #: TF's loss idiom against this strategy's gradient reduction (stratagem.nn.compute_average_loss).
+        self.loss_scaling = LossScaling(self.config["gradient_reduction"])
         self.check_config()
         self._communicator = None
         self._closed = False
@@ -160,13 +182,20 @@ class Strategy:
             self._adopt(transport, cluster, task, transport_options)
         elif isinstance(transport, str):
             check_compatible(type(self), factory.transport_class(transport), transport_name=transport)
-            created = factory.create_transport(transport, cluster, task, **dict(transport_options or {}))
-            try:
-                created.start()
-            except BaseException:
-                created.close()
-                raise
-            self._transport, self._transport_name, self._owns_transport = created, transport, True
+            # A communicator of this process already serves this task: share its transport.
+            running = endpoints.shared(transport, *_where(cluster, task), transport_options,
+                                       who=f"strategy {self.name!r}")
+            if running is not None:
+                self._transport, self._transport_name, self._owns_transport = running, transport, False
+            else:
+                created = factory.create_transport(transport, cluster, task, **dict(transport_options or {}))
+                try:
+                    created.start()
+                except BaseException:
+                    created.close()
+                    raise
+                endpoints.hold(created)
+                self._transport, self._transport_name, self._owns_transport = created, transport, True
         else:
             raise ConfigurationError(
                 f"transport must be a transport name (e.g. 'zmq') or a Transport instance, "
@@ -242,6 +271,11 @@ class Strategy:
     def num_replicas_in_sync(self) -> int:
         """How many replicas compute each step (the ``chief`` and ``worker`` tasks)."""
         return len(self.cluster.replicas())
+
+    @property
+    def gradient_reduction(self) -> str:
+        """How the replicas' gradients combine: ``"mean"`` (default; weighted by rows) or ``"sum"`` (TF's)."""
+        return self.loss_scaling.reduction
 
     @property
     def transport(self) -> Transport:
@@ -410,6 +444,46 @@ class Strategy:
         rank, size = self._replica_rank("distribute_dataset()"), self.num_replicas_in_sync
         return self.shard_batches(global_batches(dataset), rank, size)
 
+    def experimental_distribute_dataset(self, dataset: Iterable, options=None) -> DistributedDataset:
+        """TF's ``experimental_distribute_dataset``: :meth:`distribute_dataset` (each replica's part of every
+        global batch), as an iterable that starts over each time it is iterated (``for epoch in ...: for
+        x in dist_dataset``), when ``dataset`` can (a list). The split is TF's: a global batch of ``B``
+        rows gives each of ``N`` replicas ``B // N`` rows, the first ``B % N`` one more. ``options`` is
+        there for TF's signature and must be ``None``."""
+        self._check_open()
+        if options is not None:
+            raise ConfigurationError("experimental_distribute_dataset() takes no options here; leave options out")
+        global_batches(dataset)          # not iterable: say so now
+        return DistributedDataset(lambda: self.distribute_dataset(dataset))
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable, options=None) -> DistributedDataset:
+        """This replica's batches from ``dataset_fn(input_context)`` (TF's
+        ``distribute_datasets_from_function``): ``input_context`` is an :class:`InputContext` saying
+        which input pipeline this replica runs (``input_pipeline_id`` of ``num_input_pipelines``) and
+        ``get_per_replica_batch_size(global_batch_size)``; ``dataset_fn`` returns an iterable of this
+        replica's batches, already per replica, which is iterated as it is (again at each ``for``, if
+        it can be). Every replica's batches count the same in the gradient mean."""
+        self._check_open()
+        if options is not None:
+            raise ConfigurationError("distribute_datasets_from_function() takes no options here; leave options out")
+        if not callable(dataset_fn):
+            raise ConfigurationError(f"distribute_datasets_from_function() needs a function of an InputContext, "
+                                     f"got {type(dataset_fn).__name__}")
+        count, index = self.input_pipeline()
+        dataset = dataset_fn(InputContext(count, index, self.num_replicas_in_sync))
+        global_batches(dataset)          # not iterable: say so now
+        return DistributedDataset(lambda: self._per_replica_batches(global_batches(dataset)))
+
+    def _per_replica_batches(self, batches: Iterator) -> Iterator:
+        for batch in batches:
+            self._batch_share = None          # batches made per replica: every replica counts the same
+            yield batch
+
+    def input_pipeline(self) -> tuple[int, int]:
+        """``(num_input_pipelines, input_pipeline_id)`` of this task for ``distribute_datasets_from_function``:
+        one pipeline per replica, this one's rank. A hook (``in_graph``: the client's one pipeline)."""
+        return self.num_replicas_in_sync, self._replica_rank("distribute_datasets_from_function()")
+
     def shard_batches(self, batches: Iterator, rank: int, size: int) -> Iterator:
         for index, batch in enumerate(batches):
             shard, rows, total = shard_batch(batch, rank, size, what=f"global batch {index}")
@@ -418,7 +492,11 @@ class Strategy:
 
     def _gradient_weight(self) -> float:
         """This replica's weight in the gradient average: its share of the last global batch that
-        ``distribute_dataset`` yielded, else ``1 / num_replicas_in_sync``."""
+        ``distribute_dataset`` yielded, else ``1 / num_replicas_in_sync``; under
+        ``gradient_reduction="sum"``, 1 (the replicas' gradients are summed, as TF's strategies do)."""
+        if self.gradient_reduction == "sum":
+            self.loss_scaling.gradients_summed(self.num_replicas_in_sync, self.name)
+            return 1.0
         if self._batch_share is None:
             return 1.0 / self.num_replicas_in_sync
         return self._batch_share
@@ -454,28 +532,56 @@ class Strategy:
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple of positional arguments, e.g. args=(x,), got {type(args).__name__}")
         recorder = _timeline.RECORDER
-        if recorder is None:
-            return fn(*args, **dict(kwargs or {}))
-        started = recorder.now()
-        try:
-            return fn(*args, **dict(kwargs or {}))
-        finally:
-            recorder.add("step", "step", started, recorder.now(), {"step": self._step})
+        with replica_context(self):
+            if recorder is None:
+                return fn(*args, **dict(kwargs or {}))
+            started = recorder.now()
+            try:
+                return fn(*args, **dict(kwargs or {}))
+            finally:
+                recorder.add("step", "step", started, recorder.now(), {"step": self._step})
 
-    def reduce(self, op: str, value):
-        """Combine ``value`` across the replicas with ``op`` (sum, mean, min, max, prod).
+    def reduce(self, op: "str | ReduceOp", value, axis: int | None = None):
+        """Combine ``value`` across the replicas with ``op`` (``ReduceOp.SUM``/``MEAN``, or the strings
+        sum, mean, min, max, prod).
 
         Every replica must call it, in the same order. Returns the same kind of value it was given:
-        an array for an array, a Python number for a number.
+        an array for an array, a Python number for a number, a torch tensor for a torch tensor.
 
         After ``distribute_dataset``, ``mean`` weighs each replica by its share of the last global
         batch (its rows over the batch's), as the gradient average does: for a per-row mean such as a
         loss, the result is the whole batch's mean, what one process computes on the whole batch,
         also when the rows do not split evenly (an empty shard counts for nothing). Without it, every
         replica counts the same.
+
+        With ``axis=k`` (TF's ``axis``), each replica first reduces its value along axis ``k``, then
+        the replicas' results are combined: ``sum`` sums every element along that axis of the global
+        batch, ``mean`` is their mean over the whole global batch (the replicas' sums over their total
+        count), whatever the split.
+
+        >>> from stratagem.core.cluster import ClusterSpec
+        >>> from stratagem.transports.local import LocalFabric
+        >>> with Strategy("local", cluster=ClusterSpec({"worker": ["local:0"]}), task="worker:0",
+        ...               transport_options={"fabric": LocalFabric()}) as strategy:
+        ...     strategy.reduce(ReduceOp.MEAN, np.array([[1.0, 2.0], [3.0, 6.0]]), axis=0).tolist()
+        [2.0, 4.0]
         """
         self._check_open()
         op = _check_op(op)
+        axis = check_axis(axis)
+        host = as_host(value)
+        if axis is None:
+            return like_input(self._reduce_impl(op, host), value)
+        parts = [local_reduction(op, v, axis) for v in local_results(host)]
+        reduced = self._reduce_impl("sum" if op == "mean" else op, _combine_local(op, [p[0] for p in parts]))
+        count = sum(p[1] for p in parts)
+        if op == "mean":
+            count = int(self._reduce_impl("sum", count))
+        return like_input(finish_reduction(op, reduced, count), value)
+
+    def _reduce_impl(self, op: str, value):
+        """``reduce`` of a checked op over the replicas, the value on the host; a subclass's hook
+        (``in_graph`` reduces a :class:`PerReplica`)."""
         self._replica_rank("reduce()")
         if self.num_replicas_in_sync == 1:
             return np.array(value, copy=True) if isinstance(value, np.ndarray) else value
@@ -488,6 +594,26 @@ class Strategy:
         if isinstance(value, np.ndarray) or np.ndim(result) != 0:
             return result
         return np.asarray(result).item()
+
+    def note_average_loss(self) -> None:
+        """``stratagem.nn.compute_average_loss`` ran in this strategy's step: a ``ConfigurationError``
+        under ``gradient_reduction="mean"``, which averages the gradients (see
+        :class:`~stratagem.strategies.distribute.LossScaling`)."""
+        self.loss_scaling.average_loss(self.name)
+
+    def global_batch_rows(self, rows: int) -> int:
+        """The rows of the global batch a replica batch of ``rows`` rows came from: from the last
+        ``distribute_dataset`` batch's share when known, else ``rows * num_replicas_in_sync`` (TF's rule)."""
+        share = self._batch_share
+        if share:
+            return int(round(rows / share))
+        return rows * self.num_replicas_in_sync
+
+    def experimental_local_results(self, value) -> tuple:
+        """The values of ``value`` that this task holds, as a tuple (TF's ``experimental_local_results``):
+        a ``PerReplica``'s values (``in_graph``), else ``(value,)``: one replica per task."""
+        self._check_open()
+        return local_results(value)
 
     def _comm(self):
         """The replicas' communicator, created on first use with :meth:`communicator_options`."""
@@ -719,6 +845,15 @@ class Strategy:
                 f"{self.num_replicas_in_sync} replica(s){state}>")
 
 
+def _where(cluster, task) -> tuple[ClusterSpec, TaskId]:
+    """The cluster and task a strategy runs on: those given, else the environment's."""
+    if cluster is None or task is None:
+        resolved = ClusterResolver.from_env()
+        cluster = resolved.cluster if cluster is None else cluster
+        task = resolved.task if task is None else task
+    return ClusterSpec(cluster), TaskId.parse(task)
+
+
 def global_batches(dataset) -> Iterator:
     """An iterator over what ``distribute_dataset()`` was given, or the error that says what it takes."""
     try:
@@ -752,7 +887,17 @@ def _weighted(array, share: float):
     return np.asarray(weighted) if xp is np else weighted  # numpy makes a 0-d product a scalar
 
 
+def _combine_local(op: str, values: list):
+    """This task's replicas' parts of an axis reduction, combined (one replica per task: its part)."""
+    if len(values) == 1:
+        return values[0]
+    stacked = np.stack([np.asarray(v) for v in values])
+    return getattr(np, "sum" if op == "mean" else op)(stacked, axis=0)
+
+
 def _check_op(op) -> str:
+    if isinstance(op, ReduceOp):
+        return op.value
     name = op.lower() if isinstance(op, str) else None
     if name not in REDUCE_OPS:
         raise ConfigurationError(f"unknown reduce op {op!r}; use one of: {', '.join(REDUCE_OPS)}")

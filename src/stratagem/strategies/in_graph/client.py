@@ -291,13 +291,16 @@ class Client:
                             remote_traceback=traceback)
 
     def _merge_and_apply(self, outcomes: list[_Outcome], rows: int | None) -> None:
-        """Sum each gradient over the replicas in order, weighted by rows; apply with the client's optimizers."""
+        """Sum each gradient over the replicas in order, weighted by rows (under ``gradient_reduction="sum"``:
+        not weighted); apply with the client's optimizers."""
         reference = outcomes[0]               # the client's first device: it knows the optimizers
         for other in outcomes[1:]:
             _check_same_calls(reference, other)
+        strategy = self.strategy
         total = sum(o.rows for o in outcomes) if rows is not None else None
         weights = [o.rows / total if total else 1.0 / len(outcomes) for o in outcomes]
-        strategy = self.strategy
+        if strategy.gradient_reduction == "sum":   # TF's convention: the replicas' gradients summed
+            weights = [1.0] * len(outcomes)
         for k, (optimizer, entries) in enumerate(reference.calls):
             theirs = [{name: grad for name, grad, _ in other.calls[k][1]} for other in outcomes[1:]]
             pairs = []

@@ -106,7 +106,7 @@ from stratagem.core.cluster import is_evaluator
 from stratagem.core.errors import ConfigurationError, PeerLostError, TransportTimeout
 from stratagem.core.lifecycle import note_failure
 from stratagem.core import timeline as _timeline
-from stratagem.strategies.base import Strategy, _check_op, evaluator_refusal, global_batches
+from stratagem.strategies.base import Strategy, evaluator_refusal, global_batches
 from stratagem.strategies.in_graph.client import Client, ReplicaError
 from stratagem.strategies.in_graph.devices import CURRENT_STEP, ClientStore, parse_devices
 from stratagem.strategies.in_graph.functions import MODES
@@ -326,17 +326,25 @@ class InGraphStrategy(Strategy):
         with recorder.span("step", "step", {"rows": rows}):
             return self._client.step(fn, tree, rows)
 
-    def reduce(self, op: str, value):
-        """Combine a :class:`PerReplica` over the replicas with ``op`` (sum, mean, min, max, prod).
+    def reduce(self, op, value, axis: int | None = None):
+        """Combine a :class:`PerReplica` over the replicas with ``op`` (``ReduceOp.SUM``/``MEAN``, or
+        sum, mean, min, max, prod; ``axis`` as in ``Strategy.reduce``).
 
         ``mean`` weighs each replica by its rows of the batch (for a per-row mean such as a loss, the
         whole batch's mean). Any other value is already the client's, and comes back as it is.
         """
         self._check_client("strategy.reduce()")
-        op = _check_op(op)
+        return super().reduce(op, value, axis)
+
+    def _reduce_impl(self, op: str, value):
         if isinstance(value, PerReplica):
             return reduce_per_replica(op, value)
         return np.array(value, copy=True) if isinstance(value, np.ndarray) else value
+
+    def input_pipeline(self) -> tuple[int, int]:
+        """The client reads the whole data in one pipeline (``run`` splits each batch over the replicas)."""
+        self._check_client("strategy.distribute_datasets_from_function()")
+        return 1, 0
 
     def distribute_dataset(self, dataset):
         """Yield the global batches of ``dataset`` whole: under in_graph, ``run`` splits them.

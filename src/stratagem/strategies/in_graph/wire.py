@@ -23,6 +23,7 @@ from typing import Mapping
 import numpy as np
 
 from stratagem.core.errors import ConfigurationError
+from stratagem.strategies.distribute import PerReplica  # noqa: F401 - defined there, used here
 from stratagem.core.values import to_host
 
 
@@ -90,37 +91,6 @@ def batch_rows(*named) -> int | None:
 def split_tree(tree, lo: int, hi: int):
     """``tree`` with rows ``lo:hi`` of every leaf that has rows (views where the array type allows)."""
     return map_leaves(tree, lambda leaf, path: leaf[lo:hi] if has_rows(leaf) else leaf)
-
-
-class PerReplica:
-    """What ``InGraphStrategy.run`` returns: each replica's value of the step, in replica order.
-
-    ``values`` has one entry per replica that ran the step (a replica whose shard of the batch was
-    empty does not run), ``rows`` how many rows of the batch each got (``None`` when the arguments
-    held no batch) and ``replicas`` who they are. Combine the values with
-    ``strategy.reduce(op, per_replica)``.
-
-    >>> p = PerReplica([1.0, 3.0], rows=[3, 1], replicas=["cpu:0", "cpu:1"])
-    >>> p.values, len(p)
-    ((1.0, 3.0), 2)
-    """
-
-    __slots__ = ("values", "rows", "replicas")
-
-    def __init__(self, values, rows=None, replicas=None):
-        self.values = tuple(values)
-        self.rows = None if rows is None else tuple(int(r) for r in rows)
-        self.replicas = tuple(replicas if replicas is not None else (f"replica {i}" for i in range(len(self.values))))
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-    def __iter__(self):
-        return iter(self.values)
-
-    def __repr__(self) -> str:
-        parts = ", ".join(f"{who}: {value!r}" for who, value in zip(self.replicas, self.values))
-        return f"PerReplica({{{parts}}})"
 
 
 def reduce_per_replica(op: str, value: PerReplica):

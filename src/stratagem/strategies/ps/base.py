@@ -154,6 +154,13 @@ class PSStrategyBase(Strategy):
                                     or not timeout > 0):
             raise ConfigurationError(f"timeout must be a number of seconds > 0 (or None), got {timeout!r}")
         self.compressor, self.compression_states = compressing.resolve(self.name, self.config, self._plugins)
+        if config["gradient_reduction"] == "sum" and config["mode"] == "sync":
+            raise ConfigurationError(
+                f"gradient_reduction='sum' cannot be had under {self.name!r} with mode='sync': the ps tasks "
+                f"average each round's gradients, as TF's SyncReplicasOptimizer does, so a loss divided by the "
+                f"global batch would train at 1/N. Use gradient_reduction='mean' (the default) with the per-replica "
+                f"mean loss, or mode='async'/'bounded', where each push is applied as computed"
+            )
 
     def _setup(self) -> None:
         cluster = self.cluster
@@ -504,6 +511,8 @@ class PSStrategyBase(Strategy):
         )
 
     def _push_weight(self) -> float:
+        if self.gradient_reduction == "sum":      # each push as computed (TF's ParameterServerStrategy)
+            return 1.0
         return 1.0 if self._batch_share is None else float(self._batch_share)
 
     # -- training control --------------------------------------------------------------------------
@@ -558,6 +567,15 @@ class PSStrategyBase(Strategy):
         if me not in pushers:
             raise ConfigurationError(f"{self.task} does not compute gradients under {self.name!r}")
         return self.shard_batches(global_batches(dataset), pushers.index(me), len(pushers))
+
+    def input_pipeline(self) -> tuple[int, int]:
+        """One input pipeline per task that pushes gradients (``distribute_datasets_from_function``)."""
+        self._check_worker("take a part of the data")
+        pushers = self._pushers()
+        me = task_key(self.task)
+        if me not in pushers:
+            raise ConfigurationError(f"{self.task} does not compute gradients under {self.name!r}")
+        return len(pushers), pushers.index(me)
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def save(self, path, *, max_to_keep: int = DEFAULT_MAX_TO_KEEP) -> str | None:
