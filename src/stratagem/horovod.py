@@ -139,6 +139,13 @@ def init(comm=None, *, strategy=None, transport: str | None = None, transport_op
         comm = stratagem.communicator(transport, name="horovod", transport_options=transport_options)
         owned.append(comm)
     else:
+        name = strategy if isinstance(strategy, str) else getattr(strategy, "name", None)
+        if name not in ("mirrored", "between_graph"):
+            raise ConfigurationError(
+                f"hvd.init(strategy={name!r}): a Horovod script runs its training loop on every replica; "
+                f"under {name!r} one task drives the others (or it is not a strategy). Use 'mirrored' "
+                f"(all-reduce) or 'between_graph' (parameter servers)"
+            )
         if isinstance(strategy, str):
             import stratagem
 
@@ -148,12 +155,6 @@ def init(comm=None, *, strategy=None, transport: str | None = None, transport_op
         elif transport is not None or transport_options is not None or options:
             raise ConfigurationError("hvd.init(strategy=<a strategy object>): give the transport and options to "
                                      "the strategy you create, not to hvd.init()")
-        if strategy.name not in ("mirrored", "between_graph"):
-            raise ConfigurationError(
-                f"hvd.init(strategy={strategy.name!r}): a Horovod script runs its training loop on every "
-                f"replica; under {strategy.name!r} one task drives the others. Use 'mirrored' (all-reduce) or "
-                f"'between_graph' (parameter servers)"
-            )
         comm = Communicator(strategy.transport, strategy.cluster.replicas(), name="horovod")
         owned.insert(0, comm)
     _current.append(_Horovod(HorovodWorld(comm), strategy, owned))

@@ -268,6 +268,12 @@ class _Synchronizing:
     def state(self):
         return self.optimizer.state
 
+    @property
+    def __class__(self):
+        # isinstance(opt, torch.optim.SGD) holds, as for Horovod's optimizer (a subclass of the wrapped
+        # one's class), so that learning-rate schedulers and other code checking the kind accept it.
+        return type(self.optimizer)
+
     def __getattr__(self, name: str):
         if name in ("optimizer", "__setstate__"):
             raise AttributeError(name)
