@@ -82,7 +82,7 @@ def _train_reference(example, F, ranks: int) -> dict:
     final = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
     # Training moved the weights well beyond the tolerance, so matching them means something.
     assert max(float(np.abs(final[k] - initial[k]).max()) for k in final) > 1e-2
-    return final
+    return {"initial": initial, "final": final}
 
 
 def assert_ranks_match(out: Path, expected: dict, ranks: int = 2) -> None:
@@ -100,10 +100,10 @@ def test_horovod_mnist_example_equals_one_process_on_the_global_batch(strategy, 
     env = {**THREADS, hvd.STRATEGY_ENV: strategy}
     result = launch(example_args(tmp_path), workers=2, timeout=180, env=env)
     assert result.ok, result.summary()
-    assert_ranks_match(tmp_path, reference)
+    assert_ranks_match(tmp_path, reference["final"])
 
 
-def test_horovod_mnist_example_runs_unchanged_on_parameter_servers(tmp_path):
+def test_horovod_mnist_example_runs_unchanged_on_parameter_servers(reference, tmp_path):
     lines = []
 
     class Lines:
@@ -117,14 +117,15 @@ def test_horovod_mnist_example_runs_unchanged_on_parameter_servers(tmp_path):
                     env={**THREADS, hvd.STRATEGY_ENV: "between_graph"})
     assert result.ok, result.summary()
     text = "".join(lines)
-    losses = [float(line.split("Average loss: ")[1].split(",")[0]) for line in text.splitlines()
-              if "Test set: Average loss" in line]
-    assert len(losses) == EPOCHS, text
-    # SGD ran on the ps task: the test loss fell from where an untrained net is (ln 10 = 2.30).
-    assert losses[-1] < 2.0, text
+    assert text.count("Test set: Average loss") == EPOCHS, text
+    # SGD ran on the ps task (asynchronous: each worker's pushes applied as they came): each worker
+    # ends with the values it last pulled, trained away from the initial ones.
     for rank in range(2):
         weights = dict(np.load(tmp_path / f"rank{rank}.npz"))
+        assert sorted(weights) == sorted(reference["initial"])
         assert all(np.isfinite(w).all() for w in weights.values())
+        moved = max(float(np.abs(weights[k] - reference["initial"][k]).max()) for k in weights)
+        assert moved > 1e-2, moved
 
 
 def test_every_horovod_name_on_three_ranks(tmp_path):
