@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -136,6 +137,19 @@ def test_every_horovod_name_on_three_ranks(tmp_path):
     assert all(s["join_last"] == 2 for s in seen)
     assert seen[0]["weight_after_join"] == seen[1]["weight_after_join"] == seen[2]["weight_after_join"]
     assert seen[0]["mismatch"] == seen[1]["mismatch"] == seen[2]["mismatch"]
+
+
+def test_a_rank_that_fails_is_named_by_the_others(tmp_path):
+    """The plain script ending by an exception on one rank: the other's next collective names it."""
+    out, err = io.StringIO(), io.StringIO()
+    result = launch([sys.executable, str(Path(__file__).parent / "scripts" / "horovod_raise.py")], workers=2,
+                    timeout=120, output=out, error_output=err)
+    assert result.exit_code == 1 and not result.timed_out, result.summary()
+    text = err.getvalue()
+    assert "[worker:1] RuntimeError: rank 1 ran out of luck" in text, text
+    lost = [line for line in text.splitlines() if line.startswith("[worker:0]") and "PeerLostError" in line]
+    assert lost and "lost peer /job:worker/task:1" in lost[-1], text
+    assert "went on without" not in out.getvalue()
 
 
 @pytest.fixture
