@@ -6,7 +6,9 @@
   together), both without a strategy and, with the script unchanged, on the ``mirrored`` strategy
   (``STRATAGEM_HOROVOD_STRATEGY``); on ``between_graph`` (SGD on a ps task) it trains and ends.
 - tests/scripts/horovod_api.py asserts every name on 3 ranks (allreduce ops, ragged allgather,
-  broadcasts, optimizer state, DistributedOptimizer's options, join with uneven batches).
+  broadcasts, optimizer state, DistributedOptimizer's options, join with uneven batches), without a
+  strategy and on ``mirrored``.
+- A rank failing: the other's next collective names it.
 - Errors that name the fix, and ``import stratagem.horovod`` not importing torch.
 """
 
@@ -129,8 +131,10 @@ def test_horovod_mnist_example_runs_unchanged_on_parameter_servers(reference, tm
         assert moved > 1e-2, moved
 
 
-def test_every_horovod_name_on_three_ranks(tmp_path):
-    result = launch([sys.executable, str(API_SCRIPT), str(tmp_path)], workers=3, timeout=180, env=THREADS)
+@pytest.mark.parametrize("strategy", [None, "mirrored"], ids=["communicator", "mirrored"])
+def test_every_horovod_name_on_three_ranks(strategy, tmp_path):
+    result = launch([sys.executable, str(API_SCRIPT), str(tmp_path)], workers=3, timeout=180,
+                    env={**THREADS, hvd.STRATEGY_ENV: strategy})
     assert result.ok, result.summary()
     seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
     assert [s["rank"] for s in seen] == [0, 1, 2]

@@ -1,6 +1,7 @@
 """Every name of ``stratagem.horovod`` on 3 ranks, as a Horovod user calls them (tests/test_horovod.py).
 
-Run as ``stratagem launch --worker 3 -- python horovod_api.py OUT``: each rank asserts what every call
+Run as ``stratagem launch --worker 3 -- python horovod_api.py OUT`` (with ``STRATAGEM_HOROVOD_STRATEGY=mirrored``:
+the same on the mirrored strategy): each rank asserts what every call
 returns (a failed assertion fails the job) and writes what it saw to ``OUT/rank<N>.json``. A plain
 script: no ``__main__`` guard, no shutdown() until the end.
 """
@@ -114,8 +115,9 @@ assert opt.param_groups[0]["lr"] == 1.0 and "momentum" in opt.state_dict()["para
 opt.zero_grad()
 
 layer, w0 = linear()
+on_strategy = bool(os.environ.get(hvd.STRATEGY_ENV))   # there, compression is the strategy's option
 opt = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=1.0), named_parameters=layer.named_parameters(),
-                               op=hvd.Sum, compression=hvd.Compression.fp16)
+                               op=hvd.Sum, compression=hvd.Compression.none if on_strategy else hvd.Compression.fp16)
 backward(layer, r)
 opt.step()
 assert torch.allclose(layer.weight, w0 - 6.0), layer.weight                 # sum, through float16

@@ -354,9 +354,15 @@ class StrategyOptimizer(_Synchronizing):
                 f"the gradients; create it with it: hvd.init(strategy={strategy.name!r}, compression='fp16')"
             )
         self.strategy, self.op, self.compression = strategy, op, compression
-        self.inner = _StrategyDistributedOptimizer(optimizer, named, strategy=strategy)
+        ident = world.follow(self._follow)
+        self._ident = ident
+        # Each parameter becomes a variable of the strategy named by named_parameters; a second model
+        # with the same names (a GAN's two networks, a model built again) gets them prefixed.
+        taken = {variable.name for variable in strategy.variables}
+        unique = [(name if variable_of(p) is not None or name not in taken else f"optimizer{ident}/{name}", p)
+                  for name, p in named]
+        self.inner = _StrategyDistributedOptimizer(optimizer, unique, strategy=strategy)
         super().__init__(world, optimizer, named, passes)
-        self._ident = world.follow(self._follow)
 
     @property
     def variables(self) -> dict:
