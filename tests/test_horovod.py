@@ -200,6 +200,27 @@ def test_distributed_optimizer_passes_for_the_torch_optimizer(alone):
     assert opt.param_groups[0]["lr"] == 0.125
 
 
+def test_fp16_on_a_strategy_is_the_strategys_compression():
+    fabric = stratagem.plugin_manager().transport_class("local").world_options
+    model = torch.nn.Linear(2, 1)
+    hvd.init(strategy="mirrored", transport="local", transport_options=fabric())
+    try:
+        with pytest.raises(stratagem.ConfigurationError, match="compression='fp16'"):
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=hvd.Compression.fp16)
+    finally:
+        hvd.shutdown()
+    hvd.init(strategy="mirrored", transport="local", transport_options=fabric(), compression="fp16")
+    try:
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), compression=hvd.Compression.fp16)
+        model(torch.ones(1, 2)).sum().backward()
+        before = model.weight.detach().clone()
+        opt.step()
+        assert torch.allclose(model.weight, before - 0.1)
+    finally:
+        hvd.shutdown()
+
+
 def test_calls_before_init_say_to_call_init():
     assert not hvd.is_initialized()
     with pytest.raises(stratagem.ConfigurationError, match=r"call hvd.init\(\) first"):
