@@ -57,6 +57,8 @@ MAX_HOSTS = 254
 BASE_PORT = 2222
 #: Seconds a namespace command (``ip``, ``tc``) may take.
 COMMAND_TIMEOUT = 30.0
+#: The longest a packet may wait in a link's token bucket (its queue), in ms.
+QUEUE_MS = 20
 
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWUTS = 0x04000000
@@ -230,7 +232,7 @@ def _burst(rate: int) -> int:
 
 def _shaping(dev: str, rate: int | None, delay: float | None) -> list[str]:
     """``tc -batch`` lines shaping ``dev``'s egress (nothing if neither rate nor delay)."""
-    tbf = f"tbf rate {rate}bit burst {_burst(rate)} latency 20ms" if rate else ""
+    tbf = f"tbf rate {rate}bit burst {_burst(rate)} latency {QUEUE_MS}ms" if rate else ""
     if delay:
         lines = [f"qdisc add dev {dev} root handle 1: netem delay {delay * 1e6:.0f}us limit 100000"]
         if tbf:
