@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -170,3 +171,25 @@ def test_latency_is_refused_where_the_kernel_has_no_netem():
     if done.returncode == 0:
         pytest.skip("this kernel has netem: --latency is offered")
     assert done.returncode == 2 and "--latency needs the kernel's netem qdisc" in done.stderr, done.stderr
+
+
+@needs_hosts
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="setpriv (util-linux) is not installed: cannot drop capabilities")
+def test_without_the_right_to_make_namespaces_one_error_says_what_is_missing():
+    # Still uid 0, but with no capability at all: as an ordinary user is.
+    done = subprocess.run(["setpriv", "--bounding-set=-all", "--inh-caps=-all", *LAUNCH, "--hosts", "2",
+                           "--worker", "2", "--", sys.executable, "-c", "pass"],
+                          capture_output=True, text=True, timeout=60, env=_env())
+    assert done.returncode == 2, done.stderr
+    assert "cannot make a network namespace for an emulated host (Operation not permitted)" in done.stderr
+    assert "need root" in done.stderr and "unshare -r" in done.stderr
+
+
+def test_without_iproute2_one_error_says_what_is_missing(tmp_path):
+    env = {**_env(), "PATH": str(tmp_path)}  # no ip, no tc
+    done = subprocess.run([*LAUNCH, "--hosts", "2", "--worker", "2", "--", sys.executable, "-c", "pass"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    if sys.platform.startswith("linux"):
+        assert done.returncode == 2 and "emulated hosts need 'ip' and 'tc' (iproute2)" in done.stderr, done.stderr
+    else:
+        assert done.returncode == 2 and "emulated hosts need Linux" in done.stderr, done.stderr
