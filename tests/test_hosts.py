@@ -141,6 +141,27 @@ def test_a_killed_launcher_takes_its_hosts_with_it():
 
 
 @needs_hosts
+def test_a_restarted_worker_comes_back_on_its_host(tmp_path):
+    done = _launch("--hosts", "3", "--restart-workers", "1", "--worker", "3", "--timeout", "60", "--",
+                   sys.executable, str(ROOT / "tests" / "scripts" / "restartable.py"), str(tmp_path), "worker:2",
+                   "exit3", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("[worker:2] task worker:2 at 10.77.0.3:2222") == 2, done.stdout  # first and restarted
+    assert "[worker:2] restarted 1" in done.stdout
+
+
+@needs_hosts
+def test_a_timeline_of_a_job_on_hosts_names_each_tasks_host(tmp_path):
+    trace = tmp_path / "trace.json"
+    done = _launch("--hosts", "2", "--link", "1gbit", "--timeline", str(trace), "--worker", "2", "--timeout", "60",
+                   "--", sys.executable, str(ROOT / "tests" / "scripts" / "timeline_train.py"), "mirrored")
+    assert done.returncode == 0, done.stdout + done.stderr
+    tasks = json.loads(trace.read_text())["otherData"]["stratagem_timeline"]["tasks"]
+    assert {t["task"]: t["host"] for t in tasks} == {"/job:worker/task:0": "host0", "/job:worker/task:1": "host1"}
+    assert all(t["clock"] in ("reference", "measured") for t in tasks), tasks  # aligned over the link
+
+
+@needs_hosts
 def test_shaped_links_carry_their_rate():
     with emulated_hosts(3, link="100mbit", link_of=["host2=40mbit"]) as hosts:
         forward = hosts.throughput(0, 1, 4 << 20)
