@@ -82,19 +82,18 @@ def run_launched(backend: str, spec: HostsSpec, nbytes: int, iters: int, transpo
 
 
 _SSH_AGENT = """#!{python} -S
-# Open MPI's "ssh" into an emulated host: enter the namespaces of the host at that address, run the command.
+# Open MPI's "ssh" into an emulated host: run the command inside the host at that address.
 import os, sys
 args = sys.argv[1:]
 while args and args[0].startswith("-"):
     args = args[1:]
-os.execv({python!r}, [{python!r}, "-S", "-c", {enter!r}, str({pids!r}[args[0]]), "/bin/sh", "-c", " ".join(args[1:])])
+inside = {inside!r}[args[0]] + ["/bin/sh", "-c", " ".join(args[1:])]
+os.execv(inside[0], inside)
 """
 
 
 def run_mpi(spec: HostsSpec, nbytes: int, iters: int, timeout: float) -> list[dict]:
     """mpi4py: one mpiexec job started inside host 0 (see the module doc); every rank's JSON row."""
-    from stratagem.launch.hosts import _ENTER  # the same namespace entry the launcher uses
-
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise RuntimeError("no mpiexec (pip install 'stratagem[mpi]')")
@@ -102,10 +101,10 @@ def run_mpi(spec: HostsSpec, nbytes: int, iters: int, timeout: float) -> list[di
     hosts = Hosts(network)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            pids = dict(zip(hosts.addresses, network.holder_pids()[1:]))
+            inside = {address: hosts.command(i, []) for i, address in enumerate(hosts.addresses)}
             agent, hostfile = os.path.join(tmp, "ssh-agent"), os.path.join(tmp, "hostfile")
             with open(agent, "w") as f:
-                f.write(_SSH_AGENT.format(python=sys.executable, enter=_ENTER, pids=pids))
+                f.write(_SSH_AGENT.format(python=sys.executable, inside=inside))
             os.chmod(agent, 0o755)
             with open(hostfile, "w") as f:
                 f.write("".join(f"{address} slots=1\n" for address in hosts.addresses))

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -285,7 +286,8 @@ class EmulatedHosts:
 
     @staticmethod
     def _wait_ready(holder: subprocess.Popen) -> None:
-        line = holder.stdout.readline().decode(errors="replace").strip()
+        ready, _, _ = select.select([holder.stdout], [], [], COMMAND_TIMEOUT)
+        line = holder.stdout.readline().decode(errors="replace").strip() if ready else "error no answer in time"
         if line == "ready":
             return
         reason = line[len("error "):] if line.startswith("error ") else f"exit {holder.wait()}"
