@@ -35,6 +35,7 @@ make namespaces: root, or an unprivileged user namespace (``unshare -r stratagem
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import re
@@ -211,6 +212,40 @@ def plan_cluster(counts: Mapping[str, int], spec: HostsSpec) -> tuple[ClusterSpe
         addresses.setdefault(task.job, []).append(f"{spec.address(host)}:{BASE_PORT + used.get(host, 0)}")
         used[host] = used.get(host, 0) + 1
     return ClusterSpec(addresses), placement
+
+
+def add_host_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``stratagem launch``'s ``--hosts`` options on ``parser`` (read back by :func:`hosts_spec`)."""
+    parser.add_argument("--hosts", type=int, metavar="N",
+                        help="run the tasks on N emulated hosts of this machine: network namespaces joined by a "
+                             "bridge, each task bound to its host's address (10.77.0.x, only inside them); "
+                             "needs root (or unshare -r) and iproute2")
+    parser.add_argument("--link", metavar="RATE",
+                        help="with --hosts: shape every host's link to RATE in both directions (100mbit, 1gbit, "
+                             "10gbit; default: not shaped)")
+    parser.add_argument("--link-of", action="append", default=[], metavar="HOST=RATE",
+                        help="with --hosts: one host's link rate (host3=100mbit: a straggler); repeatable")
+    parser.add_argument("--tasks-per-host", type=int, metavar="K",
+                        help="with --hosts: K tasks on each host in turn (default: round-robin over the hosts)")
+    parser.add_argument("--latency", metavar="DELAY",
+                        help="with --hosts: one-way delay between two hosts (5ms; needs the kernel's netem)")
+
+
+def hosts_spec(args: argparse.Namespace) -> HostsSpec | None:
+    """``--hosts`` and its options, parsed by ``stratagem launch``, as a spec (None without ``--hosts``),
+    refusing what does not go with them (``--mpi``, ``--ray``; ``--link`` without ``--hosts``)."""
+    given = [flag for flag, value in (("--link", getattr(args, "link", None)),
+                                      ("--link-of", getattr(args, "link_of", None) or None),
+                                      ("--tasks-per-host", getattr(args, "tasks_per_host", None)),
+                                      ("--latency", getattr(args, "latency", None))) if value is not None]
+    if getattr(args, "hosts", None) is None:
+        if given:
+            raise ConfigurationError(f"{', '.join(given)}: only with --hosts N (emulated hosts)")
+        return None
+    if getattr(args, "mpi", False) or getattr(args, "ray", None):
+        raise ConfigurationError("--hosts works with the local launcher only, not with --mpi or --ray")
+    return HostsSpec.parse(args.hosts, link=args.link, link_of=args.link_of, latency=args.latency,
+                           tasks_per_host=args.tasks_per_host)
 
 
 @functools.lru_cache(maxsize=None)

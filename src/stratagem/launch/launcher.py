@@ -68,7 +68,7 @@ from typing import Mapping, Sequence, TextIO
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import ConfigurationError
 from stratagem.core.ports import format_address, reserve_ports
-from stratagem.launch.hosts import EmulatedHosts, HostsSpec
+from stratagem.launch.hosts import EmulatedHosts, HostsSpec, add_host_arguments, hosts_spec
 from stratagem.launch.hosts import plan_cluster as plan_hosts_cluster
 from stratagem.launch.job import (
     DEFAULT_GRACE,
@@ -255,19 +255,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a worker (not the chief) that fails does not stop the job: start it again, up to "
                              "N times, then go on without it; for mirrored with on_failure='shrink' "
                              "(sets STRATAGEM_RESTARTS in a restarted task)")
-    parser.add_argument("--hosts", type=int, metavar="N",
-                        help="run the tasks on N emulated hosts of this machine: network namespaces joined by a "
-                             "bridge, each task bound to its host's address (10.77.0.x, only inside them); "
-                             "needs root (or unshare -r) and iproute2")
-    parser.add_argument("--link", metavar="RATE",
-                        help="with --hosts: shape every host's link to RATE in both directions (100mbit, 1gbit, "
-                             "10gbit; default: not shaped)")
-    parser.add_argument("--link-of", action="append", default=[], metavar="HOST=RATE",
-                        help="with --hosts: one host's link rate (host3=100mbit: a straggler); repeatable")
-    parser.add_argument("--tasks-per-host", type=int, metavar="K",
-                        help="with --hosts: K tasks on each host in turn (default: round-robin over the hosts)")
-    parser.add_argument("--latency", metavar="DELAY",
-                        help="with --hosts: one-way delay between two hosts (5ms; needs the kernel's netem)")
+    add_host_arguments(parser)  # --hosts, --link, --link-of, --tasks-per-host, --latency
     parser.add_argument("--mpi", action="store_true",
                         help="run the command once, as an MPI job: mpiexec -n WORKERS+PS in a private network "
                              "namespace (rank 0 is worker:0, the last PS ranks are ps tasks; "
@@ -284,22 +272,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --ray: how long the cluster may take to place every task (default: 60)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every task runs, after '--'")
     parser.set_defaults(_launch_parser=parser)
-
-
-def _hosts_spec(args: argparse.Namespace) -> HostsSpec | None:
-    """``--hosts`` and its options as a spec (None without ``--hosts``), refusing what does not go with them."""
-    given = [flag for flag, value in (("--link", getattr(args, "link", None)),
-                                      ("--link-of", getattr(args, "link_of", None) or None),
-                                      ("--tasks-per-host", getattr(args, "tasks_per_host", None)),
-                                      ("--latency", getattr(args, "latency", None))) if value is not None]
-    if getattr(args, "hosts", None) is None:
-        if given:
-            raise ConfigurationError(f"{', '.join(given)}: only with --hosts N (emulated hosts)")
-        return None
-    if getattr(args, "mpi", False) or getattr(args, "ray", None):
-        raise ConfigurationError("--hosts works with the local launcher only, not with --mpi or --ray")
-    return HostsSpec.parse(args.hosts, link=args.link, link_of=args.link_of, latency=args.latency,
-                           tasks_per_host=args.tasks_per_host)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -320,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "ray", None) is None and any(v is not None for v in ray_only.values()):
             given = ", ".join(flag for flag, value in ray_only.items() if value is not None)
             raise ConfigurationError(f"{given}: only with --ray ADDRESS")
-        hosts = _hosts_spec(args)
+        hosts = hosts_spec(args)
         session = None
         if getattr(args, "timeline", None):
             if getattr(args, "ray", None):
