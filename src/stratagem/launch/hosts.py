@@ -31,6 +31,11 @@ make namespaces: root, or an unprivileged user namespace (``unshare -r stratagem
 
     with EmulatedHosts(spec) as hosts:           # root (or unshare -r) on Linux
         subprocess.run(hosts.command(0, ["ping", "-c", "1", hosts.addresses[1]]))
+
+    from stratagem.launch.launcher import launch   # a whole job on them: stratagem launch --hosts 4 ...
+    launch(["python3", "train.py"], workers=4, hosts=HostsSpec.parse(4, link="1gbit"))
+
+Tests use them through :mod:`stratagem.testing.hosts` (every process started in them reaped).
 """
 
 from __future__ import annotations
