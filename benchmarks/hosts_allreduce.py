@@ -42,6 +42,7 @@ from stratagem.bench.units import human_bytes, parse_size
 from stratagem.launch.hosts import EmulatedHosts, HostsSpec, format_rate
 from stratagem.launch.launcher import launch
 from stratagem.launch.mpi import find_mpiexec
+from stratagem.launch.supervisor import die_with_launcher
 from stratagem.testing.hosts import Hosts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -112,7 +113,7 @@ def run_mpi(spec: HostsSpec, nbytes: int, iters: int, timeout: float) -> list[di
                    "--allow-run-as-root", "--prtemca", "plm_ssh_agent", agent,
                    "--prtemca", "oob_tcp_if_include", "eth0", "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
                    "--mca", "btl_tcp_if_include", "eth0", sys.executable, WORKER, "mpi4py", str(nbytes), str(iters)]
-            done = hosts.popen(0, cmd, stdout=-1, stderr=-1, text=True, env=_env())
+            done = hosts.popen(0, die_with_launcher(cmd), stdout=-1, stderr=-1, text=True, env=_env())
             try:
                 stdout, stderr = done.communicate(timeout=timeout)
             except Exception:
