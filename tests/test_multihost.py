@@ -1,15 +1,14 @@
 """Training across "machines": tasks in separate network namespaces, each binding its own address.
 
-Three namespaces (the hosts) are joined by veth pairs to a bridge that lives in a fourth namespace
-(the switch), with private addresses in 10.211.<n>.0/24. Those addresses exist only inside the
-namespaces this test creates; nothing outside them is ever contacted, and the machine's own network
-namespace gets no interface or address. Each task runs with ``ip netns exec HOST python ...`` and a
-``STRATAGEM_CONFIG`` written here, so every task binds its namespace's address and reaches the others
-only over the veth links.
+Three emulated hosts (``stratagem.testing.hosts``: network namespaces joined by veth pairs to a
+bridge that lives in a namespace of its own), with private addresses in 10.77.0.0/24. Those addresses
+exist only inside the namespaces; nothing outside them is ever contacted, and the machine's own network
+namespace gets no interface or address. Each task runs inside its host with a ``STRATAGEM_CONFIG``
+written here, so every task binds its host's address and reaches the others only over the links.
 
 Runs (a) a ``mirrored`` training and (b) a ``between_graph`` (parameter-server) training, over ``zmq``
-and ``grpc``. Skipped unless we are root and ``ip netns add`` works (the skip says why). Namespaces
-are deleted and processes reaped in the fixture's teardown, whatever happens.
+and ``grpc``. Skipped where emulated hosts cannot be built (the skip says why). Processes are reaped
+and the namespaces go in the fixture's teardown, whatever happens.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,107 +29,28 @@ SCRIPTS = ROOT / "tests" / "scripts"
 EXAMPLE_PS = ROOT / "examples" / "linear_regression_ps.py"
 HOSTS = 3
 TASK_TIMEOUT = 120  # seconds a whole multi-host job may take
-CMD_TIMEOUT = 20
 
 sys.path.insert(0, str(SCRIPTS))
 import mirrored_model as model  # noqa: E402
 
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=CMD_TIMEOUT, check=check)
-
-
-def _why_no_netns() -> str | None:
-    if sys.platform != "linux":
-        return "network namespaces need Linux"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    if shutil.which("ip") is None:
-        return "the 'ip' command (iproute2) is not installed"
-    probe = f"sgprobe{os.getpid()}"
-    try:
-        made = _ip("netns", "add", probe, check=False)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"'ip netns add' failed: {exc}"
-    if made.returncode != 0:
-        return f"'ip netns add' failed: {made.stderr.strip() or made.returncode}"
-    _ip("netns", "del", probe, check=False)
-    return None
-
-
-class Hosts:
-    """HOSTS namespaces on one bridge; ``address(i)`` is host i's IP."""
-
-    def __init__(self):
-        tag = f"{os.getpid() % 100000}"
-        self.subnet = f"10.211.{os.getpid() % 250 + 1}"
-        self.switch = f"sgsw{tag}"
-        self.names = [f"sgh{tag}n{i}" for i in range(HOSTS)]
-        self.procs: list[subprocess.Popen] = []
-
-    def address(self, i: int) -> str:
-        return f"{self.subnet}.{i + 1}"
-
-    def create(self) -> None:
-        sw = self.switch
-        _ip("netns", "add", sw)
-        _ip("-n", sw, "link", "add", "br0", "type", "bridge")
-        _ip("-n", sw, "link", "set", "br0", "up")
-        for i, ns in enumerate(self.names):
-            _ip("netns", "add", ns)
-            # Created directly inside the host namespace; its peer goes straight into the switch.
-            _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"p{i}", "netns", sw)
-            _ip("-n", sw, "link", "set", f"p{i}", "master", "br0")
-            _ip("-n", sw, "link", "set", f"p{i}", "up")
-            _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-
-    def spawn(self, host: int, argv: list[str], env: dict, log: Path) -> subprocess.Popen:
-        out = open(log, "w")
-        proc = subprocess.Popen(["ip", "netns", "exec", self.names[host], sys.executable, *argv],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(ROOT),
-                                start_new_session=True)
-        out.close()
-        self.procs.append(proc)
-        return proc
-
-    def destroy(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        for ns in [*self.names, self.switch]:
-            _ip("netns", "del", ns, check=False)
+from stratagem.testing.hosts import emulated_hosts, why_no_hosts  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def hosts():
-    reason = _why_no_netns()
+    """HOSTS emulated hosts (stratagem.testing.hosts): every process started in them is killed and
+    reaped, and the namespaces removed, when the module's tests are done, passed or failed."""
+    reason = why_no_hosts()
     if reason:
         pytest.skip(reason)
-    h = Hosts()
-    try:
-        try:
-            h.create()
-        except subprocess.CalledProcessError as exc:
-            pytest.skip(f"cannot build the namespace network: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
-        # The hosts reach each other (and only over the bridge).
-        for i in range(1, HOSTS):
-            ping = subprocess.run(["ip", "netns", "exec", h.names[0], "ping", "-c", "1", "-W", "2", h.address(i)],
-                                  capture_output=True, text=True, timeout=CMD_TIMEOUT)
-            if ping.returncode != 0 and shutil.which("ping"):
-                pytest.fail(f"{h.names[0]} cannot reach {h.address(i)}: {ping.stdout}{ping.stderr}")
+    with emulated_hosts(HOSTS) as h:
         yield h
-    finally:
-        h.destroy()
+
+
+def _spawn(hosts, host: int, argv: list[str], env: dict, log: Path):
+    with open(log, "w") as out:
+        return hosts.popen(host, [sys.executable, *argv], env=env, stdout=out, stderr=subprocess.STDOUT,
+                           cwd=str(ROOT))
 
 
 def _env(cluster: dict, job: str, index: int, transport: str) -> dict:
@@ -142,20 +61,20 @@ def _env(cluster: dict, job: str, index: int, transport: str) -> dict:
     return env
 
 
-def _run_job(hosts: Hosts, placement: dict, argv: list[str], transport: str, tmp: Path) -> dict[str, str]:
+def _run_job(hosts, placement: dict, argv: list[str], transport: str, tmp: Path) -> dict[str, str]:
     """Start every task (job -> list of host indices), wait for all, return each task's output."""
     port = {"zmq": 24100, "grpc": 24200}[transport] + (500 if "between" in str(argv) else 0)
     cluster, tasks = {}, []
     for job, host_list in placement.items():
         cluster[job] = []
         for index, host in enumerate(host_list):
-            cluster[job].append(f"{hosts.address(host)}:{port}")
+            cluster[job].append(f"{hosts.addresses[host]}:{port}")
             port += 1
             tasks.append((job, index, host))
     procs = {}
     for job, index, host in tasks:
         log = tmp / f"{job}_{index}.log"
-        procs[f"{job}:{index}"] = (hosts.spawn(host, argv, _env(cluster, job, index, transport), log), log)
+        procs[f"{job}:{index}"] = (_spawn(hosts, host, argv, _env(cluster, job, index, transport), log), log)
     outputs, failed = {}, []
     for name, (proc, log) in procs.items():
         try:

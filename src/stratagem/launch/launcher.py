@@ -23,6 +23,12 @@ What each task gets, in its environment:
   none (else ``zmq``). An unknown or unusable transport is a usage error before anything starts.
 - ``PYTHONUNBUFFERED=1``, so lines appear as they are printed.
 
+With ``--hosts N`` (:mod:`stratagem.launch.hosts`) the tasks run on N emulated hosts: each host a
+network namespace of its own address (``10.77.0.<i+1>``, only inside them), joined by a bridge in a
+namespace of its own, each link shaped to ``--link RATE`` (``--link-of HOST=RATE`` for one host);
+tasks are placed round-robin (``--tasks-per-host K``: K per host in turn) and bind their host's address
+(``STRATAGEM_CONFIG`` says it), so a script runs unchanged. The namespaces go with the job.
+
 How the job ends:
 
 - Every task exits 0: the launcher exits 0 and prints a one-line summary to stderr.
@@ -62,6 +68,8 @@ from typing import Mapping, Sequence, TextIO
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import ConfigurationError
 from stratagem.core.ports import format_address, reserve_ports
+from stratagem.launch.hosts import EmulatedHosts, HostsSpec, add_host_arguments, hosts_spec
+from stratagem.launch.hosts import plan_cluster as plan_hosts_cluster
 from stratagem.launch.job import (
     DEFAULT_GRACE,
     DEFAULT_PS_GRACE,
@@ -101,6 +109,8 @@ with --transport, STRATAGEM_TRANSPORT (the transport a script gets when it names
 lines are prefixed with the task ([worker:1] ...).
 With --ray ADDRESS the same job runs as Ray actors, one per task, on the nodes Ray chooses:
   stratagem launch --ray auto --worker 4 --ps 2 --spread -- python3 train.py
+With --hosts N every task runs on one of N emulated hosts (network namespaces, links shaped with tc):
+  stratagem launch --hosts 4 --link 1gbit --link-of host3=100mbit --worker 4 -- python3 train.py
 With --timeline trace.json every task records where its steps go; the launcher merges them:
   stratagem launch --timeline trace.json --worker 3 -- python3 train.py
   stratagem timeline summary trace.json        # step breakdown, waits per peer, the straggler
@@ -137,6 +147,7 @@ def launch(
     grace: float = DEFAULT_GRACE,
     ps_grace: float = DEFAULT_PS_GRACE,
     restart_workers: int | None = None,
+    hosts: HostsSpec | None = None,
 ) -> LaunchResult:
     """Run ``command`` once per task of a local cluster and supervise the job; see the module doc.
 
@@ -147,6 +158,8 @@ def launch(
     A SIGINT/SIGTERM received during the call stops the job and is reported in the result
     (``interrupted_by``) rather than raised: a caller running several jobs should check it.
     ``restart_workers``: see ``--restart-workers`` in the module doc (None: a failed task stops the job).
+    ``hosts``: run the tasks on emulated hosts (``--hosts``: :mod:`stratagem.launch.hosts`), each task
+    bound to its host's address; ``host`` must then stay the default.
     """
     base_env = job_env(env)
     check_options(command, workers, ps, chief, secret, timeout, grace, ps_grace, base_env.get("PATH"))
@@ -154,11 +167,19 @@ def launch(
                                         or restart_workers < 0):
         raise ConfigurationError(f"restart_workers must be an integer >= 0, got {restart_workers!r}")
     check_transport(transport)
+    if hosts is not None and host != "127.0.0.1":
+        raise ConfigurationError("--host and --hosts cannot be combined: with --hosts every task binds its "
+                                 "emulated host's address")
     secret = job_secret(secret, base_env)
     out = Sink(output if output is not None else sys.stdout)
     err = Sink(error_output if error_output is not None else sys.stderr)
 
-    cluster, port_holders = _plan_cluster(workers, ps, chief, host)
+    if hosts is None:
+        cluster, port_holders = _plan_cluster(workers, ps, chief, host)
+        network, placement = None, {}
+    else:
+        cluster, placement = plan_hosts_cluster({"chief": 1 if chief else 0, "worker": workers, "ps": ps}, hosts)
+        network, port_holders = EmulatedHosts(hosts), {}
     tasks: list[RunningTask] = []
     pump = OutputPump()
     started = time.monotonic()
@@ -168,7 +189,7 @@ def launch(
         env = task_env(base_env, cluster, task, secret, transport)
         if restarts:
             env[RESTARTS_ENV] = str(restarts)
-        process = start_task(task, command, env)
+        process = start_task(task, command if network is None else network.command(placement[task], command), env)
         pump.add(process.stdout, PipeReader(task_prefix(task, colors[task], out.stream), out))
         pump.add(process.stderr, PipeReader(task_prefix(task, colors[task], err.stream), err))
         return RunningTask(task, process)
@@ -177,14 +198,21 @@ def launch(
                                                              lambda line: err.write(line + "\n"))
     try:
         with SignalTrap() as trap:
+            if network is not None:
+                network.start()
+                err.write(f"stratagem launch: {hosts.describe()}: " + ", ".join(
+                    f"{task.short} on {network.names[placement[task]]}" for task in cluster.tasks()) + "\n")
             for task in cluster.tasks():
-                port_holders.pop(task).close()  # free the port as late as possible: see core.ports
+                if task in port_holders:  # (emulated hosts hold no port: nothing else listens there)
+                    port_holders.pop(task).close()  # free the port as late as possible: see core.ports
                 tasks.append(start(task))
             outcome = run_to_end(tasks, pump, trap, timeout=timeout, ps_grace=ps_grace, grace=grace,
                                  started=started, restarts=restarts)
     finally:
         # Every path, including errors and KeyboardInterrupt from a caller's handler: nothing survives.
         kill_and_reap(tasks)
+        if network is not None:
+            network.close()  # after the tasks: the namespaces go with their last process
         pump.close()
         for sock in port_holders.values():
             sock.close()
@@ -227,6 +255,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a worker (not the chief) that fails does not stop the job: start it again, up to "
                              "N times, then go on without it; for mirrored with on_failure='shrink' "
                              "(sets STRATAGEM_RESTARTS in a restarted task)")
+    add_host_arguments(parser)  # --hosts, --link, --link-of, --tasks-per-host, --latency
     parser.add_argument("--mpi", action="store_true",
                         help="run the command once, as an MPI job: mpiexec -n WORKERS+PS in a private network "
                              "namespace (rank 0 is worker:0, the last PS ranks are ps tasks; "
@@ -263,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "ray", None) is None and any(v is not None for v in ray_only.values()):
             given = ", ".join(flag for flag, value in ray_only.items() if value is not None)
             raise ConfigurationError(f"{given}: only with --ray ADDRESS")
+        hosts = hosts_spec(args)
         session = None
         if getattr(args, "timeline", None):
             if getattr(args, "ray", None):
@@ -294,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
                 command, workers=args.worker, ps=args.ps, chief=args.chief, transport=args.transport,
                 secret=args.secret, timeout=args.timeout, host=args.host, grace=args.grace,
                 ps_grace=args.ps_grace, env=session.env if session else None,
-                restart_workers=restart_workers,
+                restart_workers=restart_workers, hosts=hosts,
             )
         if session is not None:
             session.finish(result.cluster.tasks())
