@@ -62,6 +62,7 @@ from typing import Mapping, Sequence, TextIO
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import ConfigurationError
 from stratagem.core.ports import format_address, reserve_ports
+from stratagem.launch import multinode
 from stratagem.launch.job import (
     DEFAULT_GRACE,
     DEFAULT_PS_GRACE,
@@ -241,6 +242,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --ray: CPUs each task's placement bundle reserves (default: 1)")
     parser.add_argument("--placement-timeout", type=float, metavar="SECONDS",
                         help="with --ray: how long the cluster may take to place every task (default: 60)")
+    multinode.add_arguments(parser)  # --nnodes/--node-rank/--rdzv, --hostfile: their own group
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every task runs, after '--'")
     parser.set_defaults(_launch_parser=parser)
 
@@ -251,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
     if command[:1] == ["--"]:
         command = command[1:]
     try:
+        if multinode.wants_multinode(args):
+            return multinode.run(args, command)
         if getattr(args, "mpi", False) and getattr(args, "ray", None):
             raise ConfigurationError("--mpi and --ray cannot be combined: give one of them")
         restart_workers = getattr(args, "restart_workers", None)
