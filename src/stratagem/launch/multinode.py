@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import queue
+import re
 import socket
 import sys
 import time
@@ -100,9 +101,35 @@ class MultiNodeResult(LaunchResult):
         return "\n".join([head, *table])
 
 
-def _result_wire(result: TaskResult, at: float | None) -> dict:
+def _result_wire(result: TaskResult, at: float | None, blames: str | None = None) -> dict:
     return {"task": result.task.short, "pid": result.pid, "returncode": result.returncode,
-            "stopped": result.stopped_by_launcher, "at": at}
+            "stopped": result.stopped_by_launcher, "at": at, "blames": blames}
+
+
+#: How a task's uncaught ``PeerLostError`` ends its stderr: the peer it lost, the cause of its failure.
+_PEER_LOST = re.compile(r"PeerLostError: lost peer (/job:[A-Za-z0-9_\-]+/task:\d+)")
+
+
+class _BlameWatch:
+    """A task's stderr on its way to our sink, watched for the peer a ``PeerLostError`` names: a task
+    that failed because it lost a peer is not the root cause; the peer it names is (README: the culprit)."""
+
+    def __init__(self, sink: Sink, task: str, blames: dict[str, str]):
+        self.sink, self.task, self.blames = sink, task, blames
+
+    def write(self, text: str) -> None:
+        for match in _PEER_LOST.finditer(text):
+            try:
+                self.blames[self.task] = TaskId.parse(match.group(1)).short
+            except ConfigurationError:
+                pass
+        self.sink.write(text)
+
+
+def _status_word(row: dict) -> str:
+    code = row["returncode"]
+    how = describe_signal(-code) if code < 0 else f"exit {code}"
+    return f"stopped by the launcher ({how})" if row["stopped"] else how
 
 
 def _how(returncode: int) -> str:
@@ -134,6 +161,7 @@ class _Node:
         self.tasks: list[RunningTask] = []
         self.pump = OutputPump()
         self.exit_at: dict[str, float] = {}       # task -> wall time its exit was seen
+        self.blames: dict[str, str] = {}          # task -> the peer its PeerLostError named
         self.sent: set[str] = set()               # one-shot notices already given to node 0
         self.stop_reason: str | None = None       # why this node stops its tasks
         self.stopped = False
@@ -158,7 +186,8 @@ class _Node:
             process = start_task(task, self.command, env)
             color = COLORS[self.cluster.tasks().index(task) % len(COLORS)]
             self.pump.add(process.stdout, PipeReader(task_prefix(task, color, self.out.stream), self.out))
-            self.pump.add(process.stderr, PipeReader(task_prefix(task, color, self.err.stream), self.err))
+            self.pump.add(process.stderr, PipeReader(task_prefix(task, color, self.err.stream),
+                                                     _BlameWatch(self.err, task.short, self.blames)))
             self.tasks.append(RunningTask(task, process))
 
     def _observe(self, trap: SignalTrap) -> None:
@@ -190,8 +219,8 @@ class _Node:
         if "report" in self.sent or any(t.running for t in self.tasks):
             return
         self.sent.add("report")
-        self._notify("report", {"tasks": [_result_wire(t.result(), self.exit_at.get(t.task.short))
-                                          for t in self.tasks]})
+        self._notify("report", {"tasks": [_result_wire(t.result(), self.exit_at.get(t.task.short),
+                                                       self.blames.get(t.task.short)) for t in self.tasks]})
 
     def _notify(self, tag: str, meta: dict) -> None:
         if self.rank == 0:
@@ -275,24 +304,42 @@ class _Node:
     def _all_reported(self) -> bool:
         return all(node in self.reports or node in self.lost for node in range(self.nnodes))
 
+    def _culprit(self, results: list[dict]) -> tuple[str | None, str | None]:
+        """The root cause of a failed job: ``(task or None, what happened)``, or ``(None, None)``.
+
+        The earliest failure in time (each node's clock corrected by its offset) among the tasks that
+        failed on their own and the node launchers lost, leaving out tasks whose ``PeerLostError``
+        named a peer: those failed because of it. If every failed task names a peer, the peer the
+        earliest of them names is the culprit (a stopped or hung task its peers gave up on)."""
+        rows = {row["task"]: row for row in results}
+        failed = [row for row in results if row["returncode"] and not row["stopped"] and row.get("at") is not None]
+        when = {row["task"]: row["at"] - self.offsets.get(self.placement.get(row["task"], 0), 0.0) for row in failed}
+        roots = [(when[row["task"]], f"{row['task']} (node {self.placement.get(row['task'])}) "
+                                     f"{_how(row['returncode'])}", row["task"])
+                 for row in failed if not (row.get("blames") in self.placement and row.get("blames") != row["task"])]
+        roots += [(at, f"node {node}'s launcher was lost ({why})", None) for node, (why, at) in self.lost.items()]
+        if roots:
+            _, what, task = min(roots, key=lambda c: c[0])
+            return task, what
+        if failed:
+            first = min(failed, key=lambda row: when[row["task"]])
+            named = first["blames"]
+            node = self.placement.get(named)
+            row = rows.get(named)
+            ended = f"; it was {row and _status_word(row)}" if row else ""
+            return named, (f"{named} (node {node}) was lost by its peers: {first['task']} raised PeerLostError "
+                           f"naming it{ended}")
+        return None, None
+
     def _compose(self) -> dict:
         """Node 0: the job's end from every node's report, as sent to every node."""
-        candidates = []  # (time on node 0's clock, what failed, the task)
-        results = []
-        for node, rows in sorted(self.reports.items()):
-            for row in rows:
-                results.append(row)
-                if row["returncode"] and not row["stopped"] and row.get("at") is not None:
-                    candidates.append((row["at"] - self.offsets.get(node, 0.0),
-                                       f"{row['task']} (node {node}) {_how(row['returncode'])}", row["task"]))
-        for node, (why, at) in self.lost.items():
-            candidates.append((at, f"node {node}'s launcher was lost ({why})", None))
+        results = [row for _, rows in sorted(self.reports.items()) for row in rows]
+        failed_task, what = self._culprit(results)
         stopped = self.job_stop or {}
-        failed_task = None
         if stopped.get("timed_out") or (stopped and stopped["code"] != EXIT_TASK_FAILED):
             reason, code = f"{stopped['reason']}; stopped every task on {self.nnodes} nodes", stopped["code"]
-        elif candidates:
-            _, what, failed_task = min(candidates, key=lambda c: c[0])
+            failed_task = None
+        elif what:
             reason, code = f"{what}; stopped every task on {self.nnodes} nodes", EXIT_TASK_FAILED
         elif stopped:
             reason, code = f"{stopped['reason']}; stopped every task on {self.nnodes} nodes", stopped["code"]

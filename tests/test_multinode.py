@@ -1,0 +1,331 @@
+"""Multi-node launch (``stratagem launch --nnodes N --node-rank I --rdzv HOST:PORT``, ``--hostfile``) on
+emulated hosts: two network namespaces joined by a veth pair, each a "node" with its own address
+(10.213.x.1 and 10.213.x.2). Every node's launcher runs inside its namespace (``ip netns exec``), as
+``stratagem launch`` would on a machine of its own; for ``--hostfile`` a small script that enters the
+namespace of the host it is given stands in for ssh (no sshd here), called as ssh is and with as bare
+an environment.
+
+The namespaces exist only for this module: nothing is created in the machine's own network namespace,
+and the namespaces are deleted and every process reaped at teardown, whatever happens. Skipped where
+namespaces cannot be made (not root, no ``ip``). In a namespace of our own every port is free, so the
+rendezvous ports are fixed per test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from stratagem.core.errors import ConfigurationError
+from stratagem.launch.hostfile import parse_hostfile
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "tests" / "scripts" / "multinode_train.py"
+PLAIN = [sys.executable, "-m", "stratagem.testing.plain_training"]
+LAUNCH = [sys.executable, "-m", "stratagem", "launch"]
+WAIT = 60  # seconds any one launcher may take
+CMD_TIMEOUT = 20
+
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces need Linux"),
+              pytest.mark.timeout(120)]
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=CMD_TIMEOUT, check=check)
+
+
+def _why_no_netns() -> str | None:
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    if shutil.which("ip") is None:
+        return "the 'ip' command (iproute2) is not installed"
+    probe = f"nodesprobe{os.getpid()}"
+    made = _ip("netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"'ip netns add' failed: {made.stderr.strip() or made.returncode}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+class Nodes:
+    """Two namespaces joined by one veth pair (created inside them: the machine's namespace gets nothing)."""
+
+    def __init__(self):
+        pid = os.getpid()
+        self.names = [f"nodes{pid}n{i}" for i in range(2)]
+        self.subnet = f"10.213.{pid % 250 + 1}"
+        self.procs: list[subprocess.Popen] = []
+
+    def address(self, i: int) -> str:
+        return f"{self.subnet}.{i + 1}"
+
+    def create(self) -> None:
+        for ns in self.names:
+            _ip("netns", "add", ns)
+        _ip("-n", self.names[0], "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", self.names[1])
+        for i, ns in enumerate(self.names):
+            _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+
+    def spawn(self, node: int | None, argv: list[str], env: dict, log: Path, **kwargs) -> subprocess.Popen:
+        """``argv`` inside node ``node``'s namespace (None: here), output to ``log``."""
+        prefix = ["ip", "netns", "exec", self.names[node]] if node is not None else []
+        with open(log, "w") as out:
+            proc = subprocess.Popen([*prefix, *argv], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(ROOT),
+                                    start_new_session=True, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def destroy(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.killpg(proc.pid, sig)
+                    except ProcessLookupError:
+                        pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for ns in self.names:
+            _ip("netns", "del", ns, check=False)
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    reason = _why_no_netns()
+    if reason:
+        pytest.skip(reason)
+    n = Nodes()
+    try:
+        try:
+            n.create()
+        except subprocess.CalledProcessError as exc:
+            pytest.skip(f"cannot build the two-node network: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
+        yield n
+    finally:
+        n.destroy()
+
+
+@pytest.fixture
+def secret() -> str:
+    return "sg-" + secrets.token_hex(16)
+
+
+def _env(secret: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATAGEM_", "TF_CONFIG"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    if secret is not None:
+        env["STRATAGEM_SECRET"] = secret
+    return env
+
+
+def _node_args(nodes: Nodes, rank: int, port: int, *extra: str) -> list[str]:
+    return [*LAUNCH, "--nnodes", "2", "--node-rank", str(rank), "--rdzv", f"{nodes.address(0)}:{port}",
+            "--rdzv-timeout", "30", "--timeout", str(WAIT), *extra]
+
+
+def _finish(proc: subprocess.Popen, log: Path, seconds: float = WAIT) -> tuple[int, str]:
+    try:
+        code = proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        pytest.fail(f"launcher still running after {seconds}s:\n{log.read_text()[-3000:]}")
+    return code, log.read_text()
+
+
+def _run_two(nodes: Nodes, tmp: Path, port: int, command: list[str], env: dict, *extra: str) -> list[tuple[int, str]]:
+    procs = [nodes.spawn(rank, [*_node_args(nodes, rank, port, *extra), "--", *command], env, tmp / f"node{rank}.log")
+             for rank in range(2)]
+    return [_finish(proc, tmp / f"node{rank}.log") for rank, proc in enumerate(procs)]
+
+
+def _summary(output: str) -> str:
+    """The launcher's closing summary: its last 'stratagem launch: ...' line and the table under it."""
+    lines = output.splitlines()
+    start = max(i for i, line in enumerate(lines) if line.startswith("stratagem launch: ") and "(" in line
+                and line.rstrip().endswith("s)"))
+    return "\n".join(line for line in lines[start:] if not line.startswith("["))
+
+
+def _wait_for(log: Path, text: str, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while text not in log.read_text():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{text!r} never appeared:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+
+
+def _procs_with(marker: str) -> list[int]:
+    """Pids whose command line holds ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+# -- training across nodes ----------------------------------------------------------------------------
+
+
+def test_two_nodes_train_bitwise_the_same_weights_as_one_node(nodes, secret, tmp_path):
+    env = _env(secret)
+    one = subprocess.run([*LAUNCH, "--worker", "2", "--timeout", str(WAIT), "--", sys.executable, str(TRAIN)],
+                         env=env, capture_output=True, text=True, timeout=WAIT + 10, cwd=str(ROOT))
+    assert one.returncode == 0, one.stdout + one.stderr
+    reference = re.findall(r"^\[worker:\d\] weights (\w+)", one.stdout, re.M)
+    assert len(reference) == 2 and len(set(reference)) == 1, one.stdout
+
+    results = _run_two(nodes, tmp_path, 29401, [sys.executable, str(TRAIN)], env, "--worker-per-node", "1")
+    for rank, (code, output) in enumerate(results):
+        assert code == 0, output
+        assert re.findall(r"^\[worker:(\d)\] weights (\w+)", output, re.M) == [(str(rank), reference[0])], output
+        # every task of the job listened on its node's own address
+        assert f"node {rank} of 2: running worker:{rank}" in output, output
+    assert f"node 1 joined from {nodes.address(1)}" in results[0][1]
+    assert _summary(results[0][1]) == _summary(results[1][1])
+    assert "all 2 tasks on 2 nodes finished successfully" in _summary(results[0][1])
+
+
+def test_a_task_failing_on_node_1_ends_node_0_naming_it(nodes, secret, tmp_path):
+    results = _run_two(nodes, tmp_path, 29402, [*PLAIN, "mirrored", "zmq", "worker:1", "raise"], _env(secret))
+    (code0, out0), (code1, out1) = results
+    assert code0 == 1 and code1 == 1, out0 + out1
+    assert "[worker:1] RuntimeError: worker:1 failed on purpose" in out1
+    summary = _summary(out0)
+    assert summary == _summary(out1), f"node 0:\n{out0}\nnode 1:\n{out1}"  # the same summary on every node
+    assert summary.startswith("stratagem launch: FAILED: worker:1 (node 1) exited with code 1"), summary
+    assert re.search(r"^  worker:1\s+1\s+\d+\s+exit 1  <- first failure$", summary, re.M), summary
+    assert re.search(r"^  worker:0\s+0\s+\d+\s+", summary, re.M), summary
+
+
+def test_a_node_launcher_killed_ends_the_job_naming_that_node(nodes, secret, tmp_path):
+    marker = f"nodes-marker-{uuid.uuid4().hex}"
+    command = [sys.executable, "-c", "import time, sys; time.sleep(60)", marker]
+    logs = [tmp_path / f"node{rank}.log" for rank in range(2)]
+    procs = [nodes.spawn(rank, [*_node_args(nodes, rank, 29403), "--", *command], _env(secret), logs[rank])
+             for rank in range(2)]
+    for log in logs:
+        _wait_for(log, "running worker:")
+    os.kill(procs[1].pid, signal.SIGKILL)  # ip netns exec has exec'd the launcher: this is its pid
+    code, output = _finish(procs[0], logs[0], 30)
+    assert code == 1, output
+    assert "FAILED: node 1's launcher was lost (connection closed)" in _summary(output), output
+    assert re.search(r"^  worker:1\s+1\s+\?\s+unknown: node 1 lost", _summary(output), re.M), output
+    deadline = time.monotonic() + 10  # node 1's task died with its launcher
+    while _procs_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _procs_with(marker)
+
+
+def test_a_briefly_stalled_node_launcher_is_not_taken_for_dead(nodes, secret, tmp_path):
+    command = [sys.executable, "-c", "import time; time.sleep(4); print('done')"]
+    logs = [tmp_path / f"node{rank}.log" for rank in range(2)]
+    procs = [nodes.spawn(rank, [*_node_args(nodes, rank, 29404, "--node-timeout", "3"), "--", *command],
+                         _env(secret), logs[rank]) for rank in range(2)]
+    for log in logs:
+        _wait_for(log, "running worker:")
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    time.sleep(1.5)  # half the node timeout: slow, not dead
+    os.kill(procs[1].pid, signal.SIGCONT)
+    for proc, log in zip(procs, logs):
+        code, output = _finish(proc, log)
+        assert code == 0, output
+        assert "all 2 tasks on 2 nodes finished successfully" in _summary(output), output
+
+
+# -- the secret ---------------------------------------------------------------------------------------
+
+
+def test_a_wrong_secret_is_refused_naming_the_fix(nodes, secret, tmp_path):
+    wrong = "sg-" + secrets.token_hex(16)
+    logs = [tmp_path / f"node{rank}.log" for rank in range(2)]
+    procs = [nodes.spawn(rank, [*_node_args(nodes, rank, 29405)[:-4], "--rdzv-timeout", "4", "--", "true"],
+                         _env(s), logs[rank]) for rank, s in enumerate([secret, wrong])]
+    (code0, out0), (code1, out1) = (_finish(p, log) for p, log in zip(procs, logs))
+    assert code1 == 1 and "node 0 failed the cluster-secret challenge: the secrets differ" in out1, out1
+    assert "STRATAGEM_SECRET" in out1
+    assert code0 == 1, out0
+    assert f"refused a node connecting from {nodes.address(1)}" in out0 and "secrets differ" in out0, out0
+    assert "only 1 of 2 nodes joined" in out0, out0
+    for text in (out0, out1):
+        assert secret not in text and wrong not in text
+
+
+def test_hostfile_starts_every_node_through_the_remote_command(nodes, secret, tmp_path):
+    """--hostfile with a stand-in for ssh that enters the host's namespace with a bare environment; the
+    secret reaches every node but never a command line or the output."""
+    fake_ssh = tmp_path / "fake_ssh"
+    fake_ssh.write_text(
+        "#!/bin/sh\n"
+        "# called as ssh is: HOST 'SHELL COMMAND'; runs it in the host's namespace with a bare environment\n"
+        'host="$1"; shift\n'
+        'case "$host" in\n'
+        f"  {nodes.address(0)}) ns={nodes.names[0]} ;;\n"
+        f"  {nodes.address(1)}) ns={nodes.names[1]} ;;\n"
+        '  *) echo "fake_ssh: unknown host $host" >&2; exit 255 ;;\n'
+        "esac\n"
+        'exec ip netns exec "$ns" env -i PATH="$PATH" HOME="$HOME" sh -c "$*"\n')
+    fake_ssh.chmod(0o755)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"# two emulated hosts\n{nodes.address(0)} slots=1\n\n{nodes.address(1)}:1  # Horovod style\n")
+    log = tmp_path / "hostfile.log"
+    proc = nodes.spawn(None, [*LAUNCH, "--hostfile", str(hostfile), "--remote-command", str(fake_ssh),
+                              "--rdzv-port", "29406", "--env", "PYTHONPATH", "--rdzv-timeout", "30",
+                              "--timeout", str(WAIT), "--", *PLAIN, "mirrored", "zmq"], _env(secret), log)
+    seen_on_a_command_line = []
+    while proc.poll() is None:
+        seen_on_a_command_line += _procs_with(secret)
+        time.sleep(0.02)
+    code, output = _finish(proc, log)
+    assert code == 0, output
+    assert not seen_on_a_command_line
+    assert secret not in output
+    for rank in range(2):
+        assert re.search(rf"^\[{re.escape(nodes.address(rank))}\] \[worker:{rank}\] trained: w = ", output, re.M), output
+    assert f"node 0 ({nodes.address(0)}) exit 0, node 1 ({nodes.address(1)}) exit 0" in output
+
+
+# -- options ------------------------------------------------------------------------------------------
+
+
+def test_parse_hostfile_forms_and_errors():
+    assert parse_hostfile("a slots=2 max_slots=4\nb:3\n# c\n\nd\n") == [("a", 2), ("b", 3), ("d", 1)]
+    for text, problem in [("a slots=0\n", "slots=K with K >= 1"), ("a cpus=2\n", "unknown field 'cpus=2'"),
+                          ("a\na\n", "listed twice"), ("# nothing\n", "lists no host"), ("a:x\n", "must be a number")]:
+        with pytest.raises(ConfigurationError, match=re.escape(problem)):
+            parse_hostfile(text)
+
+
+@pytest.mark.parametrize("args, secret, problem", [
+    (["--nnodes", "2", "--node-rank", "0", "--rdzv", "127.0.0.1:29400"], None, "needs a cluster secret"),
+    (["--nnodes", "2", "--node-rank", "0", "--rdzv", "127.0.0.1:29400", "--secret", "x"], None,
+     "command lines are visible to every user"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv", "127.0.0.1:29400"], "s", "--node-rank 2 is out of range"),
+    (["--nnodes", "2", "--node-rank", "1", "--rdzv", "nowhere"], "s", "--rdzv must be HOST:PORT"),
+    (["--nnodes", "2", "--rdzv", "127.0.0.1:29400"], "s", "--nnodes needs --node-rank"),
+])
+def test_bad_multinode_options_are_usage_errors_naming_the_fix(args, secret, problem):
+    done = subprocess.run([*LAUNCH, *args, "--", "true"], env=_env(secret), capture_output=True, text=True,
+                          timeout=CMD_TIMEOUT)
+    assert done.returncode == 2, done.stderr
+    assert problem in done.stderr, done.stderr
