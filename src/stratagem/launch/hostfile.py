@@ -34,7 +34,7 @@ from stratagem.core.cluster import TaskId
 from stratagem.core.errors import ConfigurationError
 from stratagem.core.ports import format_address
 from stratagem.launch.job import DEFAULT_GRACE, DEFAULT_PS_GRACE
-from stratagem.launch.multinode import DEFAULT_NODE_TIMEOUT, DEFAULT_RDZV_TIMEOUT
+from stratagem.launch.rendezvous import DEFAULT_NODE_TIMEOUT, DEFAULT_RDZV_TIMEOUT
 from stratagem.launch.supervisor import (
     EXIT_SIGNALLED,
     POLL_INTERVAL,

@@ -41,7 +41,13 @@ from stratagem.core.errors import ConfigurationError, ProtocolError
 from stratagem.core.ports import reserve_ports
 from stratagem.launch import rendezvous
 from stratagem.launch.job import DEFAULT_GRACE, DEFAULT_PS_GRACE, check_options, check_transport, job_env, task_env
-from stratagem.launch.rendezvous import Channel, ChannelClosed, RendezvousError
+from stratagem.launch.rendezvous import (
+    DEFAULT_NODE_TIMEOUT,
+    DEFAULT_RDZV_TIMEOUT,
+    Channel,
+    ChannelClosed,
+    RendezvousError,
+)
 from stratagem.launch.supervisor import (
     EXIT_OK,
     EXIT_SIGNALLED,
@@ -60,10 +66,6 @@ from stratagem.launch.supervisor import (
 )
 from stratagem.launch.task_output import COLORS, OutputPump, PipeReader, Sink, task_prefix
 
-#: Seconds node 0 waits for every node to join (and a node for node 0 to listen), as torchrun's join timeout.
-DEFAULT_RDZV_TIMEOUT = 300.0
-#: Seconds a node's launcher may be silent (no heartbeat) before the job ends naming it; as the transports' peer timeout.
-DEFAULT_NODE_TIMEOUT = 30.0
 
 
 # -- the result --------------------------------------------------------------------------------------

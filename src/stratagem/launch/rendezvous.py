@@ -38,6 +38,10 @@ from stratagem.core.wire import HEADER_SIZE, Kind, Limits, encode_bytes, read_en
 RDZV_ID = "stratagem-rendezvous"
 #: Limits on an admitted node's control frames: metadata only (a cluster, a summary), no buffers.
 CHANNEL_LIMITS = Limits(max_envelope_bytes=4 << 20, max_payload_bytes=0, max_buffers=0)
+#: Seconds node 0 waits for every node to join (and a node for node 0 to listen), as torchrun's join timeout.
+DEFAULT_RDZV_TIMEOUT = 300.0
+#: Seconds a node's launcher may be silent (no heartbeat) before the job ends naming it; as the transports' peer timeout.
+DEFAULT_NODE_TIMEOUT = 30.0
 #: Seconds a connecting node has to finish the handshake and say what it brings.
 HANDSHAKE_SECONDS = 10.0
 #: Seconds between a node's attempts to reach node 0 while node 0 is not listening yet.
