@@ -218,6 +218,43 @@ def test_a_task_failing_on_node_1_ends_node_0_naming_it(nodes, secret, tmp_path)
     assert re.search(r"^  worker:0\s+0\s+\d+\s+", summary, re.M), summary
 
 
+def test_a_stalled_task_on_node_1_is_named_not_the_peer_that_gave_up_on_it(nodes, secret, tmp_path):
+    """worker:1 is SIGSTOPped mid-training: worker:0 (node 0) raises PeerLostError naming it after the
+    peer timeout and exits first, yet both launchers name worker:1."""
+    out = tmp_path / "out"
+    out.mkdir()
+    command = [sys.executable, str(ROOT / "tests" / "scripts" / "mirrored_train.py"), "--out", str(out),
+               "--steps", "1000000", "--peer-timeout", "3"]
+    logs = [tmp_path / f"node{rank}.log" for rank in range(2)]
+    procs = [nodes.spawn(rank, [*_node_args(nodes, rank, 29407, "--grace", "1"), "--", *command], _env(secret),
+                         logs[rank]) for rank in range(2)]
+    for log in logs:
+        _wait_for(log, "running worker:")
+    deadline = time.monotonic() + 30
+    while not (worker1 := [pid for pid in _procs_with(str(out)) if _task_of(pid) == 1]):
+        assert time.monotonic() < deadline, "worker:1 never started"
+        time.sleep(0.05)
+    time.sleep(1.0)  # well into training
+    os.kill(worker1[0], signal.SIGSTOP)
+    (code0, out0), (code1, out1) = (_finish(p, log) for p, log in zip(procs, logs))
+    assert code0 == 1 and code1 == 1, out0 + out1
+    summary = _summary(out0)
+    assert summary == _summary(out1), f"node 0:\n{out0}\nnode 1:\n{out1}"
+    assert summary.startswith("stratagem launch: FAILED: worker:1 (node 1) stopped answering: worker:0 lost it"), summary
+    assert re.search(r"^  worker:1\s+1\s+\d+\s+stopped by launcher \(SIGKILL\)  <- first failure$", summary, re.M), summary
+    assert re.search(r"^  worker:0\s+0\s+\d+\s+exit 3$", summary, re.M), summary
+
+
+def _task_of(pid: int) -> int | None:
+    """The task index in a process's STRATAGEM_CONFIG, if it has one."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            match = re.search(rb'"task": \{"type": "worker", "index": (\d+)\}', f.read())
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
 def test_a_node_launcher_killed_ends_the_job_naming_that_node(nodes, secret, tmp_path):
     marker = f"nodes-marker-{uuid.uuid4().hex}"
     command = [sys.executable, "-c", "import time, sys; time.sleep(60)", marker]

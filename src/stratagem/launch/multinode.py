@@ -108,8 +108,8 @@ def _result_wire(result: TaskResult, at: float | None, blames: str | None = None
             "stopped": result.stopped_by_launcher, "at": at, "blames": blames}
 
 
-#: How a task's uncaught ``PeerLostError`` ends its stderr: the peer it lost, the cause of its failure.
-_PEER_LOST = re.compile(r"PeerLostError: lost peer (/job:[A-Za-z0-9_\-]+/task:\d+)")
+#: How a ``PeerLostError`` names the peer a task lost (in its traceback, or printed by the script): the cause of its failure.
+_PEER_LOST = re.compile(r"\blost peer (/job:[A-Za-z0-9_\-]+/task:\d+)")
 
 
 class _BlameWatch:
@@ -131,7 +131,7 @@ class _BlameWatch:
 def _status_word(row: dict) -> str:
     code = row["returncode"]
     how = describe_signal(-code) if code < 0 else f"exit {code}"
-    return f"stopped by the launcher ({how})" if row["stopped"] else how
+    return f"stopped by the launcher ({how})" if row["stopped"] else f"ended ({how})"
 
 
 def _how(returncode: int) -> str:
@@ -328,9 +328,9 @@ class _Node:
             named = first["blames"]
             node = self.placement.get(named)
             row = rows.get(named)
-            ended = f"; it was {row and _status_word(row)}" if row else ""
-            return named, (f"{named} (node {node}) was lost by its peers: {first['task']} raised PeerLostError "
-                           f"naming it{ended}")
+            ended = f"; {named} was {_status_word(row)}" if row else ""
+            return named, (f"{named} (node {node}) stopped answering: {first['task']} lost it (PeerLostError) "
+                           f"and failed{ended}")
         return None, None
 
     def _compose(self) -> dict:
