@@ -219,12 +219,12 @@ def test_a_task_failing_on_node_1_ends_node_0_naming_it(nodes, secret, tmp_path)
 
 
 def test_a_stalled_task_on_node_1_is_named_not_the_peer_that_gave_up_on_it(nodes, secret, tmp_path):
-    """worker:1 is SIGSTOPped mid-training: worker:0 (node 0) raises PeerLostError naming it after the
-    peer timeout and exits first, yet both launchers name worker:1."""
+    """worker:1 is SIGSTOPped mid-training: worker:0 (node 0) gives up on it (PeerLostError after the peer
+    timeout, or under load a TransportTimeout naming it) and exits first, yet both launchers name worker:1."""
     out = tmp_path / "out"
     out.mkdir()
     command = [sys.executable, str(ROOT / "tests" / "scripts" / "mirrored_train.py"), "--out", str(out),
-               "--steps", "1000000", "--peer-timeout", "3"]
+               "--steps", "1000000", "--peer-timeout", "3", "--timeout", "6"]
     logs = [tmp_path / f"node{rank}.log" for rank in range(2)]
     procs = [nodes.spawn(rank, [*_node_args(nodes, rank, 29407, "--grace", "1"), "--", *command], _env(secret),
                          logs[rank]) for rank in range(2)]
@@ -240,9 +240,9 @@ def test_a_stalled_task_on_node_1_is_named_not_the_peer_that_gave_up_on_it(nodes
     assert code0 == 1 and code1 == 1, out0 + out1
     summary = _summary(out0)
     assert summary == _summary(out1), f"node 0:\n{out0}\nnode 1:\n{out1}"
-    assert summary.startswith("stratagem launch: FAILED: worker:1 (node 1) stopped answering: worker:0 lost it"), summary
+    assert summary.startswith("stratagem launch: FAILED: worker:1 (node 1) stopped answering: worker:0 lost it"), out0
     assert re.search(r"^  worker:1\s+1\s+\d+\s+stopped by launcher \(SIGKILL\)  <- first failure$", summary, re.M), summary
-    assert re.search(r"^  worker:0\s+0\s+\d+\s+exit 3$", summary, re.M), summary
+    assert re.search(r"^  worker:0\s+0\s+\d+\s+exit [13]$", summary, re.M), summary
 
 
 def _task_of(pid: int) -> int | None:

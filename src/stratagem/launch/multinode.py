@@ -108,8 +108,11 @@ def _result_wire(result: TaskResult, at: float | None, blames: str | None = None
             "stopped": result.stopped_by_launcher, "at": at, "blames": blames}
 
 
-#: How a ``PeerLostError`` names the peer a task lost (in its traceback, or printed by the script): the cause of its failure.
-_PEER_LOST = re.compile(r"\blost peer (/job:[A-Za-z0-9_\-]+/task:\d+)")
+#: How a task's error names the peer it gave up on (in its traceback, or printed by the script): a
+#: ``PeerLostError`` (``lost peer /job:worker/task:1``), or a ``TransportTimeout`` waiting for one peer
+#: (``no message 'tag' from /job:worker/task:1 within``, ``no handshake with /job:worker/task:1 at``).
+_PEER_LOST = re.compile(r"\b(?:lost peer|no handshake with|no message .{0,300}? from) "
+                        r"(/job:[A-Za-z0-9_\-]+/task:\d+)\b")
 
 
 class _BlameWatch:
@@ -329,8 +332,8 @@ class _Node:
             node = self.placement.get(named)
             row = rows.get(named)
             ended = f"; {named} was {_status_word(row)}" if row else ""
-            return named, (f"{named} (node {node}) stopped answering: {first['task']} lost it (PeerLostError) "
-                           f"and failed{ended}")
+            return named, (f"{named} (node {node}) stopped answering: {first['task']} lost it (its error names "
+                           f"{named}) and failed{ended}")
         return None, None
 
     def _compose(self) -> dict:
@@ -469,8 +472,7 @@ def launch_node(command: Sequence[str], *, nnodes: int, node_rank: int, rdzv: st
         held = []
         heartbeat = min(1.0, node_timeout / 5)
         for channel in channels.values():
-            channel.last_heard = time.monotonic()
-            channel.start(events, heartbeat)
+            channel.start(events, heartbeat, node_timeout)
         err.write(f"stratagem launch: node {node_rank} of {nnodes}: running {', '.join(t.short for t in mine)} "
                   f"(cluster of {len(cluster.tasks())} tasks)\n")
         node = _Node(node_rank, nnodes, cluster, placement, channels, offsets, events, command=command,
@@ -506,7 +508,7 @@ def _assemble(host, port, nnodes, workers, ps, transport, node_host, key, deadli
                           f"--rdzv-timeout (missing node(s) {missing}): start them with --nnodes {nnodes} "
                           f"--rdzv {host}:{port} and the same secret")
                 for channel in channels.values():
-                    rendezvous._reject(channel, reason)
+                    rendezvous.reject(channel, reason)
                 raise RendezvousError(reason)
             listener.settimeout(min(left, 1.0))
             try:
@@ -518,7 +520,7 @@ def _assemble(host, port, nnodes, workers, ps, transport, node_host, key, deadli
                 if transport is not None and join.get("transport") not in (None, transport):
                     reason = (f"node {channel.peer} asked for --transport {join.get('transport')}, node 0 for "
                               f"{transport}: give every node the same --transport")
-                    rendezvous._reject(channel, reason)
+                    rendezvous.reject(channel, reason)
                     raise ProtocolError(reason)
             except (ProtocolError, ChannelClosed, ConfigurationError) as exc:
                 err.write(f"stratagem launch: refused a node connecting from {peer_address[0]}: {exc}\n")
@@ -533,7 +535,7 @@ def _assemble(host, port, nnodes, workers, ps, transport, node_host, key, deadli
         if "worker" not in cluster.as_dict():
             reason = "no node runs a worker: give at least one node --worker-per-node K >= 1"
             for channel in channels.values():
-                rendezvous._reject(channel, reason)
+                rendezvous.reject(channel, reason)
             raise ConfigurationError(reason)
         for channel in channels.values():
             channel.send("cluster", {"cluster": cluster.as_dict(), "placement": placement, "transport": transport})

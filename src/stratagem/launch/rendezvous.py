@@ -23,6 +23,7 @@ is ever unpickled, and a connection is held to the handshake's small limits unti
 from __future__ import annotations
 
 import queue
+import select
 import socket
 import threading
 import time
@@ -97,6 +98,7 @@ class Channel:
     """
 
     def __init__(self, sock: socket.socket, peer: int, send_timeout: float = 30.0):
+        sock.settimeout(None)
         self.sock = sock
         self.peer = peer
         self.last_heard = time.monotonic()
@@ -109,15 +111,25 @@ class Channel:
 
     def send(self, tag: str, meta: dict | None = None, kind: Kind = Kind.DATA) -> None:
         """Send one frame; raises ``ChannelClosed`` if the peer cannot take it."""
-        data = encode_bytes(kind, tag, meta or {}, limits=CHANNEL_LIMITS)
+        data = memoryview(encode_bytes(kind, tag, meta or {}, limits=CHANNEL_LIMITS))
         with self._lock:
             if self._closed.is_set():
                 raise ChannelClosed("the channel is closed")
-            try:
-                self.sock.settimeout(self._send_timeout)
-                self.sock.sendall(data)
-            except OSError as exc:
-                raise ChannelClosed(f"cannot send ({exc})") from None
+            # The socket stays blocking (the reader thread blocks in recv); sends wait with select, so
+            # that a peer that takes nothing cannot hold us past the send timeout.
+            # A frame cut short would break the stream: a peer that takes nothing for that long is gone.
+            deadline = time.monotonic() + self._send_timeout
+            while data:
+                wait = deadline - time.monotonic()
+                if wait <= 0:
+                    raise ChannelClosed(f"the peer took no data for {self._send_timeout:g}s")
+                try:
+                    if select.select([], [self.sock], [], wait)[1]:
+                        data = data[self.sock.send(data, socket.MSG_DONTWAIT):]
+                except BlockingIOError:
+                    continue
+                except (OSError, ValueError) as exc:  # ValueError: closed under us
+                    raise ChannelClosed(f"cannot send ({exc})") from None
 
     def try_send(self, tag: str, meta: dict | None = None) -> bool:
         """:meth:`send`, saying False instead of raising when the peer is gone."""
@@ -145,13 +157,13 @@ class Channel:
                 wait = deadline - time.monotonic()
                 if wait <= 0:
                     raise ChannelClosed("timed out waiting for the peer")
-                self.sock.settimeout(wait)
-            else:
-                self.sock.settimeout(None)
+                try:
+                    if not select.select([self.sock], [], [], wait)[0]:
+                        continue
+                except (OSError, ValueError) as exc:  # ValueError: closed under us
+                    raise ChannelClosed(f"connection lost ({exc})") from None
             try:
                 chunk = self.sock.recv(min(left, 1 << 16))
-            except socket.timeout:
-                continue
             except OSError as exc:
                 raise ChannelClosed(f"connection lost ({exc})") from None
             if not chunk:
@@ -162,8 +174,11 @@ class Channel:
 
     # -- a running job ----------------------------------------------------------------------------
 
-    def start(self, events: "queue.Queue", heartbeat: float) -> None:
-        """Read frames into ``events`` and send a heartbeat every ``heartbeat`` seconds, until closed."""
+    def start(self, events: "queue.Queue", heartbeat: float, send_timeout: float) -> None:
+        """Read frames into ``events`` and send a heartbeat every ``heartbeat`` seconds, until closed;
+        a send that makes no progress for ``send_timeout`` seconds ends the channel."""
+        self._send_timeout = send_timeout
+        self.last_heard = time.monotonic()
         for target, args in ((self._read_loop, (events,)), (self._beat_loop, (heartbeat,))):
             thread = threading.Thread(target=target, args=args, name=f"rdzv-node{self.peer}", daemon=True)
             thread.start()
@@ -239,7 +254,7 @@ def admit(sock: socket.socket, secret: bytes, nnodes: int, joined: Mapping[int, 
     if peer.job != "node" or not 0 < peer.index < nnodes:
         reason = (f"node rank {peer.index} is out of range for --nnodes {nnodes} (ranks 1..{nnodes - 1} join "
                   f"node 0): give each node a distinct --node-rank below --nnodes")
-        _reject(channel, reason)
+        reject(channel, reason)
         raise ProtocolError(reason)
     channel.peer = peer.index
     challenge, nonce_s = handshake.make_challenge(secret, RDZV_ID, peer, me, hello["nonce"])
@@ -254,11 +269,11 @@ def admit(sock: socket.socket, secret: bytes, nnodes: int, joined: Mapping[int, 
     except AuthenticationError:
         reason = (f"node {peer.index} failed the cluster-secret challenge: the secrets differ; give every node "
                   f"the same STRATAGEM_SECRET (or --secret-file)")
-        _reject(channel, reason)
+        reject(channel, reason)
         raise AuthenticationError(reason) from None
     if peer.index in joined:
         reason = f"node rank {peer.index} has joined already: give each node a distinct --node-rank"
-        _reject(channel, reason)
+        reject(channel, reason)
         raise ProtocolError(reason)
     sent = time.time()
     channel.send("welcome", {"time": sent}, Kind.WELCOME)
@@ -268,7 +283,7 @@ def admit(sock: socket.socket, secret: bytes, nnodes: int, joined: Mapping[int, 
         raise ProtocolError(f"expected the node's join, got {tag!r}")
     problem = _check_join(join, nnodes)
     if problem:
-        _reject(channel, problem)
+        reject(channel, problem)
         raise ProtocolError(problem)
     offset = float(join["time"]) - (sent + received) / 2
     return channel, join, offset
@@ -292,7 +307,8 @@ def _check_join(join: dict, nnodes: int) -> str | None:
     return None
 
 
-def _reject(channel: Channel, reason: str) -> None:
+def reject(channel: Channel, reason: str) -> None:
+    """Tell the node at the other end of ``channel`` why it is refused (if it still listens)."""
     try:
         channel.send("reject", {"reason": reason}, Kind.REJECT)
     except (ChannelClosed, ProtocolError):
@@ -334,7 +350,7 @@ def introduce(sock: socket.socket, rank: int, secret: bytes) -> Channel:
     except AuthenticationError:
         reason = ("node 0 failed the cluster-secret challenge: the secrets differ; give every node the same "
                   "STRATAGEM_SECRET (or --secret-file)")
-        _reject(channel, f"node {rank} says: {reason}")
+        reject(channel, f"node {rank} says: {reason}")
         raise AuthenticationError(reason) from None
     channel.send("auth", auth, Kind.AUTH)
     kind, _, welcome = channel.recv(deadline - time.monotonic(), handshake.CONTROL_LIMITS)
