@@ -293,18 +293,37 @@ def test_a_briefly_stalled_node_launcher_is_not_taken_for_dead(nodes, secret, tm
 # -- the secret ---------------------------------------------------------------------------------------
 
 
-def test_a_wrong_secret_is_refused_naming_the_fix(nodes, secret, tmp_path):
+def test_a_wrong_secret_is_refused_naming_the_fix_and_the_rendezvous_goes_on(nodes, secret, tmp_path):
+    """Node 0 refuses a stranger speaking garbage and a node with another secret (which exits naming the
+    fix), keeps waiting, and runs the job once the right node 1 joins. No secret is ever printed."""
     wrong = "sg-" + secrets.token_hex(16)
-    logs = [tmp_path / f"node{rank}.log" for rank in range(2)]
-    procs = [nodes.spawn(rank, [*_node_args(nodes, rank, 29405)[:-4], "--rdzv-timeout", "4", "--", "true"],
-                         _env(s), logs[rank]) for rank, s in enumerate([secret, wrong])]
-    (code0, out0), (code1, out1) = (_finish(p, log) for p, log in zip(procs, logs))
-    assert code1 == 1 and "node 0 failed the cluster-secret challenge: the secrets differ" in out1, out1
-    assert "STRATAGEM_SECRET" in out1
-    assert code0 == 1, out0
-    assert f"refused a node connecting from {nodes.address(1)}" in out0 and "secrets differ" in out0, out0
-    assert "only 1 of 2 nodes joined" in out0, out0
-    for text in (out0, out1):
+    port = 29405
+    logs = {name: tmp_path / f"{name}.log" for name in ("node0", "stranger", "wrong", "node1")}
+    node0 = nodes.spawn(0, [*_node_args(nodes, 0, port), "--", "true"], _env(secret), logs["node0"])
+    stranger = nodes.spawn(1, [sys.executable, "-c",
+                               "import socket, sys, time\n"
+                               "for _ in range(600):\n"
+                               "    try:\n"
+                               f"        s = socket.create_connection(('{nodes.address(0)}', {port}), timeout=5); break\n"
+                               "    except OSError: time.sleep(0.05)\n"
+                               "s.sendall(b'GET / HTTP/1.0\\r\\nHost: node0\\r\\n\\r\\n'); s.settimeout(5)\n"
+                               "try: print('answer', s.recv(100))\n"
+                               "except OSError as exc: print('closed', exc)\n"],
+                           _env(None), logs["stranger"])
+    assert _finish(stranger, logs["stranger"], 30)[0] == 0
+    code, out_wrong = _finish(nodes.spawn(1, [*_node_args(nodes, 1, port), "--", "true"], _env(wrong), logs["wrong"]),
+                              logs["wrong"])
+    assert code == 1, out_wrong
+    assert "node 0 failed the cluster-secret challenge: the secrets differ" in out_wrong, out_wrong
+    assert "STRATAGEM_SECRET" in out_wrong
+    code1, out1 = _finish(nodes.spawn(1, [*_node_args(nodes, 1, port), "--", "true"], _env(secret), logs["node1"]),
+                          logs["node1"])
+    code0, out0 = _finish(node0, logs["node0"])
+    assert code0 == 0 and code1 == 0, out0 + out1
+    refusals = [line for line in out0.splitlines() if line.startswith(f"stratagem launch: refused a node connecting "
+                                                                      f"from {nodes.address(1)}")]
+    assert len(refusals) == 2 and "bad magic" in refusals[0] and "secrets differ" in refusals[1], out0
+    for text in (out0, out1, out_wrong):
         assert secret not in text and wrong not in text
 
 
@@ -360,6 +379,9 @@ def test_parse_hostfile_forms_and_errors():
     (["--nnodes", "2", "--node-rank", "2", "--rdzv", "127.0.0.1:29400"], "s", "--node-rank 2 is out of range"),
     (["--nnodes", "2", "--node-rank", "1", "--rdzv", "nowhere"], "s", "--rdzv must be HOST:PORT"),
     (["--nnodes", "2", "--rdzv", "127.0.0.1:29400"], "s", "--nnodes needs --node-rank"),
+    (["--nnodes", "2", "--node-rank", "0", "--rdzv", "127.0.0.1:29400", "--worker", "4"], "s",
+     "give --worker-per-node K"),
+    (["--hostfile", "/nonexistent/hosts"], "s", "--hostfile /nonexistent/hosts: cannot read it"),
 ])
 def test_bad_multinode_options_are_usage_errors_naming_the_fix(args, secret, problem):
     done = subprocess.run([*LAUNCH, *args, "--", "true"], env=_env(secret), capture_output=True, text=True,

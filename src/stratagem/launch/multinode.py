@@ -461,12 +461,16 @@ def launch_node(command: Sequence[str], *, nnodes: int, node_rank: int, rdzv: st
     offsets: dict[int, float] = {0: 0.0}
     held: list[socket.socket] = []
     try:
-        if node_rank == 0:
-            cluster, placement, held = _assemble(host, port, nnodes, workers, ps, transport, node_host, key,
-                                                 started + rdzv_timeout, channels, offsets, err)
-        else:
-            cluster, placement, held, transport = _join(host, port, nnodes, node_rank, workers, ps, transport,
-                                                        node_host, key, rdzv_timeout, channels, err)
+        try:
+            if node_rank == 0:
+                cluster, placement, held = _assemble(host, port, nnodes, workers, ps, transport, node_host, key,
+                                                     started + rdzv_timeout, channels, offsets, err)
+            else:
+                cluster, placement, held, transport = _join(host, port, nnodes, node_rank, workers, ps, transport,
+                                                            node_host, key, rdzv_timeout, channels, err)
+        except ChannelClosed as exc:
+            where = "a node" if node_rank == 0 else "node 0"
+            raise RendezvousError(f"{where} left the rendezvous before the job started ({exc})") from None
         mine = [t for t in cluster.tasks() if placement[t.short] == node_rank]
         holders = dict(zip(mine, held))
         held = []
@@ -650,11 +654,12 @@ def run(args: argparse.Namespace, command: Sequence[str]) -> int:
                  "--chief": getattr(args, "chief", False), "--timeline": getattr(args, "timeline", None),
                  "--restart-workers": getattr(args, "restart_workers", None),
                  "--ps": getattr(args, "ps", 0) or None,
+                 "--worker": None if getattr(args, "worker", 1) == 1 else args.worker,
                  "--secret": getattr(args, "secret", None)}
-    given = [flag for flag, value in conflicts.items() if value]
+    given = [flag for flag, value in conflicts.items() if value is not None and value is not False]
     if given:
-        hint = {"--ps": "; give --ps-per-node M", "--secret": ("; command lines are visible to every user: "
-                                                            "export STRATAGEM_SECRET or give --secret-file")}
+        hint = {"--ps": "; give --ps-per-node M", "--worker": "; give --worker-per-node K (with --hostfile: slots=K)",
+                "--secret": "; command lines are visible to every user: export STRATAGEM_SECRET or give --secret-file"}
         raise ConfigurationError(f"{', '.join(given)}: not with a multi-node launch (--nnodes/--hostfile)"
                                  + "".join(hint.get(flag, "") for flag in given))
     secret = read_secret_file(args.secret_file) if args.secret_file else None

@@ -350,7 +350,7 @@ def introduce(sock: socket.socket, rank: int, secret: bytes) -> Channel:
     except AuthenticationError:
         reason = ("node 0 failed the cluster-secret challenge: the secrets differ; give every node the same "
                   "STRATAGEM_SECRET (or --secret-file)")
-        reject(channel, f"node {rank} says: {reason}")
+        reject(channel, reason)
         raise AuthenticationError(reason) from None
     channel.send("auth", auth, Kind.AUTH)
     kind, _, welcome = channel.recv(deadline - time.monotonic(), handshake.CONTROL_LIMITS)
