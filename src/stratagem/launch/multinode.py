@@ -391,8 +391,9 @@ class _Node:
         finally:
             kill_and_reap(self.tasks)
             self.pump.close()
-            for channel in self.channels.values():
-                channel.close()
+            for node, channel in self.channels.items():
+                # node 0 lets every node read the summary before the connection goes
+                channel.close(linger=2.0 if self.rank == 0 and node not in self.lost else 0.0)
         return self._result()
 
     def _result(self) -> MultiNodeResult:

@@ -204,7 +204,19 @@ class Channel:
         """Seconds since the last frame from the peer (a heartbeat counts)."""
         return time.monotonic() - self.last_heard
 
-    def close(self) -> None:
+    def close(self, linger: float = 0.0) -> None:
+        """Close the connection. ``linger`` > 0: first say we are done sending and wait up to that long
+        for the peer to close its end, so that what we sent last (the job's summary) is not lost to a
+        reset when unread heartbeats are still on our side."""
+        if linger > 0 and not self._closed.is_set():
+            with self._lock:
+                try:
+                    self.sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+            reader = self._threads[0] if self._threads else None
+            if reader is not None and reader is not threading.current_thread():
+                reader.join(timeout=linger)
         self._closed.set()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
