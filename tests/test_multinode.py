@@ -327,21 +327,27 @@ def test_a_wrong_secret_is_refused_naming_the_fix_and_the_rendezvous_goes_on(nod
         assert secret not in text and wrong not in text
 
 
-def test_hostfile_starts_every_node_through_the_remote_command(nodes, secret, tmp_path):
-    """--hostfile with a stand-in for ssh that enters the host's namespace with a bare environment; the
-    secret reaches every node but never a command line or the output."""
-    fake_ssh = tmp_path / "fake_ssh"
-    fake_ssh.write_text(
+def _fake_ssh(nodes: Nodes, tmp_path: Path) -> Path:
+    """A stand-in for ssh: called as ssh is (HOST 'SHELL COMMAND'), it runs the command in that host's
+    namespace with a bare environment, and exits 255 (as ssh does) for a host it cannot reach."""
+    path = tmp_path / "fake_ssh"
+    path.write_text(
         "#!/bin/sh\n"
-        "# called as ssh is: HOST 'SHELL COMMAND'; runs it in the host's namespace with a bare environment\n"
         'host="$1"; shift\n'
         'case "$host" in\n'
         f"  {nodes.address(0)}) ns={nodes.names[0]} ;;\n"
         f"  {nodes.address(1)}) ns={nodes.names[1]} ;;\n"
-        '  *) echo "fake_ssh: unknown host $host" >&2; exit 255 ;;\n'
+        '  *) echo "fake_ssh: could not resolve hostname $host" >&2; exit 255 ;;\n'
         "esac\n"
         'exec ip netns exec "$ns" env -i PATH="$PATH" HOME="$HOME" sh -c "$*"\n')
-    fake_ssh.chmod(0o755)
+    path.chmod(0o755)
+    return path
+
+
+def test_hostfile_starts_every_node_through_the_remote_command(nodes, secret, tmp_path):
+    """--hostfile with a stand-in for ssh that enters the host's namespace with a bare environment; the
+    secret reaches every node but never a command line or the output."""
+    fake_ssh = _fake_ssh(nodes, tmp_path)
     hostfile = tmp_path / "hosts"
     hostfile.write_text(f"# two emulated hosts\n{nodes.address(0)} slots=1\n\n{nodes.address(1)}:1  # Horovod style\n")
     log = tmp_path / "hostfile.log"
@@ -359,6 +365,20 @@ def test_hostfile_starts_every_node_through_the_remote_command(nodes, secret, tm
     for rank in range(2):
         assert re.search(rf"^\[{re.escape(nodes.address(rank))}\] \[worker:{rank}\] trained: w = ", output, re.M), output
     assert f"node 0 ({nodes.address(0)}) exit 0, node 1 ({nodes.address(1)}) exit 0" in output
+
+
+def test_hostfile_with_an_unreachable_host_ends_promptly_naming_it(nodes, secret, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"{nodes.address(0)} slots=1\nno-such-host slots=1\n")
+    log = tmp_path / "hostfile.log"
+    proc = nodes.spawn(None, [*LAUNCH, "--hostfile", str(hostfile), "--remote-command", str(_fake_ssh(nodes, tmp_path)),
+                              "--rdzv-port", "29408", "--env", "PYTHONPATH", "--grace", "1", "--", "true"],
+                       _env(secret), log)
+    code, output = _finish(proc, log, 30)  # not node 0's --rdzv-timeout (300 s)
+    assert code == 255, output
+    assert "[no-such-host] fake_ssh: could not resolve hostname no-such-host" in output
+    assert (f"node 0 ({nodes.address(0)}) stopped, node 1 (no-such-host) exit 255 (the remote command failed: "
+            f"is the host reachable?)") in output
 
 
 # -- options ------------------------------------------------------------------------------------------

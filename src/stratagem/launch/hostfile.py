@@ -42,14 +42,16 @@ from stratagem.launch.supervisor import (
     SignalTrap,
     die_with_launcher,
     kill_and_reap,
+    stop,
 )
 from stratagem.launch.task_output import OutputPump, PipeReader, Sink
 
 DEFAULT_REMOTE_COMMAND = "ssh -o BatchMode=yes"
 #: torchrun's default rendezvous port.
 DEFAULT_RDZV_PORT = 29400
-#: Seconds the other nodes' launchers get to end on their own after one has ended (beyond --node-timeout).
-END_SLACK = 10.0
+#: Seconds the other nodes' launchers get to end on their own once one has ended (they end together:
+#: every node gets the job's summary at once), before they are stopped (SIGTERM, SIGKILL after --grace).
+END_SLACK = 5.0
 
 _SLOTS = re.compile(r"slots=(\d+)\Z")
 
@@ -164,27 +166,31 @@ def launch_hostfile(command: Sequence[str], *, hostfile: str, secret: str | None
                     process.stdin.close()
                 except OSError:
                     pass  # it ended already: its exit status tells
-            _wait(nodes, pump, trap, node_timeout + grace + END_SLACK)
+            _wait(nodes, pump, trap, END_SLACK)
+            stop(nodes, pump, trap, grace)  # those still running: one node's launcher never started, say
             pump.drain(1.0, POLL_INTERVAL)
     finally:
         kill_and_reap(nodes)
         pump.close()
     codes = [node.process.returncode for node in nodes]
-    err.write("stratagem launch: " + ", ".join(f"node {rank} ({host}) {_status(code)}"
-                                               for rank, ((host, _), code) in enumerate(zip(hosts, codes))) + "\n")
+    err.write("stratagem launch: " + ", ".join(f"node {rank} ({host}) {_status(node)}"
+                                               for rank, ((host, _), node) in enumerate(zip(hosts, nodes))) + "\n")
     if trap.received:
         return EXIT_SIGNALLED[trap.received[0]]
     first = codes[0]
     return first if first is not None and first >= 0 else next((c for c in codes if c and c > 0), 1)
 
 
-def _status(code: int | None) -> str:
-    return "killed" if code is None or code < 0 else f"exit {code}"
+def _status(node: RunningTask) -> str:
+    code = node.process.returncode
+    if code is None or code < 0:
+        return "stopped" if node.stopped_by_launcher else "killed"
+    return f"exit {code}" + (" (the remote command failed: is the host reachable?)" if code == 255 else "")
 
 
 def _wait(nodes: list[RunningTask], pump: OutputPump, trap: SignalTrap, slack: float) -> None:
-    """Until every remote launcher has ended; they end together, so once one has, the others get
-    ``slack`` seconds, then are killed. A signal to us is passed on to them."""
+    """Until every remote launcher has ended, or ``slack`` seconds after the first did (they end
+    together). A signal to us is passed on to them."""
     first_end = None
     passed = 0
     while any(node.poll() is None for node in nodes):
