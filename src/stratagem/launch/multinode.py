@@ -166,7 +166,7 @@ class _Node:
         self.tasks: list[RunningTask] = []
         self.pump = OutputPump()
         self.exit_at: dict[str, float] = {}       # task -> wall time its exit was seen
-        self.blames: dict[str, str] = {}          # task -> the peer its PeerLostError named
+        self.blames: dict[str, str] = {}          # task -> the peer its error named (it gave up on that peer)
         self.sent: set[str] = set()               # one-shot notices already given to node 0
         self.stop_reason: str | None = None       # why this node stops its tasks
         self.stopped = False
@@ -185,7 +185,7 @@ class _Node:
         return [t for t in self.cluster.tasks() if self.placement[t.short] == self.rank]
 
     def start(self, holders: dict[TaskId, socket.socket]) -> None:
-        for i, task in enumerate(self.local_tasks()):
+        for task in self.local_tasks():
             env = task_env(self.base_env, self.cluster, task, self.secret, self.transport)
             holders.pop(task).close()  # free the port as late as possible: see core.ports
             process = start_task(task, self.command, env)
@@ -313,9 +313,10 @@ class _Node:
         """The root cause of a failed job: ``(task or None, what happened)``, or ``(None, None)``.
 
         The earliest failure in time (each node's clock corrected by its offset) among the tasks that
-        failed on their own and the node launchers lost, leaving out tasks whose ``PeerLostError``
-        named a peer: those failed because of it. If every failed task names a peer, the peer the
-        earliest of them names is the culprit (a stopped or hung task its peers gave up on)."""
+        failed on their own and the node launchers lost, leaving out tasks whose error named a peer
+        they gave up on (``PeerLostError``, a ``TransportTimeout`` waiting for it): those failed because
+        of it. If every failed task names a peer, the peer the earliest of them names is the culprit
+        (a stopped or hung task its peers gave up on)."""
         rows = {row["task"]: row for row in results}
         failed = [row for row in results if row["returncode"] and not row["stopped"] and row.get("at") is not None]
         when = {row["task"]: row["at"] - self.offsets.get(self.placement.get(row["task"], 0), 0.0) for row in failed}
