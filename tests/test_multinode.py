@@ -290,6 +290,22 @@ def test_a_briefly_stalled_node_launcher_is_not_taken_for_dead(nodes, secret, tm
         assert "all 2 tasks on 2 nodes finished successfully" in _summary(output), output
 
 
+def test_a_node_launcher_stalled_past_the_node_timeout_ends_the_job_naming_it(nodes, secret, tmp_path):
+    command = [sys.executable, "-c", "import time; time.sleep(60)"]
+    logs = [tmp_path / f"node{rank}.log" for rank in range(2)]
+    procs = [nodes.spawn(rank, [*_node_args(nodes, rank, 29409, "--node-timeout", "2", "--grace", "1"), "--",
+                                *command], _env(secret), logs[rank]) for rank in range(2)]
+    for log in logs:
+        _wait_for(log, "running worker:")
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    code, output = _finish(procs[0], logs[0], 30)
+    assert code == 1, output
+    assert "FAILED: node 1's launcher was lost (silent for 2s, --node-timeout)" in _summary(output), output
+    os.kill(procs[1].pid, signal.SIGCONT)  # woken after the end: it finds node 0 gone and stops its task
+    code1, output1 = _finish(procs[1], logs[1], 30)
+    assert code1 == 1 and "lost node 0" in _summary(output1), output1
+
+
 # -- the secret ---------------------------------------------------------------------------------------
 
 

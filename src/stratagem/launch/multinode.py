@@ -367,8 +367,15 @@ class _Node:
     def run(self, holders: dict[TaskId, socket.socket], trap: SignalTrap) -> MultiNodeResult:
         try:
             self.start(holders)
+            looked = time.monotonic()
             while True:
                 self.pump.pump(POLL_INTERVAL)
+                if time.monotonic() - looked > max(1.0, self.node_timeout / 4):
+                    # We were not looking (SIGSTOPped, or stopping our tasks): a peer's heartbeats may be
+                    # waiting unread. Slow is not dead: start counting its silence again.
+                    for channel in self.channels.values():
+                        channel.restart_silence()
+                looked = time.monotonic()
                 self._observe(trap)
                 self._handle()
                 if self.rank == 0:

@@ -200,6 +200,11 @@ class Channel:
             if not self.try_send("hb"):
                 return
 
+    def restart_silence(self) -> None:
+        """Count the peer's silence from now: we were not looking (this process was stopped, or busy
+        stopping its tasks), so what we did not see says nothing about the peer."""
+        self.last_heard = time.monotonic()
+
     def silent_for(self) -> float:
         """Seconds since the last frame from the peer (a heartbeat counts)."""
         return time.monotonic() - self.last_heard
