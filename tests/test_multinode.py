@@ -213,8 +213,13 @@ def test_a_task_failing_on_node_1_ends_node_0_naming_it(nodes, secret, tmp_path)
     assert "[worker:1] RuntimeError: worker:1 failed on purpose" in out1
     summary = _summary(out0)
     assert summary == _summary(out1), f"node 0:\n{out0}\nnode 1:\n{out1}"  # the same summary on every node
-    assert summary.startswith("stratagem launch: FAILED: worker:1 (node 1) exited with code 1"), summary
-    assert re.search(r"^  worker:1\s+1\s+\d+\s+exit 1  <- first failure$", summary, re.M), summary
+    # worker:1 exits 1, unless node 0's stop reaches it while its interpreter is still ending (worker:0
+    # lost it at once): it was failing already (its traceback), so it is named all the same.
+    assert re.match(r"stratagem launch: FAILED: worker:1 \(node 1\) (exited with code 1|failed \(its traceback "
+                    r"is above\); it was stopped by the launcher \([^)]+\) while ending); stopped every task on 2 "
+                    r"nodes", summary), summary
+    assert re.search(r"^  worker:1\s+1\s+\d+\s+(exit 1|stopped by launcher \([^)]+\))  <- first failure$",
+                     summary, re.M), summary
     assert re.search(r"^  worker:0\s+0\s+\d+\s+", summary, re.M), summary
 
 

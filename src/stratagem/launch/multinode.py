@@ -103,9 +103,10 @@ class MultiNodeResult(LaunchResult):
         return "\n".join([head, *table])
 
 
-def _result_wire(result: TaskResult, at: float | None, blames: str | None = None) -> dict:
+def _result_wire(result: TaskResult, at: float | None, watch: "_ErrorWatch | None" = None) -> dict:
     return {"task": result.task.short, "pid": result.pid, "returncode": result.returncode,
-            "stopped": result.stopped_by_launcher, "at": at, "blames": blames}
+            "stopped": result.stopped_by_launcher, "at": at,
+            "blames": watch.blames if watch else None, "failing_at": watch.failing_at if watch else None}
 
 
 #: How a task's error names the peer it gave up on (in its traceback, or printed by the script): a
@@ -113,19 +114,27 @@ def _result_wire(result: TaskResult, at: float | None, blames: str | None = None
 #: (``no message 'tag' from /job:worker/task:1 within``, ``no handshake with /job:worker/task:1 at``).
 _PEER_LOST = re.compile(r"\b(?:lost peer|no handshake with|no message .{0,300}? from) "
                         r"(/job:[A-Za-z0-9_\-]+/task:\d+)\b")
+#: The first line Python prints for an uncaught exception: the task is failing from then on, even if
+#: the launcher's stop reaches it before it has exited.
+_TRACEBACK = "Traceback (most recent call last):"
 
 
-class _BlameWatch:
-    """A task's stderr on its way to our sink, watched for the peer a ``PeerLostError`` names: a task
-    that failed because it lost a peer is not the root cause; the peer it names is (README: the culprit)."""
+class _ErrorWatch:
+    """A task's stderr on its way to our sink, watched for what its failure says: when it began to fail
+    (its first traceback, wall clock) and the peer its error names, if it gave up on one. A task that
+    failed because it lost a peer is not the root cause; the peer it names is (README: the culprit)."""
 
-    def __init__(self, sink: Sink, task: str, blames: dict[str, str]):
-        self.sink, self.task, self.blames = sink, task, blames
+    def __init__(self, sink: Sink):
+        self.sink = sink
+        self.blames: str | None = None
+        self.failing_at: float | None = None
 
     def write(self, text: str) -> None:
+        if self.failing_at is None and _TRACEBACK in text:
+            self.failing_at = time.time()
         for match in _PEER_LOST.finditer(text):
             try:
-                self.blames[self.task] = TaskId.parse(match.group(1)).short
+                self.blames = TaskId.parse(match.group(1)).short
             except ConfigurationError:
                 pass
         self.sink.write(text)
@@ -166,7 +175,7 @@ class _Node:
         self.tasks: list[RunningTask] = []
         self.pump = OutputPump()
         self.exit_at: dict[str, float] = {}       # task -> wall time its exit was seen
-        self.blames: dict[str, str] = {}          # task -> the peer its error named (it gave up on that peer)
+        self.watches: dict[str, _ErrorWatch] = {}  # task -> what its stderr said of its failure
         self.sent: set[str] = set()               # one-shot notices already given to node 0
         self.stop_reason: str | None = None       # why this node stops its tasks
         self.stopped = False
@@ -191,8 +200,8 @@ class _Node:
             process = start_task(task, self.command, env)
             color = COLORS[self.cluster.tasks().index(task) % len(COLORS)]
             self.pump.add(process.stdout, PipeReader(task_prefix(task, color, self.out.stream), self.out))
-            self.pump.add(process.stderr, PipeReader(task_prefix(task, color, self.err.stream),
-                                                     _BlameWatch(self.err, task.short, self.blames)))
+            watch = self.watches[task.short] = _ErrorWatch(self.err)
+            self.pump.add(process.stderr, PipeReader(task_prefix(task, color, self.err.stream), watch))
             self.tasks.append(RunningTask(task, process))
 
     def _observe(self, trap: SignalTrap) -> None:
@@ -225,7 +234,7 @@ class _Node:
             return
         self.sent.add("report")
         self._notify("report", {"tasks": [_result_wire(t.result(), self.exit_at.get(t.task.short),
-                                                       self.blames.get(t.task.short)) for t in self.tasks]})
+                                                       self.watches.get(t.task.short)) for t in self.tasks]})
 
     def _notify(self, tag: str, meta: dict) -> None:
         if self.rank == 0:
@@ -312,29 +321,37 @@ class _Node:
     def _culprit(self, results: list[dict]) -> tuple[str | None, str | None]:
         """The root cause of a failed job: ``(task or None, what happened)``, or ``(None, None)``.
 
-        The earliest failure in time (each node's clock corrected by its offset) among the tasks that
-        failed on their own and the node launchers lost, leaving out tasks whose error named a peer
-        they gave up on (``PeerLostError``, a ``TransportTimeout`` waiting for it): those failed because
-        of it. If every failed task names a peer, the peer the earliest of them names is the culprit
-        (a stopped or hung task its peers gave up on)."""
+        The earliest failure in time (each node's clock corrected by its offset; a task fails from its
+        first traceback, else its exit) among the tasks that failed on their own, the tasks that were
+        failing (a traceback) when their launcher stopped them, and the node launchers lost, leaving out
+        tasks whose error named a peer they gave up on (``PeerLostError``, a ``TransportTimeout``
+        waiting for it): those failed because of it. If every failed task names a peer, the peer the
+        earliest of them names is the culprit (a stopped or hung task its peers gave up on)."""
+        def when(row: dict) -> float:
+            times = [t for t in (row.get("at"), row.get("failing_at")) if t is not None]
+            return min(times) - self.offsets.get(self.placement.get(row["task"], 0), 0.0)
+
+        def where(task: str) -> str:
+            return f"{task} (node {self.placement.get(task)})"
+
         rows = {row["task"]: row for row in results}
         failed = [row for row in results if row["returncode"] and not row["stopped"] and row.get("at") is not None]
-        when = {row["task"]: row["at"] - self.offsets.get(self.placement.get(row["task"], 0), 0.0) for row in failed}
-        roots = [(when[row["task"]], f"{row['task']} (node {self.placement.get(row['task'])}) "
-                                     f"{_how(row['returncode'])}", row["task"])
-                 for row in failed if not (row.get("blames") in self.placement and row.get("blames") != row["task"])]
+        failing = [row for row in results if row["stopped"] and row.get("failing_at") is not None]
+        bystander = {row["task"] for row in results if row.get("blames") in rows and row["blames"] != row["task"]}
+        roots = [(when(row), f"{where(row['task'])} {_how(row['returncode'])}", row["task"])
+                 for row in failed if row["task"] not in bystander]
+        roots += [(when(row), f"{where(row['task'])} failed (its traceback is above); it was {_status_word(row)} "
+                              f"while ending", row["task"])
+                  for row in failing if row["task"] not in bystander]
         roots += [(at, f"node {node}'s launcher was lost ({why})", None) for node, (why, at) in self.lost.items()]
         if roots:
             _, what, task = min(roots, key=lambda c: c[0])
             return task, what
         if failed:
-            first = min(failed, key=lambda row: when[row["task"]])
+            first = min(failed, key=when)
             named = first["blames"]
-            node = self.placement.get(named)
-            row = rows.get(named)
-            ended = f"; {named} was {_status_word(row)}" if row else ""
-            return named, (f"{named} (node {node}) stopped answering: {first['task']} lost it (its error names "
-                           f"{named}) and failed{ended}")
+            return named, (f"{where(named)} stopped answering: {first['task']} lost it (its error names {named}) "
+                           f"and failed; {named} was {_status_word(rows[named])}")
         return None, None
 
     def _compose(self) -> dict:
