@@ -28,6 +28,7 @@ The launchers stay connected for the whole job (heartbeats both ways), so the jo
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import queue
 import re
 import socket
@@ -519,6 +520,13 @@ def launch_node(command: Sequence[str], *, nnodes: int, node_rank: int, rdzv: st
     return result
 
 
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
 def _assemble(host, port, nnodes, workers, ps, transport, node_host, key, deadline, channels, offsets, err):
     """Node 0: admit every other node, then send each the cluster. Returns (cluster, placement, our port holders)."""
     listener = rendezvous.listen(host, port)
@@ -562,8 +570,13 @@ def _assemble(host, port, nnodes, workers, ps, transport, node_host, key, deadli
             err.write(f"stratagem launch: node {channel.peer} joined from {join['address']} "
                       f"({join['workers']} worker(s), {join['ps']} ps)\n")
         cluster, placement = rendezvous.assemble_cluster(joins)
+        reason = None
         if "worker" not in cluster.as_dict():
             reason = "no node runs a worker: give at least one node --worker-per-node K >= 1"
+        elif _loopback(address) and any(not _loopback(join["address"]) for join in joins.values()):
+            reason = (f"node 0's tasks would listen on {address}, a loopback address the other nodes cannot reach: "
+                      f"give --rdzv with node 0's network address (or --node-host ADDR on node 0)")
+        if reason:
             for channel in channels.values():
                 rendezvous.reject(channel, reason)
             raise ConfigurationError(reason)
