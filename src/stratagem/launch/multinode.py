@@ -538,37 +538,17 @@ def _assemble(host, port, nnodes, workers, ps, transport, node_host, key, deadli
                                      f"of node 0 that the other nodes reach")
         _, held = reserve_ports(address, workers + ps)
         joins = {0: {"address": address, "ports": [s.getsockname()[1] for s in held], "workers": workers, "ps": ps}}
-        while len(joins) < nnodes:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = ", ".join(str(r) for r in range(nnodes) if r not in joins)
-                reason = (f"only {len(joins)} of {nnodes} nodes joined the rendezvous at {host}:{port} within the "
-                          f"--rdzv-timeout (missing node(s) {missing}): start them with --nnodes {nnodes} "
-                          f"--rdzv {host}:{port} and the same secret")
-                for channel in channels.values():
-                    rendezvous.reject(channel, reason)
-                raise RendezvousError(reason)
-            listener.settimeout(min(left, 1.0))
-            try:
-                sock, peer_address = listener.accept()
-            except socket.timeout:
-                continue
-            try:
-                channel, join, offset = rendezvous.admit(sock, key, nnodes, joins)
-                if transport is not None and join.get("transport") not in (None, transport):
-                    reason = (f"node {channel.peer} asked for --transport {join.get('transport')}, node 0 for "
-                              f"{transport}: give every node the same --transport")
-                    rendezvous.reject(channel, reason)
-                    raise ProtocolError(reason)
-            except (ProtocolError, ChannelClosed, ConfigurationError) as exc:
-                err.write(f"stratagem launch: refused a node connecting from {peer_address[0]}: {exc}\n")
-                sock.close()
-                continue
-            joins[channel.peer] = join
-            channels[channel.peer] = channel
-            offsets[channel.peer] = offset
-            err.write(f"stratagem launch: node {channel.peer} joined from {join['address']} "
-                      f"({join['workers']} worker(s), {join['ps']} ps)\n")
+
+        def check(join: dict) -> str | None:
+            if join.get("transport") != transport:
+                return (f"node {join.get('rank')} was given --transport {join.get('transport')}, node 0 "
+                        f"--transport {transport}: give every node the same --transport")
+            return None
+
+        found, found_offsets = rendezvous.gather(listener, key, nnodes, joins, deadline, check,
+                                                 lambda line: err.write(f"stratagem launch: {line}\n"))
+        channels.update(found)
+        offsets.update(found_offsets)
         cluster, placement = rendezvous.assemble_cluster(joins)
         reason = None
         if "worker" not in cluster.as_dict():
@@ -597,7 +577,11 @@ def _join(host, port, nnodes, rank, workers, ps, transport, node_host, key, rdzv
     sock = rendezvous.connect(host, port, deadline)
     held: list[socket.socket] = []
     try:
-        channel = rendezvous.introduce(sock, rank, key)
+        try:
+            channel = rendezvous.introduce(sock, rank, key)
+        except ChannelClosed as exc:
+            raise RendezvousError(f"node 0 at {host}:{port} did not complete the handshake ({exc}): is it a "
+                                  f"stratagem launcher of the same version?") from None
         channels[0] = channel
         address = node_host or sock.getsockname()[0]
         _, held = reserve_ports(address, workers + ps)

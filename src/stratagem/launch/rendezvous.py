@@ -27,7 +27,7 @@ import select
 import socket
 import threading
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 from stratagem.core import handshake
 from stratagem.core.cluster import ClusterSpec, TaskId
@@ -304,6 +304,84 @@ def admit(sock: socket.socket, secret: bytes, nnodes: int, joined: Mapping[int, 
         raise ProtocolError(problem)
     offset = float(join["time"]) - (sent + received) / 2
     return channel, join, offset
+
+
+def gather(listener: socket.socket, secret: bytes, nnodes: int, joins: dict[int, dict], deadline: float,
+           check: Callable[[dict], str | None], log: Callable[[str], None]) -> tuple[dict[int, Channel], dict[int, float]]:
+    """Node 0: admit nodes on ``listener`` until all ``nnodes`` have joined (``joins`` holds node 0's own
+    and gets each admitted node's); returns their channels and clock offsets. Each connection runs its
+    handshake in a thread of its own, so a stranger that connects and says nothing holds up no one.
+    ``check(join)`` may refuse a node (a reason); ``log`` tells the user of each refusal and arrival.
+    Raises ``RendezvousError`` (the admitted nodes are told why) if ``deadline`` passes first."""
+    results: queue.Queue = queue.Queue()
+    over = threading.Event()
+    lock = threading.Lock()
+    channels: dict[int, Channel] = {}
+    offsets: dict[int, float] = {}
+
+    def handshake_with(sock: socket.socket, peer_address: str) -> None:
+        try:
+            outcome = admit(sock, secret, nnodes, dict(joins))
+        except (ProtocolError, ChannelClosed, ConfigurationError) as exc:
+            outcome = exc
+        with lock:
+            if not over.is_set():
+                results.put((sock, peer_address, outcome))
+                return
+        _turn_away(sock, outcome, "the rendezvous is over")
+
+    try:
+        while len(joins) < nnodes:
+            try:
+                sock, peer_address, outcome = results.get_nowait()
+            except queue.Empty:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = ", ".join(str(r) for r in range(nnodes) if r not in joins)
+                    raise RendezvousError(
+                        f"only {len(joins)} of {nnodes} nodes joined the rendezvous within the --rdzv-timeout "
+                        f"(missing node(s) {missing}): start them with --nnodes {nnodes}, the same --rdzv and the "
+                        f"same secret") from None
+                listener.settimeout(min(left, 0.1))
+                try:
+                    sock, (peer_address, *_) = listener.accept()
+                except socket.timeout:
+                    continue
+                threading.Thread(target=handshake_with, args=(sock, peer_address), name="rdzv-admit",
+                                 daemon=True).start()
+                continue
+            if isinstance(outcome, Exception):
+                log(f"refused a node connecting from {peer_address}: {outcome}")
+                sock.close()
+                continue
+            channel, join, offset = outcome
+            problem = (f"node rank {channel.peer} has joined already: give each node a distinct --node-rank"
+                       if channel.peer in joins else check(join))
+            if problem is not None:
+                log(f"refused a node connecting from {peer_address}: {problem}")
+                _turn_away(sock, outcome, problem)
+                continue
+            joins[channel.peer], channels[channel.peer], offsets[channel.peer] = join, channel, offset
+            log(f"node {channel.peer} joined from {join['address']} ({join['workers']} worker(s), {join['ps']} ps)")
+        return channels, offsets
+    except BaseException as exc:
+        for channel in channels.values():
+            reject(channel, str(exc) if isinstance(exc, RendezvousError) else "node 0 gave up the rendezvous")
+            channel.close()
+        raise
+    finally:
+        with lock:
+            over.set()
+        while not results.empty():  # handshakes that finished after the last look
+            sock, _, outcome = results.get_nowait()
+            _turn_away(sock, outcome, "the rendezvous is over")
+
+
+def _turn_away(sock: socket.socket, outcome, reason: str) -> None:
+    """Refuse (if it got as far as a channel) and close a connection node 0 will not use."""
+    if not isinstance(outcome, Exception):
+        reject(outcome[0], reason)
+    sock.close()
 
 
 def _check_join(join: dict, nnodes: int) -> str | None:
