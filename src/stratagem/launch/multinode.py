@@ -31,6 +31,7 @@ import argparse
 import ipaddress
 import queue
 import re
+import signal
 import socket
 import sys
 import time
@@ -713,4 +714,7 @@ def run(args: argparse.Namespace, command: Sequence[str]) -> int:
     except (RendezvousError, ProtocolError) as exc:
         print(f"stratagem launch: error: {exc}", file=sys.stderr)
         return EXIT_TASK_FAILED
+    except KeyboardInterrupt:  # Ctrl-C before any task started (during the rendezvous)
+        print("stratagem launch: interrupted during the rendezvous; no task was started", file=sys.stderr)
+        return EXIT_SIGNALLED[signal.SIGINT]
     return result.exit_code
