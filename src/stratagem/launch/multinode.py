@@ -679,7 +679,8 @@ def run(args: argparse.Namespace, command: Sequence[str]) -> int:
                  "--restart-workers": getattr(args, "restart_workers", None),
                  "--ps": getattr(args, "ps", 0) or None,
                  "--worker": None if getattr(args, "worker", 1) == 1 else args.worker,
-                 "--secret": getattr(args, "secret", None)}
+                 "--secret": getattr(args, "secret", None),
+                 "--hosts": getattr(args, "hosts", None)}  # emulated hosts (launch/hosts.py), where present
     given = [flag for flag, value in conflicts.items() if value is not None and value is not False]
     if given:
         hint = {"--ps": "; give --ps-per-node M", "--worker": "; give --worker-per-node K (with --hostfile: slots=K)",
