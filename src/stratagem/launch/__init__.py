@@ -8,6 +8,9 @@
 - :mod:`.mpi`: the same command as one MPI job on this machine (``stratagem launch --mpi``);
 - :mod:`.ray` / :mod:`.ray_task`: a job as Ray actors (``stratagem launch --ray``, ``stratagem.ray.run``);
   needs ``pip install 'stratagem[ray]'``;
+- :mod:`.multinode`: one job over several machines, a launcher per node (``stratagem launch --nnodes N
+  --node-rank I --rdzv HOST:PORT``), which meet at node 0 through :mod:`.rendezvous`; :mod:`.hostfile`
+  starts them all from one machine (``stratagem launch --hostfile FILE``);
 - :mod:`.k8s`: Kubernetes manifests, a Kubeflow TFJob or MPIJob (``stratagem k8s manifest``).
 
 Slurm and TF_CONFIG need no launcher here: the script resolves its cluster itself

@@ -70,6 +70,7 @@ from stratagem.core.errors import ConfigurationError
 from stratagem.core.ports import format_address, reserve_ports
 from stratagem.launch.hosts import EmulatedHosts, HostsSpec, add_host_arguments, hosts_spec
 from stratagem.launch.hosts import plan_cluster as plan_hosts_cluster
+from stratagem.launch import multinode
 from stratagem.launch.job import (
     DEFAULT_GRACE,
     DEFAULT_PS_GRACE,
@@ -270,6 +271,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --ray: CPUs each task's placement bundle reserves (default: 1)")
     parser.add_argument("--placement-timeout", type=float, metavar="SECONDS",
                         help="with --ray: how long the cluster may take to place every task (default: 60)")
+    multinode.add_arguments(parser)  # --nnodes/--node-rank/--rdzv, --hostfile: their own group
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every task runs, after '--'")
     parser.set_defaults(_launch_parser=parser)
 
@@ -280,6 +282,8 @@ def run(args: argparse.Namespace) -> int:
     if command[:1] == ["--"]:
         command = command[1:]
     try:
+        if multinode.wants_multinode(args):
+            return multinode.run(args, command)
         if getattr(args, "mpi", False) and getattr(args, "ray", None):
             raise ConfigurationError("--mpi and --ray cannot be combined: give one of them")
         restart_workers = getattr(args, "restart_workers", None)
