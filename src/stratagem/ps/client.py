@@ -22,6 +22,7 @@ import time
 from collections import Counter, defaultdict
 from typing import Callable, Mapping, Sequence
 
+from stratagem.core import job_state
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import CommunicationError, PeerLostError, TransportTimeout
 from stratagem.ps.protocol import REPLY_TAG, REQUEST_TAG, RemoteError, ShardLostError
@@ -103,8 +104,11 @@ class PSClient:
         try:
             for index, message in requests.items():
                 with self._naming(index):
-                    handles.append((index, self.transport.send_async(self.shards[index], REQUEST_TAG, message,
-                                                                     timeout=timeout)))
+                    # A shard not reached yet (this task just started) may be gone with a finished job.
+                    handles.append((index, job_state.wait_for_peer(
+                        lambda seconds: self.transport.send_async(self.shards[index], REQUEST_TAG, message,
+                                                                  timeout=seconds),
+                        timeout, task=self.transport.task, what=f"parameter-server shard {self.shards[index]}")))
             for index, handle in handles:
                 with self._naming(index):
                     handle.wait(timeout)
@@ -140,6 +144,7 @@ class PSClient:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 waiting = [str(self.shards[i]) for i in ids if i not in replies]
+                job_state.leave_if_finished(self.transport.task, f"no reply from {', '.join(waiting)}")
                 raise TransportTimeout(
                     f"{self.transport.task}: no reply from parameter-server shard(s) {', '.join(waiting)} "
                     f"within {timeout:g} s (are they running? raise timeout= for slow steps)"
@@ -183,6 +188,8 @@ class PSClient:
         return f" (holding {', '.join(pieces[:6])}{' ...' if len(pieces) > 6 else ''})" if pieces else ""
 
     def _lost(self, index: int, exc: PeerLostError) -> ShardLostError:
+        # A shard that ended with a finished job is not lost: this task was stopped or slow meanwhile.
+        job_state.leave_if_finished(self.transport.task, str(exc))
         detail = str(exc).split(": ", 1)[-1] if ": " in str(exc) else ""
         return ShardLostError(self.shards[index], self.pieces.get(index, []), detail)
 
@@ -275,7 +282,10 @@ class PSClient:
         return {i: r.meta["stats"] for i, r in self.broadcast({"op": "stats"}).items()}
 
     def bye(self, error: str | None = None, *, timeout: float = 5.0) -> None:
-        """Tell every reachable shard this task is leaving (best effort: a gone shard is skipped)."""
+        """Tell every reachable shard this task is leaving (best effort: a gone shard is skipped; after
+        a finished job, none is left)."""
+        if job_state.finished():
+            return
         lost = self.transport.lost_peers()
         for index, shard in enumerate(self.shards):
             if shard in lost:

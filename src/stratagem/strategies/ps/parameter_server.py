@@ -75,6 +75,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from stratagem.core.errors import ConfigurationError, StratagemError, TransportTimeout
+from stratagem.core.job_state import JobFinished, leave_if_finished
 from stratagem.training.optimizers.rules import from_config
 from stratagem.ps.placement import Piece
 from stratagem.strategies.ps.coordinator import FUNCTION_MODES, Coordinator, PerWorkerDataset, RemoteValue
@@ -164,6 +165,9 @@ class ParameterServerStrategy(PSStrategyBase):
     def _serve_closures(self) -> None:
         try:
             ran = Worker(self).serve()
+        except JobFinished:
+            self.shutdown()       # the job ended normally without this worker: no failure to report
+            raise
         except BaseException as exc:
             self.fail(exc)
             raise
@@ -242,6 +246,7 @@ class ParameterServerStrategy(PSStrategyBase):
         lost = self.transport.lost_peers()
         for index, shard in enumerate(self._client.shards):
             if shard in lost:
+                leave_if_finished(self.task, f"lost peer {shard}: {lost[shard]}")
                 raise ShardLostError(shard, self._client.pieces.get(index, []), lost[shard])
 
     def _worker_idle(self, worker, idle: bool) -> None:

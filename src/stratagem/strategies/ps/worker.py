@@ -17,7 +17,7 @@ import logging
 import traceback
 from dataclasses import dataclass
 
-from stratagem.core import remote_code, values
+from stratagem.core import job_state, remote_code, values
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import FunctionNotFound, PeerLostError, ProtocolError, StratagemError, TransportTimeout
 from stratagem.strategies.ps.coordinator import CLOSURE_TAG, POLL, RESULT_TAG
@@ -71,7 +71,10 @@ class Worker:
 
     def serve(self) -> int:
         """Run closures until the coordinator is done; return how many ran."""
-        self.transport.send(self.coordinator, HELLO_TAG, Message({"ready": True}), timeout=self.strategy._timeout)
+        # A restarted worker whose coordinator ended meanwhile learns that the job finished (not a timeout).
+        job_state.wait_for_peer(
+            lambda seconds: self.transport.send(self.coordinator, HELLO_TAG, Message({"ready": True}), timeout=seconds),
+            self.strategy._timeout, task=self.transport.task, what=f"the coordinator {self.coordinator}")
         while True:
             try:
                 message = self.transport.recv(self.coordinator, CLOSURE_TAG, timeout=POLL)
@@ -79,6 +82,7 @@ class Worker:
                 self.strategy._check_shards()
                 continue
             except PeerLostError as exc:
+                job_state.leave_if_finished(self.transport.task, str(exc))
                 raise StratagemError(
                     f"{self.transport.task}: the coordinator {self.coordinator} is gone ({exc}); restart the job"
                 ) from None
