@@ -40,11 +40,16 @@ class PSClient:
         transport: this task's started transport.
         timeout: seconds a call waits for every shard's reply (default: the transport's).
         pieces: ``{shard index: [piece names]}``, named in ``ShardLostError`` messages (optional).
+        interrupt: ``interrupt(losing)`` is called between two slices of a wait for replies, and with
+            ``losing=True`` before a shard is reported lost; it may raise to abandon the call (a
+            parameter_server worker that finds it was stopped longer than its peers wait).
     """
 
     def __init__(self, transport: Transport, *, timeout: float | None = None,
-                 pieces: Mapping[int, Sequence[str]] | None = None):
+                 pieces: Mapping[int, Sequence[str]] | None = None,
+                 interrupt: Callable[[bool], None] | None = None):
         self.transport = transport
+        self.interrupt = interrupt
         self.shards: list[TaskId] = transport.cluster.tasks("ps") if "ps" in transport.cluster.jobs else []
         self.timeout = timeout if timeout is not None else transport.timeout
         self.pieces: dict[int, list[str]] = {i: list(p) for i, p in (pieces or {}).items()}
@@ -154,6 +159,8 @@ class PSClient:
                 reply = self.transport.recv(None, REPLY_TAG, timeout=wait)
             except TransportTimeout:
                 self._check_lost(ids, replies)
+                if self.interrupt is not None:
+                    self.interrupt(False)
                 continue
             if recorder is not None:
                 waiting_since = recorder.wait_until_now(reply.src, REPLY_TAG, waiting_since)
@@ -190,6 +197,8 @@ class PSClient:
     def _lost(self, index: int, exc: PeerLostError) -> ShardLostError:
         # A shard that ended with a finished job is not lost: this task was stopped or slow meanwhile.
         job_state.leave_if_finished(self.transport.task, str(exc))
+        if self.interrupt is not None:
+            self.interrupt(True)     # a shard that dropped this task after a stall of it: not lost either
         detail = str(exc).split(": ", 1)[-1] if ": " in str(exc) else ""
         return ShardLostError(self.shards[index], self.pieces.get(index, []), detail)
 

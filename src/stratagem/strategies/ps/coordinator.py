@@ -346,8 +346,9 @@ class Coordinator:
         try:
             if closure.message is None:
                 closure.message = self._encode(closure)
+            losses = self.transport.peer_losses(worker)
             self.transport.send(worker, CLOSURE_TAG, closure.message, timeout=self.strategy._timeout)
-            reply = self._await(worker, closure.number)
+            reply = self._await(worker, closure.number, losses)
         except PeerLostError as exc:
             return self._lost(worker, exc)
         except TransportTimeout as exc:
@@ -373,13 +374,19 @@ class Coordinator:
         closure.remote._set(value, worker)
         return "done"
 
-    def _await(self, worker: TaskId, number: int) -> Message | None:
+    def _await(self, worker: TaskId, number: int, losses: int) -> Message | None:
+        """The result of closure ``number`` from ``worker``; ``PeerLostError`` when the process it was sent
+        to is gone, even if a new process of the task (or the same one, back from a stall, as a new
+        transport) took its place in the meantime: that one never heard of it (``losses``: the task's
+        count of losses when it was sent)."""
         while True:
             if self._closing:
                 return None
             try:
                 reply = self.transport.recv(worker, RESULT_TAG, timeout=POLL)
             except TransportTimeout:
+                if self.transport.peer_losses(worker) != losses:
+                    raise PeerLostError(worker, "a new process of it took its place while it ran the closure")
                 continue
             if reply.meta.get("id") == number:
                 return reply

@@ -59,8 +59,10 @@ class WorkerContext:
 class Worker:
     """The serving loop of one worker task (see the module doc)."""
 
-    def __init__(self, strategy):
+    def __init__(self, strategy, watch=None):
         self.strategy = strategy
+        #: A :class:`~stratagem.strategies.ps.stall.StallWatch`, asked between closures (None: none).
+        self.watch = watch
         self.transport = strategy.transport
         self.coordinator: TaskId = strategy.cluster.chief
         workers = strategy._worker_tasks()
@@ -76,6 +78,8 @@ class Worker:
             lambda seconds: self.transport.send(self.coordinator, HELLO_TAG, Message({"ready": True}), timeout=seconds),
             self.strategy._timeout, task=self.transport.task, what=f"the coordinator {self.coordinator}")
         while True:
+            if self.watch is not None:
+                self.watch.check()     # stopped longer than the peers wait: come back as a new process
             try:
                 message = self.transport.recv(self.coordinator, CLOSURE_TAG, timeout=POLL)
             except TransportTimeout:
@@ -83,6 +87,8 @@ class Worker:
                 continue
             except PeerLostError as exc:
                 job_state.leave_if_finished(self.transport.task, str(exc))
+                if self.watch is not None:
+                    self.watch.check(losing=True)   # the coordinator dropped this worker after a stall
                 raise StratagemError(
                     f"{self.transport.task}: the coordinator {self.coordinator} is gone ({exc}); restart the job"
                 ) from None
