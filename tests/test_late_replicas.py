@@ -9,7 +9,8 @@ a task stopped with SIGSTOP (alive, silent) from here:
 - a worker restarted by ``--restart-workers`` that comes back after the chief finished learns it at
   once and exits 0, instead of waiting out its 300 s handshake (elastic mirrored, parameter_server);
 - a parameter_server coordinator whose only worker is stopped fails ``join()`` after its timeout,
-  naming the lost worker, instead of waiting for ever.
+  naming the lost worker, instead of waiting for ever; when that worker resumes (the same process),
+  it is taken back into service and the job finishes.
 """
 
 from __future__ import annotations
@@ -167,3 +168,22 @@ def test_the_coordinator_whose_only_worker_is_stopped_fails_naming_it(job):
     assert code == 1, j.output
     failure = [line for line in j.lines if line.startswith("[worker:0]") and "no worker left" in line]
     assert failure and "/job:worker/task:1" in failure[0] and "within 4 s" in failure[0], j.output
+
+
+@pytest.mark.parametrize("transport", ["zmq", "grpc"])
+def test_the_only_worker_stopped_then_resumed_is_taken_back_and_the_job_finishes(job, transport):
+    j = job(["--transport", transport, "--worker", "2", "--ps", "1"], ["parameter_server"])
+    j.wait_for_line("[worker:0] training")
+    pid = j.pid_of("worker:1")
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        j.wait_for_line("[worker:0] /job:worker/task:1 was lost")     # the peers went on without it
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    code = j.finish()
+    assert code == 0, j.output
+    assert "[worker:0] /job:worker/task:1 is back: scheduling onto it again" in j.output, j.output
+    trained = [line for line in j.lines if line.startswith("[worker:0] trained: w = ")]
+    # Every one of the 60 steps ran at least once (the one it was running when stopped maybe twice).
+    assert trained and float(trained[0].split("[")[2].split(",")[0]) <= -0.6 + 1e-5, j.output
