@@ -431,7 +431,8 @@ class ElasticCommunicator(Communicator):
 
     def _from_coordinator(self, timeout: float | None = None) -> Message:
         try:
-            return self.transport.recv(self.coordinator, self._tag, timeout=self.timeout if timeout is None else timeout)
+            return self.transport.recv(self.coordinator, self._tag,
+                                       timeout=self.timeout if timeout is None else timeout)
         except PeerLostError as exc:
             raise self._changed(exc) from exc
 
