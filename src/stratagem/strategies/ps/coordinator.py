@@ -157,6 +157,8 @@ class Coordinator:
         self._datasets: dict[int, PerWorkerDataset] = {}
         self._dead: set[TaskId] = set()
         self._why_lost: dict[TaskId, str] = {}     # why each worker in _dead was declared lost
+        self._losses_at: dict[TaskId, int] = {}    # its transport's count of its losses before that
+        self._declared: dict[TaskId, bool] = {}    # whether its transport had declared it lost then
         self._idle: set[TaskId] = set()
         self._pickled_fns: set = set()             # functions a worker could not find by name
         #: Closures each worker has run to completion (including failed ones), by task.
@@ -306,7 +308,7 @@ class Coordinator:
             with self._cond:
                 if self._closing:
                     return None, False
-                if worker in self._dead and worker not in self.transport.lost_peers():
+                if worker in self._dead and self._back(worker):
                     self._dead.discard(worker)
                     log.warning("%s is back: scheduling onto it again", worker)
                 if worker not in self._dead and self._queue:
@@ -343,16 +345,14 @@ class Coordinator:
 
     def _run_on(self, worker: TaskId, closure: _Closure) -> str:
         """Run one closure on ``worker``: ``"done"``, or ``"retry"`` when it must run elsewhere."""
+        losses = self.transport.peer_losses(worker)
         try:
             if closure.message is None:
                 closure.message = self._encode(closure)
-            losses = self.transport.peer_losses(worker)
             self.transport.send(worker, CLOSURE_TAG, closure.message, timeout=self.strategy._timeout)
             reply = self._await(worker, closure.number, losses)
-        except PeerLostError as exc:
-            return self._lost(worker, exc)
-        except TransportTimeout as exc:
-            return self._lost(worker, exc)
+        except (PeerLostError, TransportTimeout) as exc:
+            return self._lost(worker, exc, losses)
         except Exception as exc:  # noqa: BLE001 - e.g. an argument that cannot be encoded
             self._failed(closure, exc, worker)
             return "done"
@@ -391,10 +391,13 @@ class Coordinator:
             if reply.meta.get("id") == number:
                 return reply
 
-    def _lost(self, worker: TaskId, exc: Exception) -> str:
+    def _lost(self, worker: TaskId, exc: Exception, losses: int) -> str:
+        """``worker`` is taken for lost (``losses``: its transport's count of its losses before)."""
         with self._cond:
             self._dead.add(worker)
             self._idle.discard(worker)
+            self._losses_at[worker] = losses
+            self._declared[worker] = worker in self.transport.lost_peers()
             # "lost peer worker:1: <reason>": the reason alone, the worker is named beside it
             self._why_lost[worker] = str(exc).split(": ", 1)[-1] if isinstance(exc, PeerLostError) else str(exc)
             others = [w for w in self.workers if w not in self._dead]
@@ -404,6 +407,14 @@ class Coordinator:
             log.warning("%s was lost (%s); no other worker is left: its closure waits for a worker to come "
                         "back (up to %g s, then join() fails)", worker, exc, self.strategy._timeout)
         return "retry"
+
+    def _back(self, worker: TaskId) -> bool:
+        """Whether a worker taken for lost is back: its transport no longer reports it lost, and either it
+        did when the worker was taken for lost, or a new process of it was accepted since (one that did
+        not answer in time, and still does not, is not back: it may be stopped)."""
+        if worker in self.transport.lost_peers():
+            return False
+        return self._declared.get(worker, True) or self.transport.peer_losses(worker) > self._losses_at.get(worker, 0)
 
     def _no_worker_left(self) -> PeerLostError:
         """What ``join()`` raises once no worker has been left for the strategy's timeout: the lost ones, named."""
