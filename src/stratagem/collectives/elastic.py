@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -72,12 +73,12 @@ import numpy as np
 
 from stratagem.collectives.communicator import Communicator
 from stratagem.collectives.session import CollectiveSession
+from stratagem.core import job_state
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import (
     CommunicationError,
     ConfigurationError,
     PeerLostError,
-    StratagemError,
     TransportTimeout,
     WorldChangedError,
 )
@@ -180,12 +181,20 @@ class ElasticCommunicator(Communicator):
             raise ConfigurationError(f"communicator {self.name!r} has joined already")
         if self.is_coordinator:
             return self._form()
-        self._send(self.coordinator, {"elastic": HELLO, "inc": self.incarnation})
+        # A restarted process whose chief has ended meanwhile waits for no handshake: the job is over.
+        job_state.wait_for_peer(
+            lambda seconds: self._send(self.coordinator, {"elastic": HELLO, "inc": self.incarnation}, timeout=seconds),
+            self.timeout, task=self.task, what=f"the coordinator {self.coordinator} of {self.name!r}")
         while True:
-            message = self._from_coordinator()
+            message = job_state.wait_for_peer(self._from_coordinator, self.timeout, task=self.task,
+                                              what=f"the coordinator {self.coordinator} of {self.name!r}")
             kind = message.meta.get("elastic")
             if kind == FINISHED:
-                raise StratagemError(f"{self.task} could not join: the job finished before its next commit")
+                message = (f"stratagem: {self.task}: the job had finished without this task (its coordinator "
+                           f"{self.coordinator} ended before the next commit, where it would have joined); "
+                           f"exiting with status 0")
+                print(message, file=sys.stderr, flush=True)
+                raise job_state.JobFinished(message)
             if kind not in (FORMED, WELCOME):
                 continue
             change = self._adopt(message.meta)
@@ -384,6 +393,7 @@ class ElasticCommunicator(Communicator):
     def _changed(self, exc: PeerLostError) -> Exception:
         task = TaskId.parse(exc.task) if isinstance(exc.task, (str, TaskId)) else None
         if task is None or task == self.coordinator:
+            job_state.leave_if_finished(self.task, str(exc))   # its chief ended normally: not a loss
             return PeerLostError(exc.task, f"{exc}; it coordinates the elastic world {self.name!r}, which "
                                            f"cannot go on without it (restart the job, e.g. from a checkpoint)")
         self._lost.add(task)
@@ -419,9 +429,10 @@ class ElasticCommunicator(Communicator):
                 raise
             log.debug("%s: could not send %s to %s: %s", self.task, meta.get("elastic"), task, exc)
 
-    def _from_coordinator(self) -> Message:
+    def _from_coordinator(self, timeout: float | None = None) -> Message:
         try:
-            return self.transport.recv(self.coordinator, self._tag, timeout=self.timeout)
+            return self.transport.recv(self.coordinator, self._tag,
+                                       timeout=self.timeout if timeout is None else timeout)
         except PeerLostError as exc:
             raise self._changed(exc) from exc
 

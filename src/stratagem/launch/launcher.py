@@ -80,6 +80,7 @@ from stratagem.launch.job import (
     job_secret,
     task_env,
 )
+from stratagem.launch.job_end import JobEndRecord
 from stratagem.launch.restarts import RESTARTS_ENV, Restarts
 from stratagem.launch.supervisor import (
     EXIT_OK,
@@ -185,14 +186,18 @@ def launch(
     pump = OutputPump()
     started = time.monotonic()
     colors = {task: COLORS[i % len(COLORS)] for i, task in enumerate(cluster.tasks())}
+    job_end = JobEndRecord()   # tells a task that wakes (or restarts) after the chief's normal end
 
     def start(task: TaskId, restarts: int = 0) -> RunningTask:
         env = task_env(base_env, cluster, task, secret, transport)
+        env.update(job_end.env())
         if restarts:
             env[RESTARTS_ENV] = str(restarts)
         process = start_task(task, command if network is None else network.command(placement[task], command), env)
         pump.add(process.stdout, PipeReader(task_prefix(task, colors[task], out.stream), out))
         pump.add(process.stderr, PipeReader(task_prefix(task, colors[task], err.stream), err))
+        if task == cluster.chief:
+            job_end.watch(process)
         return RunningTask(task, process)
 
     restarts = None if restart_workers is None else Restarts(restart_workers, cluster, start,
@@ -215,6 +220,7 @@ def launch(
         if network is not None:
             network.close()  # after the tasks: the namespaces go with their last process
         pump.close()
+        job_end.close()
         for sock in port_holders.values():
             sock.close()
 

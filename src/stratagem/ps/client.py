@@ -22,6 +22,7 @@ import time
 from collections import Counter, defaultdict
 from typing import Callable, Mapping, Sequence
 
+from stratagem.core import job_state
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import CommunicationError, PeerLostError, TransportTimeout
 from stratagem.ps.protocol import REPLY_TAG, REQUEST_TAG, RemoteError, ShardLostError
@@ -39,11 +40,16 @@ class PSClient:
         transport: this task's started transport.
         timeout: seconds a call waits for every shard's reply (default: the transport's).
         pieces: ``{shard index: [piece names]}``, named in ``ShardLostError`` messages (optional).
+        interrupt: ``interrupt(losing)`` is called between two slices of a wait for replies, and with
+            ``losing=True`` before a shard is reported lost; it may raise to abandon the call (a
+            parameter_server worker that finds it was stopped longer than its peers wait).
     """
 
     def __init__(self, transport: Transport, *, timeout: float | None = None,
-                 pieces: Mapping[int, Sequence[str]] | None = None):
+                 pieces: Mapping[int, Sequence[str]] | None = None,
+                 interrupt: Callable[[bool], None] | None = None):
         self.transport = transport
+        self.interrupt = interrupt
         self.shards: list[TaskId] = transport.cluster.tasks("ps") if "ps" in transport.cluster.jobs else []
         self.timeout = timeout if timeout is not None else transport.timeout
         self.pieces: dict[int, list[str]] = {i: list(p) for i, p in (pieces or {}).items()}
@@ -103,8 +109,11 @@ class PSClient:
         try:
             for index, message in requests.items():
                 with self._naming(index):
-                    handles.append((index, self.transport.send_async(self.shards[index], REQUEST_TAG, message,
-                                                                     timeout=timeout)))
+                    # A shard not reached yet (this task just started) may be gone with a finished job.
+                    handles.append((index, job_state.wait_for_peer(
+                        lambda seconds: self.transport.send_async(self.shards[index], REQUEST_TAG, message,
+                                                                  timeout=seconds),
+                        timeout, task=self.transport.task, what=f"parameter-server shard {self.shards[index]}")))
             for index, handle in handles:
                 with self._naming(index):
                     handle.wait(timeout)
@@ -140,6 +149,7 @@ class PSClient:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 waiting = [str(self.shards[i]) for i in ids if i not in replies]
+                job_state.leave_if_finished(self.transport.task, f"no reply from {', '.join(waiting)}")
                 raise TransportTimeout(
                     f"{self.transport.task}: no reply from parameter-server shard(s) {', '.join(waiting)} "
                     f"within {timeout:g} s (are they running? raise timeout= for slow steps)"
@@ -149,6 +159,8 @@ class PSClient:
                 reply = self.transport.recv(None, REPLY_TAG, timeout=wait)
             except TransportTimeout:
                 self._check_lost(ids, replies)
+                if self.interrupt is not None:
+                    self.interrupt(False)
                 continue
             if recorder is not None:
                 waiting_since = recorder.wait_until_now(reply.src, REPLY_TAG, waiting_since)
@@ -183,6 +195,10 @@ class PSClient:
         return f" (holding {', '.join(pieces[:6])}{' ...' if len(pieces) > 6 else ''})" if pieces else ""
 
     def _lost(self, index: int, exc: PeerLostError) -> ShardLostError:
+        # A shard that ended with a finished job is not lost: this task was stopped or slow meanwhile.
+        job_state.leave_if_finished(self.transport.task, str(exc))
+        if self.interrupt is not None:
+            self.interrupt(True)     # a shard that dropped this task after a stall of it: not lost either
         detail = str(exc).split(": ", 1)[-1] if ": " in str(exc) else ""
         return ShardLostError(self.shards[index], self.pieces.get(index, []), detail)
 
@@ -275,7 +291,10 @@ class PSClient:
         return {i: r.meta["stats"] for i, r in self.broadcast({"op": "stats"}).items()}
 
     def bye(self, error: str | None = None, *, timeout: float = 5.0) -> None:
-        """Tell every reachable shard this task is leaving (best effort: a gone shard is skipped)."""
+        """Tell every reachable shard this task is leaving (best effort: a gone shard is skipped; after
+        a finished job, none is left)."""
+        if job_state.finished():
+            return
         lost = self.transport.lost_peers()
         for index, shard in enumerate(self.shards):
             if shard in lost:

@@ -196,6 +196,7 @@ class Strategy:
                     raise
                 endpoints.hold(created)
                 self._transport, self._transport_name, self._owns_transport = created, transport, True
+            self._transport_options = dict(transport_options or {})   # a worker may make it anew after a stall
         else:
             raise ConfigurationError(
                 f"transport must be a transport name (e.g. 'zmq') or a Transport instance, "

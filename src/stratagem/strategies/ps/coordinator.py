@@ -8,7 +8,9 @@ time and a fast worker takes more of them. ``join()`` waits until every schedule
 When a worker dies (the transport reports it lost), the closure it was running goes back to the front
 of the queue and runs on another worker: closures run *at least once* (one that had pushed its
 gradients before its worker died may have updated the variables already). The dead worker's
-dispatcher waits; when a new process of that task comes back, it is used again.
+dispatcher waits; when a new process of that task comes back, it is used again. When no worker is
+left, the closures wait for one to come back, up to the strategy's timeout; then ``join()`` raises
+``PeerLostError`` naming the lost workers and why each was lost.
 
 A closure that raises fails its ``RemoteValue``; ``join()`` (or the next ``schedule()``) raises the
 first such error once, and the closures still queued are cancelled. A shard (ps task) that is lost
@@ -154,6 +156,9 @@ class Coordinator:
         self._ids = itertools.count(1)
         self._datasets: dict[int, PerWorkerDataset] = {}
         self._dead: set[TaskId] = set()
+        self._why_lost: dict[TaskId, str] = {}     # why each worker in _dead was declared lost
+        self._losses_at: dict[TaskId, int] = {}    # its transport's count of its losses before that
+        self._declared: dict[TaskId, bool] = {}    # whether its transport had declared it lost then
         self._idle: set[TaskId] = set()
         self._pickled_fns: set = set()             # functions a worker could not find by name
         #: Closures each worker has run to completion (including failed ones), by task.
@@ -198,10 +203,7 @@ class Coordinator:
             else:
                 no_worker_since = no_worker_since or now
                 if now - no_worker_since > self.strategy._timeout:
-                    raise StratagemError(
-                        f"every worker has been gone for {self.strategy._timeout:g} s with closures pending; "
-                        f"restart the workers (they are used again as soon as they are back)"
-                    )
+                    raise self._no_worker_left()
             if deadline is not None and now > deadline:
                 raise TransportTimeout(f"join() did not finish within {timeout:g} s")
 
@@ -306,7 +308,7 @@ class Coordinator:
             with self._cond:
                 if self._closing:
                     return None, False
-                if worker in self._dead and worker not in self.transport.lost_peers():
+                if worker in self._dead and self._back(worker):
                     self._dead.discard(worker)
                     log.warning("%s is back: scheduling onto it again", worker)
                 if worker not in self._dead and self._queue:
@@ -343,15 +345,14 @@ class Coordinator:
 
     def _run_on(self, worker: TaskId, closure: _Closure) -> str:
         """Run one closure on ``worker``: ``"done"``, or ``"retry"`` when it must run elsewhere."""
+        losses = self.transport.peer_losses(worker)
         try:
             if closure.message is None:
                 closure.message = self._encode(closure)
             self.transport.send(worker, CLOSURE_TAG, closure.message, timeout=self.strategy._timeout)
-            reply = self._await(worker, closure.number)
-        except PeerLostError as exc:
-            return self._lost(worker, exc)
-        except TransportTimeout as exc:
-            return self._lost(worker, exc)
+            reply = self._await(worker, closure.number, losses)
+        except (PeerLostError, TransportTimeout) as exc:
+            return self._lost(worker, exc, losses)
         except Exception as exc:  # noqa: BLE001 - e.g. an argument that cannot be encoded
             self._failed(closure, exc, worker)
             return "done"
@@ -373,23 +374,59 @@ class Coordinator:
         closure.remote._set(value, worker)
         return "done"
 
-    def _await(self, worker: TaskId, number: int) -> Message | None:
+    def _await(self, worker: TaskId, number: int, losses: int) -> Message | None:
+        """The result of closure ``number`` from ``worker``; ``PeerLostError`` when the process it was sent
+        to is gone, even if a new process of the task (or the same one, back from a stall, as a new
+        transport) took its place in the meantime: that one never heard of it (``losses``: the task's
+        count of losses when it was sent)."""
         while True:
             if self._closing:
                 return None
             try:
                 reply = self.transport.recv(worker, RESULT_TAG, timeout=POLL)
             except TransportTimeout:
+                if self.transport.peer_losses(worker) != losses:
+                    raise PeerLostError(worker, "a new process of it took its place while it ran the closure")
                 continue
             if reply.meta.get("id") == number:
                 return reply
 
-    def _lost(self, worker: TaskId, exc: Exception) -> str:
-        log.warning("%s was lost (%s); its closure runs on another worker", worker, exc)
+    def _lost(self, worker: TaskId, exc: Exception, losses: int) -> str:
+        """``worker`` is taken for lost (``losses``: its transport's count of its losses before)."""
         with self._cond:
             self._dead.add(worker)
             self._idle.discard(worker)
+            self._losses_at[worker] = losses
+            self._declared[worker] = worker in self.transport.lost_peers()
+            # "lost peer worker:1: <reason>": the reason alone, the worker is named beside it
+            self._why_lost[worker] = str(exc).split(": ", 1)[-1] if isinstance(exc, PeerLostError) else str(exc)
+            others = [w for w in self.workers if w not in self._dead]
+        if others:
+            log.warning("%s was lost (%s); its closure runs on another worker", worker, exc)
+        else:
+            log.warning("%s was lost (%s); no other worker is left: its closure waits for a worker to come "
+                        "back (up to %g s, then join() fails)", worker, exc, self.strategy._timeout)
         return "retry"
+
+    def _back(self, worker: TaskId) -> bool:
+        """Whether a worker taken for lost is back: its transport no longer reports it lost, and either it
+        did when the worker was taken for lost, or a new process of it was accepted since (one that did
+        not answer in time, and still does not, is not back: it may be stopped)."""
+        if worker in self.transport.lost_peers():
+            return False
+        return self._declared.get(worker, True) or self.transport.peer_losses(worker) > self._losses_at.get(worker, 0)
+
+    def _no_worker_left(self) -> PeerLostError:
+        """What ``join()`` raises once no worker has been left for the strategy's timeout: the lost ones, named."""
+        with self._cond:
+            lost = [w for w in self.workers if w in self._dead]
+            why = {w: self._why_lost.get(w, "lost") for w in lost}
+        named = "; ".join(f"{w} ({why[w]})" for w in lost)
+        return PeerLostError(
+            lost[0] if lost else None,
+            f"no worker left to run the pending closures: {named}; none came back within "
+            f"{self.strategy._timeout:g} s (restart the lost worker(s): a worker that comes back is used again; "
+            f"the strategy's timeout= sets how long to wait)")
 
     def _error_from(self, meta: dict, worker: TaskId, closure: _Closure) -> BaseException:
         name = getattr(closure.fn, "__qualname__", repr(closure.fn))

@@ -69,20 +69,27 @@ travels with cloudpickle, which needs the cluster secret::
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from stratagem.core import endpoints
 from stratagem.core.errors import ConfigurationError, StratagemError, TransportTimeout
+from stratagem.core.job_state import JobFinished, leave_if_finished
 from stratagem.training.optimizers.rules import from_config
+from stratagem.ps.client import PSClient
 from stratagem.ps.placement import Piece
 from stratagem.strategies.ps.coordinator import FUNCTION_MODES, Coordinator, PerWorkerDataset, RemoteValue
 from stratagem.ps.protocol import ShardLostError, spec_dtype, task_key
 from stratagem.strategies.base import global_batches
 from stratagem.strategies.ps.base import READY_POLL, PSStrategyBase
+from stratagem.strategies.ps.stall import Stalled, StallWatch
 from stratagem.strategies.ps.worker import Worker
 from stratagem.training.variables import Variable, strategy_scope
+
+log = logging.getLogger(__name__)
 
 #: What ``functions=`` may be.
 FUNCTIONS = tuple(FUNCTION_MODES)
@@ -99,6 +106,7 @@ class ParameterServerStrategy(PSStrategyBase):
     def __init__(self, transport=None, **kwargs):
         self._coordinator: Coordinator | None = None
         self._adopting: dict[str, list] = {}
+        self._stall_watch: StallWatch | None = None     # a worker's (see _serve_closures)
         super().__init__(transport, **kwargs)
         if self.task.job == "ps":
             return                                   # served (exit_after_serving=False)
@@ -172,16 +180,63 @@ class ParameterServerStrategy(PSStrategyBase):
 
     # -- workers ---------------------------------------------------------------------------------------
     def _serve_closures(self) -> None:
+        # A worker stopped longer than its peers wait is declared lost by them; it comes back as a new
+        # process would (only over a transport that takes a new process of a task as that task).
+        renewable = self._owns_transport and type(self.transport).elastic
+        watch = StallWatch(self.transport.peer_timeout / 2) if renewable else None
+        if watch is not None:
+            self._client.interrupt = watch.check
+        self._stall_watch = watch
+        ran = 0
         try:
-            ran = Worker(self).serve()
+            while True:
+                worker = Worker(self, watch)
+                try:
+                    ran += worker.serve()
+                    break
+                except Stalled as stall:
+                    ran += worker.ran
+                    self._come_back(stall, watch)
+        except JobFinished:
+            self.shutdown()       # the job ended normally without this worker: no failure to report
+            raise
         except BaseException as exc:
             self.fail(exc)
             raise
+        finally:
+            if watch is not None:
+                watch.close()
         self.shutdown()
         #: On a worker (``exit_after_serving=False``): how many closures it ran.
         self.served = ran
         if self.config["exit_after_serving"]:
             raise SystemExit(0)
+
+    def _come_back(self, stall: Stalled, watch: StallWatch) -> None:
+        """After a stall (:mod:`~stratagem.strategies.ps.stall`): the peers took this worker for lost, and
+        refuse its old connections; leave them, and join again as a new process of this task would, on
+        a new transport at the same address (the closure it was running was scheduled again elsewhere)."""
+        log.warning("%s: %s, longer than half the peer timeout (%g s): its peers may have taken it for lost; "
+                    "joining again with a new transport", self.task, stall, self.transport.peer_timeout)
+        old = self._transport
+        old.abort()
+        deadline = time.monotonic() + self._timeout
+        while True:
+            new = self._plugins.create_transport(self._transport_name, old.cluster, old.task,
+                                                 **self._transport_options)
+            try:
+                new.start()
+                break
+            except ConfigurationError:        # the old one's port not released yet
+                new.abort()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(READY_POLL)
+        endpoints.hold(new)               # a communicator made later shares the new one
+        self._transport = new
+        self._client = PSClient(new, timeout=self._timeout, pieces=self._client.pieces, interrupt=watch.check)
+        self._client.hello()
+        self._mark_stale()
 
     def _adopt_variables(self, count: int) -> None:
         """On a worker: make remote copies of the coordinator's variables (at least ``count``)."""
@@ -252,6 +307,9 @@ class ParameterServerStrategy(PSStrategyBase):
         lost = self.transport.lost_peers()
         for index, shard in enumerate(self._client.shards):
             if shard in lost:
+                leave_if_finished(self.task, f"lost peer {shard}: {lost[shard]}")
+                if self._stall_watch is not None:
+                    self._stall_watch.check(losing=True)    # it dropped this worker after a stall
                 raise ShardLostError(shard, self._client.pieces.get(index, []), lost[shard])
 
     def _worker_idle(self, worker, idle: bool) -> None:

@@ -17,7 +17,7 @@ import logging
 import traceback
 from dataclasses import dataclass
 
-from stratagem.core import remote_code, values
+from stratagem.core import job_state, remote_code, values
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import FunctionNotFound, PeerLostError, ProtocolError, StratagemError, TransportTimeout
 from stratagem.strategies.ps.coordinator import CLOSURE_TAG, POLL, RESULT_TAG
@@ -59,8 +59,10 @@ class WorkerContext:
 class Worker:
     """The serving loop of one worker task (see the module doc)."""
 
-    def __init__(self, strategy):
+    def __init__(self, strategy, watch=None):
         self.strategy = strategy
+        #: A :class:`~stratagem.strategies.ps.stall.StallWatch`, asked between closures (None: none).
+        self.watch = watch
         self.transport = strategy.transport
         self.coordinator: TaskId = strategy.cluster.chief
         workers = strategy._worker_tasks()
@@ -71,14 +73,22 @@ class Worker:
 
     def serve(self) -> int:
         """Run closures until the coordinator is done; return how many ran."""
-        self.transport.send(self.coordinator, HELLO_TAG, Message({"ready": True}), timeout=self.strategy._timeout)
+        # A restarted worker whose coordinator ended meanwhile learns that the job finished (not a timeout).
+        job_state.wait_for_peer(
+            lambda seconds: self.transport.send(self.coordinator, HELLO_TAG, Message({"ready": True}), timeout=seconds),
+            self.strategy._timeout, task=self.transport.task, what=f"the coordinator {self.coordinator}")
         while True:
+            if self.watch is not None:
+                self.watch.check()     # stopped longer than the peers wait: come back as a new process
             try:
                 message = self.transport.recv(self.coordinator, CLOSURE_TAG, timeout=POLL)
             except TransportTimeout:
                 self.strategy._check_shards()
                 continue
             except PeerLostError as exc:
+                job_state.leave_if_finished(self.transport.task, str(exc))
+                if self.watch is not None:
+                    self.watch.check(losing=True)   # the coordinator dropped this worker after a stall
                 raise StratagemError(
                     f"{self.transport.task}: the coordinator {self.coordinator} is gone ({exc}); restart the job"
                 ) from None
