@@ -61,16 +61,16 @@ def compute(seconds: float, kind: str) -> None:
                 x += 1
 
 
-def step(x):
-    opt.apply_gradients([(x.mean(axis=0), w)])
-
-
 try:
     name, _, mode = args.strategy.partition(":")     # e.g. between_graph:sync
     strategy = stratagem.strategy(name, **({"mode": mode} if mode else {}))
     with strategy.scope():
         w = stratagem.Variable(np.zeros(4, np.float32), name="w")
         opt = stratagem.optimizers.SGD(0.1)
+
+    def step(x):    # defined after the strategy, as in plain_training: a serving task gets it by value
+        opt.apply_gradients([(x.mean(axis=0), w)])
+
     for i in range(args.steps):
         print(f"step {i}", flush=True)
         if i == 3 and me == compute_task:

@@ -5,7 +5,7 @@ task's error names, when each noticed, and when the job was over. The fault-matr
 (``benchmarks/fault_matrix.py``) and tests/test_stall_detection.py run on it.
 
     outcome = run_fault("mirrored", "zmq", "worker:1", "sigstop_long", peer_timeout=3.0)
-    outcome.exit_code, outcome.launcher_culprit, outcome.named     # 1, 'worker:1', {'worker:0': 'worker:1', ...}
+    outcome.exit_code, outcome.launcher_culprit, outcome.named     # 1, 'worker:1', {'worker:0': ['worker:1'], ...}
 
 Faults (struck when the chief, worker:0, starts its step 3):
 
@@ -52,7 +52,8 @@ class FaultOutcome:
     launcher_culprit: str | None
     reason: str
     returncodes: dict
-    #: task -> the task its error named (None: its error named nobody); only tasks that printed an error.
+    #: task -> the tasks its error names (its ``task`` attribute first, then those its message mentions,
+    #: itself left out); only the tasks that printed an error.
     named: dict
     #: task -> seconds after the fault at which its error was raised.
     noticed: dict
@@ -102,16 +103,17 @@ class _Watch(io.TextIOBase):
             self._strike(self.pids)
 
 
-def _named(error: dict) -> str | None:
-    """The task an error line names: its ``task`` attribute, else the first task in its message."""
-    if error.get("task"):
-        match = _TASK.search(error["task"])
-    else:
-        match = _TASK.search(error.get("message", ""))
-    if not match:
-        return None
-    job, index = (match.group(1), match.group(2)) if match.group(1) else (match.group(3), match.group(4))
-    return f"{job}:{index}"
+def _named(error: dict, me: str) -> list[str]:
+    """The tasks an error line names, its own task left out: its ``task`` attribute (a
+    ``PeerLostError``'s) first, then every task its message mentions, in order."""
+    found = []
+    for text in (error.get("task") or "", error.get("message", "")):
+        for match in _TASK.finditer(text):
+            job, index = (match.group(1), match.group(2)) if match.group(1) else (match.group(3), match.group(4))
+            task = f"{job}:{index}"
+            if task not in found and task != me:
+                found.append(task)
+    return found
 
 
 def run_fault(strategy: str, transport: str, culprit: str | None, fault: str | None, *,
@@ -166,7 +168,7 @@ def run_fault(strategy: str, transport: str, culprit: str | None, fault: str | N
     for _, task, text in watch.lines:
         if text.startswith("error {") and task not in named:
             error = json.loads(text[len("error "):])
-            named[task] = _named(error)
+            named[task] = _named(error, task)
             noticed[task] = round(error["at"] - start, 2) if start is not None else None
         elif text.startswith("trained: w = "):
             trained[task] = text
