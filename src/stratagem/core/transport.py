@@ -107,11 +107,10 @@ class Transport(abc.ABC):
         timeout: default seconds a blocking call waits (``send``/``recv`` take their own too).
         peer_timeout: seconds of silence after which a connected peer is declared lost, on every
             transport alike: measured from the last thing heard from the peer, never sooner, and
-            declared soon after (over zmq, grpc and shm within a tenth of it, plus a few tenths of a
-            second). Heartbeats
-            keep a healthy peer heard; they are sent by the transport's own threads (ZeroMQ's and
-            gRPC's I/O threads, MPI's progress thread), never by the user's step, so a long compute
-            step is not a silence, nor is a pause shorter than this (a GC pause, a slow link).
+            declared soon after (over zmq, grpc and shm within a tenth of it plus a few tenths of a
+            second). Heartbeats keep a healthy peer heard; the transport's own threads send them
+            (ZeroMQ's and gRPC's I/O threads, MPI's progress thread), never the user's step, so a
+            long compute step is not a silence, nor is a pause shorter than this (a GC pause).
             Default: ``STRATAGEM_PEER_TIMEOUT`` from the environment, else 30 s.
         limits: the wire limits (frame and metadata sizes) enforced on received frames.
     """
