@@ -29,7 +29,10 @@ def keepalive_ms(peer_timeout: float) -> tuple[int, int]:
     """The keepalive ping interval and how long an unanswered ping waits (ms): gRPC's threads ping
     every tenth of ``peer_timeout`` (needing neither the GIL nor the user's step) and drop the
     connection when a ping stays unanswered ``peer_timeout``, so a silent peer is lost at least
-    ``peer_timeout`` after the last thing heard from it and at most a tenth of it later.
+    ``peer_timeout`` after the last thing heard from it and at most a tenth of it later (or a second:
+    gRPC sends at most one ping a second). A ping waits behind the data already written to its
+    connection, so a link on which one message takes longer than ``peer_timeout`` may be taken for a
+    loss (``benchmarks/link_stalls.py``).
 
     >>> keepalive_ms(30.0)
     (3000, 30000)

@@ -72,7 +72,8 @@ gRPC's ``bytes`` instead of copying them (possible once a buffer arrives whole) 
 **Failure detection.** Channels and server send HTTP/2 keepalive pings every ``peer_timeout / 10``
 from gRPC's own threads and drop a connection whose ping stays unanswered ``peer_timeout``, so a
 silent peer (host down, process stopped) is lost ``peer_timeout`` after the last thing heard from
-it, never sooner, and at most a tenth of it later (:func:`~stratagem.transports.grpc.config.keepalive_ms`). A peer process that dies breaks its
+it, never sooner, and at most a tenth of it (or a second) later
+(:func:`~stratagem.transports.grpc.config.keepalive_ms`). A peer process that dies breaks its
 streams at once. A broken incoming stream marks its peer lost at once (everything that peer sent
 came on that stream, in order, and has been filed); a broken outgoing stream marks it lost after a
 short grace, and only once its incoming stream (if any) has ended too, so data already received is
