@@ -15,7 +15,7 @@ import stratagem
 
 #: Scripts inside the package, run as files by the processes they start; importing one runs it.
 SCRIPTS = {"stratagem.bench.train_task", "stratagem.advise.steps_task", "stratagem.testing.plain_training",
-           "stratagem.testing.conformance_training"}
+           "stratagem.testing.conformance_training", "stratagem.testing.fault_script"}
 
 MODULES = ["stratagem"] + sorted(
     info.name for info in pkgutil.walk_packages(stratagem.__path__, prefix="stratagem.")

@@ -8,7 +8,8 @@ byte-stream transport promises of a hostile peer, a forged HELLO included, is in
 - a worker of ``parameter_server`` killed with SIGKILL and started again as a new process rejoins
   and training finishes;
 - a frozen rank (SIGSTOP keeps its sockets open, so only silence gives it away) must be named by
-  every other rank within the peer timeout, over 20 rounds.
+  every other rank a peer timeout after the stop (not before it: 0.9 x, since the victim was last
+  heard at most a heartbeat before; and within a tenth of it plus 1.5 s of slack after), over 20 rounds.
 """
 
 from __future__ import annotations
@@ -257,7 +258,7 @@ class Ranks:
 
 
 @pytest.mark.timeout(300)
-def test_a_frozen_rank_is_named_by_every_other_rank_within_the_peer_timeout(tmp_path):
+def test_a_frozen_rank_is_named_by_every_other_rank_one_peer_timeout_after_it_froze(tmp_path):
     size, peer_timeout, rounds = 4, 2.0, int(os.environ.get("FROZEN_ROUNDS", "20"))
     detect: dict[int, list[float]] = {i: [] for i in range(size)}
     failures = []
@@ -276,7 +277,8 @@ def test_a_frozen_rank_is_named_by_every_other_rank_within_the_peer_timeout(tmp_
         for index, report in seen.items():
             took = report["at"] - frozen_at
             detect[index].append(took)
-            if report["task"] != f"/job:worker/task:{victim}" or took > peer_timeout + 1.0:
+            in_time = 0.9 * peer_timeout <= took <= 1.1 * peer_timeout + 1.5
+            if report["task"] != f"/job:worker/task:{victim}" or not in_time:
                 failures.append((round_number, index, round(took, 2), report["error"], report["message"]))
     times = [t for ts in detect.values() for t in ts]
     print(f"\ndetection after SIGSTOP (peer_timeout {peer_timeout} s): min {min(times):.2f} "

@@ -24,6 +24,9 @@ SECRET_ENV = "STRATAGEM_SECRET"
 #: The environment variable naming the transport a script gets when it names none
 #: (``stratagem launch --transport T`` sets it; ``launch --mpi`` sets it to ``mpi``).
 TRANSPORT_ENV = "STRATAGEM_TRANSPORT"
+#: The environment variable giving every transport of the process its ``peer_timeout`` when the code
+#: gives none (``STRATAGEM_PEER_TIMEOUT=10 stratagem launch ...`` sets it for every task of a job).
+PEER_TIMEOUT_ENV = "STRATAGEM_PEER_TIMEOUT"
 #: The transport a script gets when neither its code nor its environment names one.
 DEFAULT_TRANSPORT = "zmq"
 #: Marks a constructor option with no default in :func:`constructor_options`.
@@ -45,6 +48,32 @@ def secret_from_env(environ: Mapping[str, str] | None = None) -> bytes | None:
 def transport_name_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     """The transport ``STRATAGEM_TRANSPORT`` names, or ``None`` when it names none."""
     return (os.environ if environ is None else environ).get(TRANSPORT_ENV, "").strip() or None
+
+
+def peer_timeout_from_env(environ: Mapping[str, str] | None = None) -> float | None:
+    """The seconds ``STRATAGEM_PEER_TIMEOUT`` gives (``None`` when unset or empty); anything but a
+    number of seconds > 0 is refused, naming the variable and the fix.
+
+    >>> peer_timeout_from_env({"STRATAGEM_PEER_TIMEOUT": "7.5"})
+    7.5
+    >>> peer_timeout_from_env({}) is None
+    True
+    >>> peer_timeout_from_env({"STRATAGEM_PEER_TIMEOUT": "soon"})
+    Traceback (most recent call last):
+    ...
+    stratagem.core.errors.ConfigurationError: STRATAGEM_PEER_TIMEOUT='soon' in the environment is not a number of seconds > 0: set it to one (e.g. 30) or unset it
+    """
+    value = (os.environ if environ is None else environ).get(PEER_TIMEOUT_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ConfigurationError(f"{PEER_TIMEOUT_ENV}={value!r} in the environment is not a number of seconds > 0: "
+                                 f"set it to one (e.g. 30) or unset it")
+    return seconds
 
 
 def declared_options(cls: type) -> dict[str, Any]:

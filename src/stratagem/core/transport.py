@@ -36,6 +36,7 @@ from typing import Any, Callable, ClassVar, Mapping, TypeVar
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import ConfigurationError, PeerLostError, TransportClosed
 from stratagem.core.lifecycle import end_at_exit
+from stratagem.core.options import peer_timeout_from_env
 from stratagem.core.traffic import Traffic
 from stratagem.core.wire import Limits
 
@@ -43,7 +44,8 @@ log = logging.getLogger(__name__)
 
 #: Default seconds a blocking call waits before raising ``TransportTimeout``.
 DEFAULT_TIMEOUT = 300.0
-#: Default seconds of silence after which a connected peer is declared lost.
+#: Default seconds of silence after which a connected peer is declared lost (``STRATAGEM_PEER_TIMEOUT``
+#: in the environment replaces it for every transport that is given none).
 DEFAULT_PEER_TIMEOUT = 30.0
 
 _Peer = TypeVar("_Peer")
@@ -125,7 +127,13 @@ class Transport(abc.ABC):
         secret: the cluster secret (bytes). When set, every connection is authenticated with an
             HMAC challenge-response and a peer that fails it is refused.
         timeout: default seconds a blocking call waits (``send``/``recv`` take their own too).
-        peer_timeout: seconds of silence after which a connected peer is declared lost.
+        peer_timeout: seconds of silence after which a connected peer is declared lost, on every
+            transport alike: measured from the last thing heard from the peer, never sooner, and
+            declared soon after (over zmq, grpc and shm within a tenth of it plus a few tenths of a
+            second). Heartbeats keep a healthy peer heard; the transport's own threads send them
+            (ZeroMQ's and gRPC's I/O threads, MPI's progress thread), never the user's step, so a
+            long compute step is not a silence, nor is a pause shorter than this (a GC pause).
+            Default: ``STRATAGEM_PEER_TIMEOUT`` from the environment, else 30 s.
         limits: the wire limits (frame and metadata sizes) enforced on received frames.
     """
 
@@ -143,7 +151,7 @@ class Transport(abc.ABC):
     whole_buffer_bytes: ClassVar[int | None] = None
 
     def __init__(self, cluster: ClusterSpec, task: TaskId | str, *, secret: bytes | str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT, peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+                 timeout: float = DEFAULT_TIMEOUT, peer_timeout: float | None = None,
                  limits: Limits | None = None):
         self.cluster = ClusterSpec(cluster)
         self.task = self.cluster.check(TaskId.parse(task))
@@ -152,7 +160,9 @@ class Transport(abc.ABC):
         self.secret: bytes | None = secret or None
         if timeout is not None and timeout <= 0:
             raise ConfigurationError(f"timeout must be > 0 seconds, got {timeout}")
-        if peer_timeout <= 0:
+        if peer_timeout is None:
+            peer_timeout = peer_timeout_from_env() or DEFAULT_PEER_TIMEOUT
+        if not peer_timeout > 0:
             raise ConfigurationError(f"peer_timeout must be > 0 seconds, got {peer_timeout}")
         self.timeout = timeout
         self.peer_timeout = float(peer_timeout)

@@ -3,7 +3,7 @@ message sizes, keepalive and connection options, TLS material and the bind addre
 imports grpc: options are plain ``(name, value)`` pairs.
 
     >>> dict(channel_options(peer_timeout=30.0))["grpc.keepalive_time_ms"]
-    12000
+    3000
 """
 
 from __future__ import annotations
@@ -25,37 +25,48 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_RECEIVE_BYTES = MAX_MESSAGE_BYTES + (64 << 10)
 
 
-def keepalive_ms(peer_timeout: float) -> int:
-    """Keepalive ping interval, and how long an unanswered ping waits: a silent peer is dropped
-    within ``0.8 x peer_timeout``."""
-    return max(100, int(peer_timeout * 400))
+def keepalive_ms(peer_timeout: float) -> tuple[int, int]:
+    """The keepalive ping interval and how long an unanswered ping waits (ms): gRPC's threads ping
+    every tenth of ``peer_timeout`` (needing neither the GIL nor the user's step) and drop the
+    connection when a ping stays unanswered ``peer_timeout``, so a silent peer is lost at least
+    ``peer_timeout`` after the last thing heard from it and at most a tenth of it later (or a second:
+    gRPC sends at most one ping a second). A ping waits behind the data already written to its
+    connection, so a link on which one message takes longer than ``peer_timeout`` may be taken for a
+    loss (``benchmarks/link_stalls.py``).
+
+    >>> keepalive_ms(30.0)
+    (3000, 30000)
+    """
+    total = int(peer_timeout * 1000)
+    interval = max(100, total // 10)
+    return interval, max(interval, total)
 
 
 def server_options(peer_timeout: float) -> list[tuple]:
-    keepalive = keepalive_ms(peer_timeout)
+    interval, timeout = keepalive_ms(peer_timeout)
     return [
         ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
         ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
         ("grpc.max_send_message_length", MAX_RECEIVE_BYTES),
-        ("grpc.keepalive_time_ms", keepalive),
-        ("grpc.keepalive_timeout_ms", keepalive),
-        ("grpc.http2.ping_timeout_ms", keepalive),  # else an unanswered ping waits a minute
+        ("grpc.keepalive_time_ms", interval),
+        ("grpc.keepalive_timeout_ms", timeout),
+        ("grpc.http2.ping_timeout_ms", timeout),  # else an unanswered ping waits a minute
         ("grpc.keepalive_permit_without_calls", 1),
         # Our peers ping as often as we do: do not count that as abuse.
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", max(50, keepalive // 2)),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", max(50, interval // 2)),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.http2.max_pings_without_data", 0),
     ]
 
 
 def channel_options(peer_timeout: float, server_name: str | None = None) -> list[tuple]:
-    keepalive = keepalive_ms(peer_timeout)
+    interval, timeout = keepalive_ms(peer_timeout)
     options = [
         ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
         ("grpc.max_send_message_length", MAX_RECEIVE_BYTES),
-        ("grpc.keepalive_time_ms", keepalive),
-        ("grpc.keepalive_timeout_ms", keepalive),
-        ("grpc.http2.ping_timeout_ms", keepalive),
+        ("grpc.keepalive_time_ms", interval),
+        ("grpc.keepalive_timeout_ms", timeout),
+        ("grpc.http2.ping_timeout_ms", timeout),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         # A peer that is not up yet is retried quickly (the call waits for it: wait_for_ready).

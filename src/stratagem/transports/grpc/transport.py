@@ -69,9 +69,11 @@ are the sweet spot: at 256 KiB the hand-offs cost more, 2 MiB is no better, and 
 receive path touches fresh pages and misses the cache, so much that letting the receiver keep
 gRPC's ``bytes`` instead of copying them (possible once a buffer arrives whole) still loses.
 
-**Failure detection.** Channels and server send HTTP/2 keepalive pings every ``peer_timeout × 0.4``
-and drop a connection whose ping is not answered within ``peer_timeout × 0.4``, so a silent peer
-(host down, process stopped) is noticed within ``peer_timeout``. A peer process that dies breaks its
+**Failure detection.** Channels and server send HTTP/2 keepalive pings every ``peer_timeout / 10``
+from gRPC's own threads and drop a connection whose ping stays unanswered ``peer_timeout``, so a
+silent peer (host down, process stopped) is lost ``peer_timeout`` after the last thing heard from
+it, never sooner, and at most a tenth of it (or a second) later
+(:func:`~stratagem.transports.grpc.config.keepalive_ms`). A peer process that dies breaks its
 streams at once. A broken incoming stream marks its peer lost at once (everything that peer sent
 came on that stream, in order, and has been filed); a broken outgoing stream marks it lost after a
 short grace, and only once its incoming stream (if any) has ended too, so data already received is

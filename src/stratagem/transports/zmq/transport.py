@@ -41,8 +41,11 @@ which still authenticates with the secret). Without a secret anyone may connect,
 
 Failure detection: a DEALER's monitor reports the connection dropping the moment a peer process dies
 (the kernel closes its sockets); ZeroMQ heartbeats catch a peer that went silent without closing
-(host down, cable cut, process stopped): pings every ``peer_timeout / 5`` and a timeout chosen so that
-the loss is declared within ``peer_timeout`` of the last sign of life. Either way the peer is marked
+(host down, cable cut, process stopped): ZeroMQ's I/O thread pings every ``peer_timeout / 10`` (it
+needs neither the GIL nor the user's step, and the peer's I/O thread answers the same way) and drops
+the connection once ``peer_timeout`` passed after the first ping that nothing came back after, so a
+peer is lost ``peer_timeout`` after the last thing heard from it, never sooner, and at most a tenth of
+it later (see :func:`heartbeat_ms`). Either way the peer is marked
 lost and waiting ``recv`` calls raise ``PeerLostError`` naming it. :meth:`ZmqTransport.flush` waits
 until what was sent has been written to the sockets, so a notice sent just before a process ends
 (a collective's abort notice) is not lost with it.
@@ -91,7 +94,7 @@ from stratagem.core.errors import (
     TransportTimeout,
 )
 from stratagem.core.mailbox import Mailbox
-from stratagem.core.reading import USER_POLL, SharedReader
+from stratagem.core.reading import SharedReader
 from stratagem.core.transport import COMPLETED, Message, SendHandle, Transport
 from stratagem.core.wire import Kind
 from stratagem.core.handshake import CONTROL_LIMITS
@@ -106,6 +109,7 @@ _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVE
 _BACKGROUND_GRACE = 0.02  # the background reader stays away this long after a recv() read
 _LOSS_GRACE = 0.2         # seconds between a dropped connection and declaring the peer lost
 _FULL_POLL = 0.01         # a reading recv() polls every socket at least this often
+_MAX_TTL_MS = 6_553_500   # ZMTP carries the heartbeat TTL in deciseconds, in 16 bits
 # pyzmq's constants are enums, whose arithmetic costs more than the call it is for: plain ints here.
 _EVENTS, _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE)
 #: The largest message part the ROUTER takes (from anyone: this bounds an unauthenticated peer).
@@ -445,10 +449,10 @@ class ZmqTransport(Transport):
         if self.secret:
             sock.plain_username = ZAP_USER
             sock.plain_password = handshake.connection_token(self.secret, self._cluster_id)
-        interval_ms, timeout_ms = heartbeat_ms(self.peer_timeout)
+        interval_ms, timeout_ms, ttl_ms = heartbeat_ms(self.peer_timeout)
         sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
-        sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.peer_timeout * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, ttl_ms)
         monitor = sock.get_monitor_socket(_MONITOR_EVENTS, self._monitor_address())
         sock.connect(f"tcp://{address}")
         hello, nonce = handshake.make_hello(self.task, self._cluster_id, self.secret)
@@ -742,17 +746,24 @@ def _close_socket(sock: zmq.Socket, linger: int) -> None:
     sock.close(linger=linger)
 
 
-def heartbeat_ms(peer_timeout: float) -> tuple[int, int]:
-    """ZeroMQ's heartbeat interval and timeout (ms) for a peer silent ``peer_timeout`` s to be lost.
+def heartbeat_ms(peer_timeout: float) -> tuple[int, int, int]:
+    """ZeroMQ's heartbeat interval, timeout and TTL (ms) for a peer silent ``peer_timeout`` s to be lost.
 
-    ZeroMQ pings every interval and drops the connection when nothing came back within the timeout
-    of a ping, so a peer that froze just after answering one is dropped up to interval + timeout
-    after its last sign of life; the loss is declared ``_LOSS_GRACE`` later, seen within a poll slice.
-    All of that must fit in ``peer_timeout``.
+    ZeroMQ's I/O thread pings every interval; the first ping sent after the last message that came
+    back starts the timeout, which anything arriving cancels. So a peer is dropped ``peer_timeout``
+    after the first ping it left unanswered: at least ``peer_timeout`` after the last thing heard
+    from it, at most one interval (a tenth of it) more; the loss is declared ``_LOSS_GRACE`` later,
+    seen within a poll slice. A peer paused for less (a GC pause, a stopped process continued)
+    answers the pings waiting for it as it wakes, before anyone gave up on it. The TTL tells the
+    peer's ROUTER to drop our connection after twice that silence: later than our own detection,
+    so a pause never makes a peer cut a connection we still count on.
+
+    >>> heartbeat_ms(30.0)
+    (3000, 30000, 60000)
     """
-    total = peer_timeout * 1000
-    interval = max(50, int(total / 5))
-    return interval, max(interval, int(total - interval - (_LOSS_GRACE + USER_POLL) * 1000))
+    total = int(peer_timeout * 1000)
+    interval = max(10, total // 10)
+    return interval, max(interval, total), min(2 * max(interval, total), _MAX_TTL_MS)
 
 
 class _TrackedSend(SendHandle):

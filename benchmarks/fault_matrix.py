@@ -1,0 +1,166 @@
+"""The fault matrix (issue #23): one fault on one task of a launched training job, per strategy x transport
+x fault x culprit; the outcome expected (written below, before anything runs) beside the one observed.
+
+    python3 benchmarks/fault_matrix.py                                  # zmq, every strategy, fault, culprit
+    python3 benchmarks/fault_matrix.py --transports zmq,grpc,shm --strategies mirrored --faults sigkill,exit
+    python3 benchmarks/fault_matrix.py --culprits worker --peer-timeout 5 --json faults.json
+
+Each cell runs the plain training script (:mod:`stratagem.testing.fault_script`, 40 steps) under
+``stratagem launch`` with ``STRATAGEM_PEER_TIMEOUT`` set, and strikes the fault on the culprit when the
+chief (worker:0) starts step 3 (:func:`stratagem.testing.faults.run_fault`). A cell passes when:
+
+- the outcome is the expected one: ``finishes`` (exit 0, and the variables' final values, as the last
+  task to finish training read them, equal to the same strategy's run without a fault) or ``fails``
+  (exit non-zero);
+- for ``fails``: the launcher names the culprit, and so does every other task that failed with an error
+  (its error mentions the culprit: ``worker:0->worker:1``; else the table lists the tasks it does name);
+- the job was over (every task exited, the launcher's last output drained: about 1 s) within the peer
+  timeout plus 10 s of the fault, or of the end of a stall that is not a loss.
+
+Link faults (a link slowed to a hundredth for 20 s, cut for 10 s then restored, cut for good) need
+tasks on emulated hosts (network namespaces); they are listed as such and not run. Nothing here passes
+or fails the suite: it prints the table (markdown) and, with ``--json``, every cell's details.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from stratagem.testing.faults import FAULTS, JOBS, run_fault
+
+STRATEGIES = tuple(JOBS)
+LINK_FAULTS = ("link slowed to 1/100 for 20 s", "link cut for 10 s, then restored", "link cut for good")
+CULPRITS = {"worker": "worker:1", "chief": "worker:0", "ps": "ps:0"}
+
+
+def expected(strategy: str, culprit: str, fault: str) -> str:
+    """The outcome a user should get, decided before the run: ``finishes`` or ``fails``.
+
+    - A pause shorter than the peer timeout is not a loss: every job finishes as without it.
+    - SIGKILL, an exception and ``sys.exit(3)`` fail the job naming the task, everywhere: without
+      ``--restart-workers`` the launcher fails a job whose task exits non-zero, and the peers that
+      depended on it name it (parameter_server would re-run a vanished worker's steps, but the launcher
+      still reports the dead task).
+    - A stall longer than the peer timeout is a loss, so it fails the job naming the task, unless
+      nobody has to wait for that task: a ``parameter_server`` worker (its steps run again on the
+      others, and it is used again when it is back) and a ``between_graph`` non-chief worker (async: the
+      others push and pull without it, and it goes on when it wakes) finish as without the stall.
+    """
+    if fault == "sigstop_short":
+        return "finishes"
+    if fault == "sigstop_long" and culprit == "worker:1" and strategy in ("parameter_server", "between_graph"):
+        return "finishes"
+    return "fails"
+
+
+def cells(strategies, faults, roles):
+    for strategy in strategies:
+        _, ps = JOBS[strategy]
+        for role in roles:
+            if role == "ps" and not ps:
+                continue
+            for fault in faults:
+                yield strategy, CULPRITS[role], fault
+
+
+def verdict(outcome, want: str, baseline: dict) -> tuple[str, str, list[str]]:
+    """(observed, PASS/FAIL, why not)."""
+    problems = []
+    if outcome.exit_code == 0:
+        # The variables' final values: what the last task to finish training read (under between_graph's
+        # async mode each worker prints the values of its own last pull, the last one all the updates).
+        same = bool(outcome.trained) and list(outcome.trained.values())[-1] == list(baseline.values())[-1]
+        observed = "finishes" if same else "finishes, other weights"
+    else:
+        observed = "fails" if outcome.exit_code != 124 else "hangs (--timeout)"
+    if observed != want:
+        problems.append(f"expected {want}")
+    if want == "fails" and outcome.exit_code not in (0, 124):
+        if outcome.launcher_culprit != outcome.culprit:
+            problems.append(f"launcher names {outcome.launcher_culprit}")
+        wrong = {t: "/".join(n) or "nobody" for t, n in outcome.named.items()
+                 if outcome.culprit not in n and t != outcome.culprit}
+        if wrong:
+            problems.append("tasks name " + ", ".join(f"{t}->{n}" for t, n in sorted(wrong.items())))
+    # A stall that is not a loss ends when the task is continued, two peer timeouts after it began.
+    allowed = outcome.peer_timeout + 10 + (outcome.peer_timeout * 2 if outcome.fault == "sigstop_long"
+                                           and want == "finishes" else 0)
+    if outcome.fault == "sigstop_short":
+        allowed = None   # the job trains on after the pause: its end says nothing about the fault
+    if allowed is not None and (outcome.ended is None or outcome.ended > allowed):
+        problems.append(f"ended {outcome.ended} s after the fault (> {allowed:g})")
+    return observed, "PASS" if not problems else "FAIL", problems
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--transports", default="zmq")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--faults", default=",".join(FAULTS))
+    parser.add_argument("--culprits", default="worker,chief,ps", help="roles: worker (worker:1), chief (worker:0), ps (ps:0)")
+    parser.add_argument("--peer-timeout", type=float, default=3.0)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    strategies, faults = args.strategies.split(","), args.faults.split(",")
+    roles = args.culprits.split(",")
+    for name, given, known in (("strategy", strategies, STRATEGIES), ("fault", faults, FAULTS),
+                               ("culprit", roles, tuple(CULPRITS))):
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            parser.error(f"unknown {name}(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    load = os.getloadavg()
+    print(f"fault matrix: peer timeout {args.peer_timeout:g} s; load average at start "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores; "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
+    print()
+    print("| transport | strategy | culprit | fault | expected | observed | verdict | exit codes | launcher names "
+          "| tasks name (noticed, s after the fault) | job over (s after the fault) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    records, passed, total = [], 0, 0
+    for transport in args.transports.split(","):
+        baselines: dict[str, dict] = {}
+        for strategy in strategies:
+            base = run_fault(strategy, transport, None, None, peer_timeout=args.peer_timeout)
+            baselines[strategy] = base.trained
+            print(f"| {transport} | {strategy} | - | none | finishes | "
+                  f"{'finishes' if base.exit_code == 0 else 'fails'} | {'PASS' if base.exit_code == 0 else 'FAIL'} | "
+                  f"{_codes(base)} | {base.launcher_culprit or '-'} | - | - |", flush=True)
+            records.append(_record(base, "finishes", "finishes" if base.exit_code == 0 else "fails", []))
+        for strategy, culprit, fault in cells(strategies, faults, roles):
+            want = expected(strategy, culprit, fault)
+            outcome = run_fault(strategy, transport, culprit, fault, peer_timeout=args.peer_timeout)
+            observed, mark, problems = verdict(outcome, want, baselines[strategy])
+            total += 1
+            passed += mark == "PASS"
+            named = ", ".join(f"{t}->{culprit if culprit in n else '/'.join(n) or 'nobody'} ({outcome.noticed[t]})"
+                              for t, n in sorted(outcome.named.items())) or "-"
+            print(f"| {transport} | {strategy} | {culprit} | {fault} | {want} | {observed} | {mark}"
+                  f"{': ' + '; '.join(problems) if problems else ''} | {_codes(outcome)} | "
+                  f"{outcome.launcher_culprit or '-'} | {named} | {outcome.ended} |", flush=True)
+            records.append(_record(outcome, want, observed, problems))
+        for strategy in strategies:
+            for link in LINK_FAULTS:
+                print(f"| {transport} | {strategy} | any | {link} | - | needs emulated hosts | - | - | - | - | - |")
+    load = os.getloadavg()
+    print(f"\n{passed} of {total} cells as expected; load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+def _codes(outcome) -> str:
+    return " ".join(f"{task}={code}" for task, code in outcome.returncodes.items())
+
+
+def _record(outcome, want, observed, problems) -> dict:
+    fields = {k: v for k, v in outcome.__dict__.items() if k != "output"}
+    fields.update(expected=want, observed=observed, problems=problems, output_tail=outcome.output[-4000:])
+    return fields
+
+
+if __name__ == "__main__":
+    sys.exit(main())
