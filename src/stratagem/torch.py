@@ -12,6 +12,11 @@ Importing this module imports torch (``import stratagem`` does not). The parts:
   tasks, translated to torch's exact equations (SGD, Adam, AdamW, Adagrad). (Under
   ``parameter_server`` the coordinator's steps run on the workers: it is refused, with the way to
   train there: the Variables and ``stratagem.optimizers.TorchAdam`` & co. passed to the step.)
+- Under ``mirrored`` with several replicas ``DistributedOptimizer`` reduces as PyTorch's DDP does:
+  buckets of gradients all-reduced while the backward pass runs, ``no_sync()``,
+  ``find_unused_parameters``, ``on_reduced_gradients`` (clip the reduced gradients).
+- :func:`convert_sync_batchnorm` makes a module's BatchNorm layers :class:`SyncBatchNorm`: batch
+  statistics (and their gradients) over the replicas' global batch.
 - :func:`broadcast_parameters` copies one replica's tensors (a module's ``state_dict``, buffers
   included) into every other replica's, in place.
 - Checkpoints: ``strategy.save(dir)`` / ``strategy.restore(dir)`` keep the parameters and the torch
@@ -49,6 +54,7 @@ import torch as _torch  # noqa: F401 - this module needs torch: fail here, with 
 from stratagem.adapters.torch_optim import DistributedOptimizer, ps_rule_config
 from stratagem.adapters.torch_params import broadcast_parameters, variable_of, wrap_module, wrap_parameters
 from stratagem.adapters.torch_state import TorchOptimizerState, module_state_dict
+from stratagem.adapters.torch_syncbn import SyncBatchNorm, convert_sync_batchnorm
 
 __all__ = ["wrap_module", "wrap_parameters", "variable_of", "DistributedOptimizer", "broadcast_parameters",
-           "module_state_dict", "TorchOptimizerState", "ps_rule_config"]
+           "module_state_dict", "TorchOptimizerState", "ps_rule_config", "SyncBatchNorm", "convert_sync_batchnorm"]
