@@ -7,7 +7,8 @@
 The model has a SyncBatchNorm (``convert_sync_batchnorm``), a layer it never uses (``extra``:
 ``find_unused_parameters=True``) and layers registered in another order than they run (the buckets
 are rebuilt after the first step from the order the gradients arrived). Each step accumulates two
-global batches of 7 rows (4 + 3 per replica) with ``no_sync()``, clips the reduced gradients in
+global batches of 7 rows (4 + 3 per replica; 4 steps) with ``no_sync()`` (recording the bytes received during
+that backward pass: SyncBatchNorm's only), clips the reduced gradients in
 ``on_reduced_gradients`` and takes an SGD step. A function between ``body`` and ``bn`` waits, in the
 backward pass of steps >= 1, until the bytes received since the backward pass began exceed what
 SyncBatchNorm's own reduction moves: the gradient buckets of ``head`` and ``mid`` were all-reduced
@@ -87,10 +88,13 @@ opt = stratagem.torch.DistributedOptimizer(
 buckets_before = opt.bucket_members
 g = torch.Generator().manual_seed(1)
 data = [(torch.randn(7, 6, generator=g) * 3 + 1, torch.randint(0, 3, (7,), generator=g)) for _ in range(8)]
-outputs = []
+outputs, in_no_sync = [], []
 for step, ((x1, y1), (x2, y2)) in enumerate(zip(*[iter(strategy.distribute_dataset(data))] * 2)):
     with opt.no_sync():
-        F.cross_entropy(model(x1), y1).backward()
+        loss = F.cross_entropy(model(x1), y1)
+        before = strategy.transport.traffic.snapshot()
+        loss.backward()
+        in_no_sync.append((strategy.transport.traffic.snapshot() - before).received_bytes())
     prediction = model(x2)
     if step == 0:
         outputs = prediction.detach().numpy().tolist()
@@ -109,5 +113,6 @@ np.savez(os.path.join(out, task + ".npz"),
          running_mean=model.bn.running_mean.numpy(), running_var=model.bn.running_var.numpy())
 with open(os.path.join(out, task + ".json"), "w") as f:
     json.dump({"norms": norms, "outputs": outputs, "received_in_backward": watch["seen"],
+               "received_in_no_sync": in_no_sync,
                "buckets_before": buckets_before, "buckets_after": buckets_after,
                "extra_grad_is_none": model.extra.weight.grad is None}, f)

@@ -216,10 +216,10 @@ class Communicator:
         array([1, 5])
         >>> for c in comms: c.close()
         """
-        x, back = _from_torch(x)
+        given, (x, back) = x, _from_torch(x)
         tensor_out = out
         if out is not None:
-            out = _torch_out(out)
+            out = x if out is given else _torch_out(out)     # out=x: in place, one view of one tensor
         x = coll.as_array(x)
         if "allreduce" in self._native or type(x) is not np.ndarray:
             # A native implementation is handed checked arguments, and a device array's out is not
