@@ -8,7 +8,8 @@ environment; ``DistributedOptimizer(overlap=...)``) or ``ddp`` (torch DDP over g
 the same MLP (``L`` layers ``W x W``, SGD) on synthetic data with the same bucket size; first it
 times ``--steps`` forward + backward passes with no communication (the compute alone). Prints one
 JSON line: median step seconds, median compute seconds, the CPU seconds per timed step of this
-process.
+process, and for stratagem the median time inside ``opt.step()`` (waiting for the last buckets, the
+SGD update).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def main() -> None:
     parser.add_argument("mode", choices=("overlap", "no-overlap", "ddp"))
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=384)
     parser.add_argument("--bucket-mb", type=float, default=4)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
@@ -91,12 +92,15 @@ def main() -> None:
 
         def step():
             F.cross_entropy(model(x), y).backward()
+            started = time.perf_counter()
             opt.step()
+            waits.append(time.perf_counter() - started)
             opt.zero_grad()
 
+    waits: list[float] = []
     times, cpu = timed(step, args.steps, args.warmup)
     print(json.dumps({"mode": args.mode, "step_s": statistics.median(times), "compute_s": statistics.median(compute_times),
-                      "cpu_s": cpu, "buckets": len(opt.bucket_members or []) if args.mode != "ddp" else None}),
+                      "cpu_s": cpu, "step_call_s": statistics.median(waits) if waits else None, "buckets": len(opt.bucket_members or []) if args.mode != "ddp" else None}),
           flush=True)
     if args.mode == "ddp":
         dist.destroy_process_group()
