@@ -43,8 +43,10 @@ Alone, a world of one (the same script runs under ``stratagem launch --worker 4`
 Under ``mirrored`` the wrapper creates the variables in the strategy's ``scope()``, so every replica
 starts from the chief's initial values; feed each replica its rows with ``strategy.distribute_dataset``
 so that the gradient mean weighs replicas by their rows (N replicas then make exactly the update of
-one process on the whole batch). Gradients a replica does not have (``param.grad is None``) are left
-out; every replica must have gradients for the same parameters.
+one process on the whole batch). With several replicas a parameter with no gradient at a step is an
+error naming it, unless ``find_unused_parameters=True`` (then it counts as zeros, and one that no
+replica used keeps ``grad=None``); in a world of one and under ``between_graph`` such gradients are
+left out.
 """
 
 from __future__ import annotations
