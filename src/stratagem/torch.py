@@ -12,6 +12,11 @@ Importing this module imports torch (``import stratagem`` does not). The parts:
   tasks, translated to torch's exact equations (SGD, Adam, AdamW, Adagrad). (Under
   ``parameter_server`` the coordinator's steps run on the workers: it is refused, with the way to
   train there: the Variables and ``stratagem.optimizers.TorchAdam`` & co. passed to the step.)
+- Under ``mirrored`` with several replicas ``DistributedOptimizer`` reduces as PyTorch's DDP does:
+  buckets of gradients all-reduced while the backward pass runs, ``no_sync()``,
+  ``find_unused_parameters``, ``on_reduced_gradients`` (clip the reduced gradients).
+- :func:`convert_sync_batchnorm` makes a module's BatchNorm layers :class:`SyncBatchNorm`: batch
+  statistics (and their gradients) over the replicas' global batch.
 - :func:`broadcast_parameters` copies one replica's tensors (a module's ``state_dict``, buffers
   included) into every other replica's, in place.
 - Checkpoints: ``strategy.save(dir)`` / ``strategy.restore(dir)`` keep the parameters and the torch
@@ -38,8 +43,10 @@ Alone, a world of one (the same script runs under ``stratagem launch --worker 4`
 Under ``mirrored`` the wrapper creates the variables in the strategy's ``scope()``, so every replica
 starts from the chief's initial values; feed each replica its rows with ``strategy.distribute_dataset``
 so that the gradient mean weighs replicas by their rows (N replicas then make exactly the update of
-one process on the whole batch). Gradients a replica does not have (``param.grad is None``) are left
-out; every replica must have gradients for the same parameters.
+one process on the whole batch). With several replicas a parameter with no gradient at a step is an
+error naming it, unless ``find_unused_parameters=True`` (then it counts as zeros, and one that no
+replica used keeps ``grad=None``); in a world of one and under ``between_graph`` such gradients are
+left out.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import torch as _torch  # noqa: F401 - this module needs torch: fail here, with 
 from stratagem.adapters.torch_optim import DistributedOptimizer, ps_rule_config
 from stratagem.adapters.torch_params import broadcast_parameters, variable_of, wrap_module, wrap_parameters
 from stratagem.adapters.torch_state import TorchOptimizerState, module_state_dict
+from stratagem.adapters.torch_syncbn import SyncBatchNorm, convert_sync_batchnorm
 
 __all__ = ["wrap_module", "wrap_parameters", "variable_of", "DistributedOptimizer", "broadcast_parameters",
-           "module_state_dict", "TorchOptimizerState", "ps_rule_config"]
+           "module_state_dict", "TorchOptimizerState", "ps_rule_config", "SyncBatchNorm", "convert_sync_batchnorm"]

@@ -7,6 +7,11 @@ share of the global batch), writes them back into ``param.grad`` and calls the t
 makes on the whole batch. The parameters are views of the strategy's variables, so the update lands
 in them.
 
+With more than one ``mirrored`` replica the reduction is DDP's: buckets all-reduced by a background
+thread while the backward pass runs (:mod:`stratagem.adapters.torch_overlap`), ``no_sync()`` for
+gradient accumulation, ``find_unused_parameters``, and ``on_reduced_gradients`` (clip the reduced
+gradients) before the torch step.
+
 Under ``between_graph`` the update runs on the ps tasks, which have no torch:
 the torch optimizer is translated into the stratagem rule with torch's exact equations
 (:mod:`stratagem.training.optimizers.torch_rules`) — ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight
@@ -17,7 +22,8 @@ into the parameters' buffers. Other optimizers are refused there with the list o
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable
 
 from stratagem.core.errors import ConfigurationError
 from stratagem.core import timeline as _timeline
@@ -25,6 +31,7 @@ from stratagem.adapters.torch_params import variable_of, wrap_parameters
 from stratagem.training.variables import resolve_strategy
 from stratagem.adapters.torch_state import TorchOptimizerState
 from stratagem.adapters.torch_tensors import as_array, as_tensor
+from stratagem.adapters.torch_overlap import GradientReducer
 
 #: What runs on the ps tasks: torch optimizer class name -> the rule's name.
 PS_RULES = {"SGD": "TorchSGD", "Adam": "TorchAdam", "AdamW": "TorchAdam", "Adagrad": "TorchAdagrad"}
@@ -88,6 +95,17 @@ class DistributedOptimizer:
             wrapped here. Without it, parameters must have been wrapped, or get positional names
             (``param.0``, ... in ``param_groups`` order).
         strategy: the strategy (default: the one whose ``scope()`` is active).
+        overlap: under ``mirrored`` with several replicas, all-reduce buckets of gradients while the
+            backward pass runs (default True, as DDP); False: all of them in ``step()``.
+        bucket_bytes: the largest bucket of gradients, in bytes (default: the strategy's
+            ``bucket_bytes``, 25 MiB; DDP's ``bucket_cap_mb``).
+        find_unused_parameters: a parameter that got no gradient in a step counts as zeros in the
+            reduction (one that no replica used keeps ``grad=None``); without it (default), such a
+            parameter is an error naming it (DDP's option).
+        on_reduced_gradients: ``fn(params)``, called in ``step()`` with the parameters that have a
+            gradient, after the reduction and before the torch optimizer's step: the place to clip
+            (``lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0)``). Every replica sees the same
+            gradients there. Not under ``between_graph`` (the ps tasks update).
 
     Use it as the torch optimizer: ``loss.backward(); opt.step(); opt.zero_grad()``. Every replica
     calls ``step()`` with gradients for the same parameters. Other attributes (``param_groups``,
@@ -96,7 +114,9 @@ class DistributedOptimizer:
     :mod:`stratagem.adapters.torch_state`).
     """
 
-    def __init__(self, optimizer, named_parameters=None, *, strategy=None):
+    def __init__(self, optimizer, named_parameters=None, *, strategy=None, overlap: bool = True,
+                 bucket_bytes: int | None = None, find_unused_parameters: bool = False,
+                 on_reduced_gradients: Callable | None = None):
         import torch
 
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -118,6 +138,13 @@ class DistributedOptimizer:
         from stratagem.strategies.ps.base import PSStrategyBase   # the parameter-server strategies
 
         self.on_parameter_servers = isinstance(strategy, PSStrategyBase)
+        _check_options(overlap, bucket_bytes, find_unused_parameters, on_reduced_gradients)
+        if on_reduced_gradients is not None and self.on_parameter_servers:
+            raise ConfigurationError(
+                f"on_reduced_gradients cannot run under {strategy.name!r}: the gradients are reduced and "
+                f"applied on the ps tasks, so there are no reduced gradients here to clip; use 'mirrored'"
+            )
+        self.on_reduced_gradients = on_reduced_gradients
         if self.on_parameter_servers:
             self._rule_config = ps_rule_config(optimizer)   # refused before any variable is made
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -144,6 +171,12 @@ class DistributedOptimizer:
         else:
             self._state = TorchOptimizerState(optimizer, named)
             strategy.on_optimizer(self._state)   # strategy.save/restore keep its state
+        self._reducer = None
+        if _reduces_like_ddp(strategy):
+            self._reducer = GradientReducer(
+                named, strategy, overlap=overlap, find_unused_parameters=find_unused_parameters,
+                bucket_bytes=bucket_bytes if bucket_bytes is not None else strategy.config["bucket_bytes"])
+        self._synchronized: list | None = None
 
     @property
     def variables(self) -> dict:
@@ -159,29 +192,70 @@ class DistributedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._reducer is not None and self._reducer.in_no_sync:
+            raise ConfigurationError("DistributedOptimizer.step() inside no_sync(): the gradients accumulated "
+                                     "there are reduced by the next backward pass outside it; step after that")
+        if self._synchronized is None:
+            self.synchronize()
+        params, self._synchronized = self._synchronized, None
+        if self.on_parameter_servers:
+            self._push([(param, var) for param, var in self._pairs if param.grad is not None])
+            return loss
+        if self.on_reduced_gradients is not None:
+            self.on_reduced_gradients(params)
+        recorder = _timeline.RECORDER
+        if recorder is None:
+            self.optimizer.step()
+        else:
+            with recorder.span("optimizer", "optimizer", {"optimizer": type(self.optimizer).__name__}):
+                self.optimizer.step()
+        self._state.iterations += 1
+        if self._reducer is not None:
+            self.strategy.reduce_gradients([])      # counts the step (for save), as the other path does
+        return loss
+
+    def synchronize(self) -> list:
+        """Reduce the gradients now (wait for the buckets in flight) and write them into ``param.grad``;
+        return the parameters that have a gradient. ``step()`` calls it unless it was called since the
+        last step (Horovod's ``synchronize()``: clip in between, then ``step()``). Under
+        ``between_graph`` it only checks the gradients: the ps tasks reduce them in ``step()``."""
+        import torch
+
+        if self._reducer is not None:
+            if not self._reducer.has_gradients():
+                raise _no_gradient()
+            self._synchronized = self._reducer.synchronize()
+            return list(self._synchronized)
         present = [(param, var) for param, var in self._pairs if param.grad is not None]
         if not present:
-            raise ConfigurationError("DistributedOptimizer.step(): no parameter has a gradient; call "
-                                     "loss.backward() first")
+            raise _no_gradient()
         for param, var in present:
             if param.grad.is_sparse:
                 raise ConfigurationError(f"parameter {var.name!r} has a sparse gradient; stratagem.torch "
                                          f"reduces dense gradients only (use a dense embedding)")
-        if self.on_parameter_servers:
-            self._push(present)
-        else:
+        if not self.on_parameter_servers:
             reduced = self.strategy.reduce_gradients([(as_array(param.grad), var) for param, var in present])
             with torch.no_grad():
                 for (param, _), grad in zip(present, reduced):
                     param.grad.copy_(as_tensor(grad))
-            recorder = _timeline.RECORDER
-            if recorder is None:
-                self.optimizer.step()
-            else:
-                with recorder.span("optimizer", "optimizer", {"optimizer": type(self.optimizer).__name__}):
-                    self.optimizer.step()
-            self._state.iterations += 1
-        return loss
+        self._synchronized = [param for param, _ in present]
+        return list(self._synchronized)
+
+    def no_sync(self):
+        """A context manager (DDP's ``model.no_sync()``): backward passes inside it accumulate the
+        gradients locally, with no communication; the next backward pass outside it (then ``step()``)
+        reduces the accumulated sum. Where the reduction happens in ``step()`` anyway (a world of one,
+        ``between_graph``, ``overlap=False``) accumulating needs nothing, and it does nothing."""
+        if self._reducer is not None:
+            return self._reducer.no_sync()
+        return contextlib.nullcontext()
+
+    @property
+    def bucket_members(self) -> list[list[str]] | None:
+        """The parameters' names bucket by bucket, in the order the buckets are all-reduced (rebuilt
+        after the first step from the order the chief's gradients arrived); None where ``step()``
+        reduces through the strategy instead."""
+        return None if self._reducer is None else self._reducer.bucket_members
 
     def _push(self, present) -> None:
         config = ps_rule_config(self.optimizer)
@@ -200,10 +274,37 @@ class DistributedOptimizer:
 
     def __getattr__(self, name: str):
         # param_groups, state, state_dict, load_state_dict, add_param_group...: the torch optimizer's.
-        if name in ("optimizer", "__setstate__"):
+        if name in ("optimizer", "__setstate__", "_reducer", "_synchronized", "on_reduced_gradients"):
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 
     def __repr__(self) -> str:
         where = "on the ps tasks" if self.on_parameter_servers else "all-reduced"
         return f"DistributedOptimizer({type(self.optimizer).__name__}, {len(self._pairs)} parameters, {where})"
+
+
+def _no_gradient() -> ConfigurationError:
+    return ConfigurationError("DistributedOptimizer.step(): no parameter has a gradient; call loss.backward() first")
+
+
+def _reduces_like_ddp(strategy) -> bool:
+    """Whether ``step()`` reduces through :class:`GradientReducer` (buckets, overlap): under ``mirrored``
+    with several replicas, without compression (the strategy's compressors keep per-variable state),
+    elastic training (the world changes under the strategy's own communicator) or the ``nccl``
+    transport (one NCCL communicator per member set, shared with the strategy's collectives)."""
+    return (strategy.name == "mirrored" and strategy.num_replicas_in_sync > 1
+            and strategy.config.get("on_failure") == "raise" and strategy.compressor is None
+            and strategy.transport_name != "nccl")
+
+
+def _check_options(overlap, bucket_bytes, find_unused_parameters, on_reduced_gradients) -> None:
+    for option, value in (("overlap", overlap), ("find_unused_parameters", find_unused_parameters)):
+        if not isinstance(value, bool):
+            raise ConfigurationError(f"DistributedOptimizer({option}=...) takes True or False, got {value!r}")
+    if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
+                                     or bucket_bytes < 1):
+        raise ConfigurationError(f"DistributedOptimizer(bucket_bytes=...) takes a number of bytes >= 1, "
+                                 f"got {bucket_bytes!r} (DDP's bucket_cap_mb=25 is bucket_bytes=25 << 20)")
+    if on_reduced_gradients is not None and not callable(on_reduced_gradients):
+        raise ConfigurationError(f"on_reduced_gradients takes a function of the parameters, got "
+                                 f"{type(on_reduced_gradients).__name__}")

@@ -29,6 +29,7 @@ and this task come from the environment) and calls the same collectives.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Callable, Sequence
 
@@ -64,6 +65,40 @@ def _stage(x, device_buffers: bool) -> tuple[Any, Callable]:
     return x.get(), cupy.asarray
 
 
+def _torch_tensor_type():
+    """``torch.Tensor`` if torch is already imported (a caller holding a tensor has imported it), else None."""
+    torch = sys.modules.get("torch")
+    return getattr(torch, "Tensor", None)
+
+
+def _from_torch(x):
+    """``(x as an array, function turning a result back to x's kind)``: a torch tensor becomes a numpy
+    view (CPU, ``tensor.numpy()``: no copy) or a cupy view (CUDA, DLPack), and results come back as
+    tensors sharing the result's memory; anything else passes as it is. torch is never imported here."""
+    tensor_type = _torch_tensor_type()
+    if tensor_type is None or not isinstance(x, tensor_type):
+        return x, _identity
+    torch = sys.modules["torch"]
+    x = x.detach()
+    if x.device.type == "cpu":
+        return x.resolve_conj().numpy(), torch.from_numpy
+    import cupy  # a CUDA tensor: cupy is how the transports hold device memory
+
+    return cupy.from_dlpack(x), torch.from_dlpack
+
+
+def _torch_out(out):
+    """``out`` as an array the collective writes into in place (a torch tensor: its numpy/cupy view)."""
+    array, back = _from_torch(out)
+    if back is not _identity and not out.is_contiguous():
+        raise ConfigurationError("out= must be a contiguous tensor (the result is written into its memory)")
+    return array
+
+
+def _with_kind(result, back):
+    return result if result is None or back is _identity else back(result)
+
+
 class Communicator:
     """Collectives among ``members`` over ``transport``.
 
@@ -87,6 +122,10 @@ class Communicator:
     way the call is numbered once, by the session.
 
     Methods may be called from one thread at a time per communicator (calls are serialised).
+
+    The collectives take and give torch tensors too: a CPU tensor goes in as a numpy view of its memory
+    (no copy), a CUDA one through DLPack, and the result comes back as a tensor (``out=`` a tensor is
+    written in place and returned). torch is never imported by this module.
     """
 
     def __init__(self, transport: Transport, members: Sequence[TaskId | str] | None = None, *,
@@ -178,6 +217,10 @@ class Communicator:
         array([1, 5])
         >>> for c in comms: c.close()
         """
+        given, (x, back) = x, _from_torch(x)
+        tensor_out = out
+        if out is not None:
+            out = x if out is given else _torch_out(out)     # out=x: in place, one view of one tensor
         x = coll.as_array(x)
         if "allreduce" in self._native or type(x) is not np.ndarray:
             # A native implementation is handed checked arguments, and a device array's out is not
@@ -185,8 +228,9 @@ class Communicator:
             # the same way (once per call: this is on every training step's path).
             coll.check_allreduce(x, op, algorithm, out)
         if out is None:
-            return self._call("allreduce", x, op=op, algorithm=algorithm)
-        return self._call("allreduce", x, op=op, algorithm=algorithm, out=out)
+            return _with_kind(self._call("allreduce", x, op=op, algorithm=algorithm), back)
+        self._call("allreduce", x, op=op, algorithm=algorithm, out=out)
+        return tensor_out
 
     def broadcast(self, x, root: int = 0, algorithm: str = "auto"):
         """The root's ``x`` on every rank, as a new array.
@@ -212,10 +256,11 @@ class Communicator:
         coll.check_algorithm(algorithm, coll.BROADCAST_ALGORITHMS, "broadcast")
         if x is None and self.rank == root:
             raise ConfigurationError(f"broadcast: the root (rank {root}) must pass the array to send, not None")
+        x, back = _from_torch(x)
         if x is not None:
             x = coll.as_array(x)
             coll.check_dtype(x.dtype, "broadcast")
-        return self._call("broadcast", x, root=root, algorithm=algorithm)
+        return _with_kind(self._call("broadcast", x, root=root, algorithm=algorithm), back)
 
     def allgather(self, x):
         """Every rank's ``x`` stacked in rank order: a new array of shape ``(size, *x.shape)``.
@@ -233,9 +278,10 @@ class Communicator:
                [1, 1]])
         >>> for c in comms: c.close()
         """
+        x, back = _from_torch(x)
         x = coll.as_array(x)
         coll.check_dtype(x.dtype, "allgather")
-        return self._call("allgather", x)
+        return _with_kind(self._call("allgather", x), back)
 
     def reduce_scatter(self, x, op: str = "sum"):
         """Reduce ``x`` over every rank; return this rank's segment of the flattened result.
@@ -254,10 +300,11 @@ class Communicator:
         [array([0, 2, 4]), array([6, 8])]
         >>> for c in comms: c.close()
         """
+        x, back = _from_torch(x)
         x = coll.as_array(x)
         coll.check_dtype(x.dtype, "reduce_scatter")
         coll.check_op(op, x.dtype, "reduce_scatter")
-        return self._call("reduce_scatter", x, op=op)
+        return _with_kind(self._call("reduce_scatter", x, op=op), back)
 
     def barrier(self) -> None:
         """Return only once every rank has called ``barrier``.

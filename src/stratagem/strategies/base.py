@@ -502,6 +502,13 @@ class Strategy:
             return 1.0 / self.num_replicas_in_sync
         return self._batch_share
 
+    @property
+    def gradient_weight(self) -> float:
+        """This replica's weight in the gradient average (its share of the last global batch that
+        ``distribute_dataset`` yielded, else ``1 / num_replicas_in_sync``): what a gradient reduced
+        outside ``reduce_gradients`` (``stratagem.torch``'s overlap with the backward pass) is scaled by."""
+        return self._gradient_weight()
+
     def fingerprint(self) -> str:
         """A hex SHA-256 of every variable's name, dtype, shape and bytes (in name order).
 
