@@ -361,7 +361,9 @@ class StrategyOptimizer(_Synchronizing):
         taken = {variable.name for variable in strategy.variables}
         unique = [(name if variable_of(p) is not None or name not in taken else f"optimizer{ident}/{name}", p)
                   for name, p in named]
-        self.inner = _StrategyDistributedOptimizer(optimizer, unique, strategy=strategy)
+        # Reduced at step(), not during the backward pass: Horovod's Sum and join() scale the gradients
+        # between the backward pass and the step.
+        self.inner = _StrategyDistributedOptimizer(optimizer, unique, strategy=strategy, overlap=False)
         super().__init__(world, optimizer, named, passes)
 
     @property
