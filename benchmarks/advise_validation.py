@@ -295,7 +295,8 @@ def print_table(rows: list[dict], doc: dict, out=sys.stdout) -> None:
             pick = max(cells_n, key=lambda r: r["advise"])
             best = max(cells_n, key=lambda r: r["measured"])
             rank = sorted(cells_n, key=lambda r: -r["measured"]).index(pick) + 1
-            print(f"- {n} worker{'s' * (n != 1)}" + (f" at {link}" if link else "") + ": advise picks {_name(pick)}, measured {pick['measured']:,.0f} samples/s, "
+            print(f"- {n} worker{'s' * (n != 1)}" + (f" at {link}" if link else "")
+                  + f": advise picks {_name(pick)}, measured {pick['measured']:,.0f} samples/s, "
                   f"{rank} of {len(cells_n)}; the bench's best {_name(best)} {best['measured']:,.0f} "
                   f"({pick['measured'] / best['measured']:.0%} of it)", file=out)
         ps_vs_allreduce(done, out)
