@@ -154,7 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the measured one")
     parser.add_argument("--latency", metavar="TIME",
                         help="for --predict-workers: the network's one-way latency (e.g. 20us) instead of the "
-                             "measured one")
+                             "measured one; with --hosts: the links' one-way delay, added to each call")
     parser.add_argument("--hosts", type=int, metavar="N",
                         help="predict for N hosts (the tasks placed on them as stratagem launch --hosts does) "
                              "instead of this machine; the links modelled, the costs measured here")
