@@ -6,6 +6,14 @@ machine can run: 1-4 workers, 1-2 ps, every default bench strategy over every us
     python benchmarks/advise_validation.py --rounds 1 --workers 2 --transports zmq,shm    # a few minutes
     python benchmarks/advise_validation.py --json advise-validation.json
     python benchmarks/advise_validation.py --from advise-validation.json   # the table again, from a saved run
+    python benchmarks/advise_validation.py --hosts 2 --link 100mbit,1gbit --model wide --workers 2 \
+        --strategies mirrored,between_graph:sync,parameter_server:sync --transports zmq    # emulated hosts (root)
+
+**On emulated hosts** (``--hosts N|workers --link RATES``): every cell runs on N emulated hosts (or one
+per worker), once per link rate, as ``stratagem bench --hosts N --link RATE`` runs it, and is predicted
+as ``stratagem advise --hosts N --link RATE`` predicts it (:mod:`stratagem.advise.hosts`: the costs of
+the round's probe, the links modelled by placement). The table then says, per model and worker count,
+which of parameter servers and all-reduce wins at each rate, measured and predicted.
 
 **Interleaved.** A round is: the full advise probe (the machine and every transport's links), then
 every cell (strategy x transport x workers x ps) run once by the bench's own runner
@@ -48,26 +56,45 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
 from stratagem.advise import costmodel as cm  # noqa: E402
 from stratagem.advise import probe  # noqa: E402
+from stratagem.advise import hosts as hosts_model  # noqa: E402
 
 DEFAULT_STRATEGIES = "mirrored,in_graph,between_graph:sync,between_graph:async,parameter_server:async"
 
 
-def cells(workers: list[int], ps_counts: list[int], strategies: list[str], transports: list[str]) -> list[dict]:
+def cells(workers: list[int], ps_counts: list[int], strategies: list[str], transports: list[str],
+          links: list | None = None) -> list[dict]:
+    out = []
+    for link in (links or [None]):
+        out += _cells(workers, ps_counts, strategies, transports, link)
+    return out
+
+
+def _cells(workers, ps_counts, strategies, transports, link) -> list[dict]:
     out = []
     for n in workers:
         for choice in strategies:
             name, _, mode = choice.partition(":")
             for transport in transports:
                 for ps in (ps_counts if name in cm.PS_STRATEGIES else [0]):
-                    out.append({"strategy": name, "mode": mode or None, "transport": transport, "workers": n, "ps": ps})
+                    out.append({"strategy": name, "mode": mode or None, "transport": transport, "workers": n, "ps": ps,
+                                "link": link})
     return out
 
 
 def key(cell: dict) -> tuple:
-    return (cell["strategy"], cell["mode"] or "", cell["transport"], cell["workers"], cell["ps"])
+    return (cell.get("link") or "", cell["strategy"], cell["mode"] or "", cell["transport"], cell["workers"], cell["ps"])
 
 
-def run_cell(cell: dict, steps: int, warmup: int, model: str, timeout: float) -> dict:
+def hosts_of(cell: dict, hosts: str | None):
+    """The emulated hosts a cell runs on (``--hosts N``, or ``workers``: one per worker), or None."""
+    if not hosts:
+        return None
+    from stratagem.launch.hosts import HostsSpec
+
+    return HostsSpec.parse(cell["workers"] if hosts == "workers" else int(hosts), link=cell.get("link"))
+
+
+def run_cell(cell: dict, steps: int, warmup: int, model: str, timeout: float, hosts: str | None = None) -> dict:
     """One bench run of ``cell``, through the bench's planner and runner."""
     from stratagem.bench.plan import StrategyChoice, plan
     from stratagem.bench.models import build_model
@@ -77,10 +104,11 @@ def run_cell(cell: dict, steps: int, warmup: int, model: str, timeout: float) ->
     built = build_model(model)
     choice = StrategyChoice(cell["strategy"], cell["mode"])
     [combination] = plan([choice], [cell["transport"]], workers=cell["workers"], ps=max(1, cell["ps"]),
-                         manager=plugin_manager())
+                         manager=plugin_manager(), hosts=hosts_of(cell, hosts))
     param_bytes = int(sum(v.nbytes for v in built.init_params(0).values()))
     settings = RunSettings(model=model, steps=steps, warmup=warmup, seed=0, timeout=timeout,
-                           target_loss=None, batch_size=built.batch_size, param_bytes=param_bytes)
+                           target_loss=None, batch_size=built.batch_size, param_bytes=param_bytes,
+                           hosts=hosts_of(cell, hosts))
     outcome = run_combination(combination, settings)
     figures = {k: v for k, v in outcome.figures.items() if k != "loss_curve"}
     return {"status": outcome.status, "reason": outcome.reason, "figures": figures,
@@ -114,7 +142,8 @@ def collect(args) -> dict:
     from stratagem.bench.availability import check_transport
 
     transports = [t for t in args.transports.split(",") if check_transport(t).skip is None]
-    grid = cells(args.workers, args.ps, args.strategies.split(","), transports)
+    grid = cells(args.workers, args.ps, args.strategies.split(","), transports,
+                 args.link.split(",") if args.link else None)
     max_tasks = max(c["workers"] + c["ps"] + (c["strategy"] == "parameter_server") for c in grid)
     settings = probe.ProbeSettings(model=args.model, transports=tuple(transports), machine_tasks=max_tasks)
     doc = {"args": vars(args), "transports": transports, "rounds": [], "started": time.time()}
@@ -129,12 +158,13 @@ def collect(args) -> dict:
         rng.shuffle(order)
         for i, cell in enumerate(order):
             before = sense(args.sense)
-            result = run_cell(cell, args.steps, args.warmup, args.model, args.timeout)
+            result = run_cell(cell, args.steps, args.warmup, args.model, args.timeout, args.hosts)
             result.update(cell=cell, sensor_s=[before, sense(args.sense)])
             round_doc["cells"].append(result)
             f = result["figures"]
             log(f"{i + 1}/{len(order)} {cell['strategy']}{':' + cell['mode'] if cell['mode'] else ''} x "
-                f"{cell['transport']} w{cell['workers']} ps{cell['ps']}: "
+                f"{cell['transport']} w{cell['workers']} ps{cell['ps']}"
+                + (f" at {cell['link']}" if cell.get("link") else "") + ": "
                 + (f"{f['samples_per_s']:,.0f} samples/s" if result["status"] == "ok" else result["status"])
                 + f" (one task gets {_share(result['sensor_s'][0]):.0%}/{_share(result['sensor_s'][1]):.0%} of a core, "
                   f"load {result['loadavg'][0]:.1f})")
@@ -182,10 +212,14 @@ def evaluate(doc: dict, rounds: list[int] | None = None) -> list[dict]:
                 entry["failed"].append(result["reason"])
                 continue
             setup = cm.Setup(cell["strategy"], cell["mode"], cell["transport"], cell["workers"], cell["ps"])
+            spec = hosts_of(cell, doc["args"].get("hosts"))
+
+            def links(t):   # on emulated hosts: the links as stratagem advise --hosts models them
+                return t if spec is None else hosts_model.shaped(t, setup, spec)
             host, work, transports = figures(round_doc["probe"])
-            entry["advise"].append(cm.predict(setup, work, transports[cell["transport"]], host).samples_per_s)
+            entry["advise"].append(cm.predict(setup, work, links(transports[cell["transport"]]), host).samples_per_s)
             host_now, work, transports = figures(round_doc["probe"], result["sensor_s"])
-            entry["model"].append(cm.predict(setup, work, transports[cell["transport"]], host_now).samples_per_s)
+            entry["model"].append(cm.predict(setup, work, links(transports[cell["transport"]]), host_now).samples_per_s)
             entry["measured"].append(result["figures"]["samples_per_s"])
             entry["drift"].append(result["figures"]["compute_ms"] / 1e3
                                   / (work.compute_s * host.slowdown(cell["workers"], transports[cell["transport"]].one_group)))
@@ -205,7 +239,8 @@ def evaluate(doc: dict, rounds: list[int] | None = None) -> list[dict]:
             row["error"] = statistics.median(row["runs_error"])
         rows.append(row)
     order = {"mirrored": 0, "in_graph": 1, "between_graph": 2, "parameter_server": 3}
-    rows.sort(key=lambda r: (order.get(r["strategy"], 9), r["mode"] or "", r["transport"], r["workers"], r["ps"]))
+    rows.sort(key=lambda r: (r.get("link") or "", order.get(r["strategy"], 9), r["mode"] or "", r["transport"],
+                             r["workers"], r["ps"]))
     return rows
 
 
@@ -214,7 +249,7 @@ def print_table(rows: list[dict], doc: dict, out=sys.stdout) -> None:
           "model (median) | advise (median) |", file=out)
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |", file=out)
     for r in rows:
-        label = r["strategy"] + (f":{r['mode']}" if r["mode"] else "")
+        label = r["strategy"] + (f":{r['mode']}" if r["mode"] else "") + (f" @ {r['link']}" if r.get("link") else "")
         if "measured" not in r:
             print(f"| {label} | {r['transport']} | {r['workers']} | {r['ps'] or '-'} | failed: "
                   f"{(r['failed'] or ['?'])[0][:50]} | | | |", file=out)
@@ -255,20 +290,48 @@ def print_table(rows: list[dict], doc: dict, out=sys.stdout) -> None:
                   file=out)
         print("\nthe choice (per worker count: what advise's probe alone recommends, and how it did in the bench):",
               file=out)
-        for n in sorted({r["workers"] for r in done}):
-            cells_n = [r for r in done if r["workers"] == n]
+        for n, link in sorted({(r["workers"], r.get("link") or "") for r in done}):
+            cells_n = [r for r in done if r["workers"] == n and (r.get("link") or "") == link]
             pick = max(cells_n, key=lambda r: r["advise"])
             best = max(cells_n, key=lambda r: r["measured"])
             rank = sorted(cells_n, key=lambda r: -r["measured"]).index(pick) + 1
-            print(f"- {n} worker{'s' * (n != 1)}: advise picks {_name(pick)}, measured {pick['measured']:,.0f} samples/s, "
+            print(f"- {n} worker{'s' * (n != 1)}" + (f" at {link}" if link else "")
+                  + f": advise picks {_name(pick)}, measured {pick['measured']:,.0f} samples/s, "
                   f"{rank} of {len(cells_n)}; the bench's best {_name(best)} {best['measured']:,.0f} "
                   f"({pick['measured'] / best['measured']:.0%} of it)", file=out)
+        ps_vs_allreduce(done, out)
     for i, round_doc in enumerate(doc["rounds"], start=1):
         loads = [c["loadavg"][0] for c in round_doc["cells"]] or [0.0]
         host = round_doc["probe"]["host"]
         print(f"round {i}: load average {min(loads):.1f}-{max(loads):.1f} (median {statistics.median(loads):.1f}) "
               f"on {host['cores']} cores; the probe's background fit {host['background']:.1f} busy processes",
               file=out)
+
+
+def ps_vs_allreduce(done: list[dict], out) -> None:
+    """Per link and worker count: the faster of all-reduce (mirrored) and parameter servers (the best
+    ps cell), measured and as advise predicts it."""
+    groups: dict[tuple, dict] = {}
+    for r in done:
+        kind = "all-reduce" if r["strategy"] == "mirrored" else "ps" if r["strategy"] in cm.PS_STRATEGIES else None
+        if kind:
+            g = groups.setdefault((r.get("link") or "local", r["workers"]), {})
+            if kind not in g or r["measured"] > g[kind]["measured"]:
+                g[kind] = r
+            g.setdefault(kind + " predicted", 0.0)
+            g[kind + " predicted"] = max(g[kind + " predicted"], r["advise"])
+    rows = [(k, g) for k, g in sorted(groups.items()) if "ps" in g and "all-reduce" in g]
+    if not rows:
+        return
+    print("\nparameter servers against all-reduce (samples/s: the best ps cell, mirrored; measured | advise):", file=out)
+    print("| link | workers | all-reduce measured | ps measured | wins, measured | all-reduce advise | ps advise | "
+          "wins, advise |", file=out)
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | --- |", file=out)
+    for (link, n), g in rows:
+        ar, ps, par, pps = g["all-reduce"]["measured"], g["ps"]["measured"], g["all-reduce predicted"], g["ps predicted"]
+        won, said = ("all-reduce" if ar >= ps else "ps"), ("all-reduce" if par >= pps else "ps")
+        print(f"| {link} | {n} | {ar:,.1f} | {ps:,.1f} ({_name(g['ps'])}) | {won} | {par:,.1f} | {pps:,.1f} | {said}"
+              + ("" if won == said else " (disagrees)") + " |", file=out)
 
 
 def _name(row: dict) -> str:
@@ -280,6 +343,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--hosts", metavar="N|workers",
+                        help="run every cell on N emulated hosts (workers: one per worker), needs root; "
+                             "predicted as stratagem advise --hosts does")
+    parser.add_argument("--link", metavar="RATES",
+                        help="with --hosts: comma-separated link rates, each cell once per rate (100mbit,1gbit)")
     parser.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3, 4])
     parser.add_argument("--ps", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     parser.add_argument("--strategies", default=DEFAULT_STRATEGIES)

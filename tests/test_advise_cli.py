@@ -255,3 +255,39 @@ def test_help_documents_the_command():
         assert option in proc.stdout
     top = subprocess.run([sys.executable, "-m", "stratagem", "--help"], capture_output=True, text=True, timeout=60)
     assert "advise" in top.stdout
+
+
+def test_hosts_predicts_for_the_described_cluster_with_its_links(measured):
+    """``--hosts 2 --link RATE``: the costs measured here, the links modelled by placement: a slower
+    link predicts every setup that crosses it slower, a faster one nothing slower; the document and
+    the table say the cluster."""
+    _, path, _ = measured
+    docs = {}
+    for rate in ("100mbit", "10gbit"):
+        proc = advise("--measured", str(path), "--worker", "2", "--ps", "1", "--hosts", "2", "--link", rate,
+                      "--strategies", "mirrored,between_graph:sync,parameter_server:sync", "--json")
+        assert proc.returncode == 0, proc.stderr
+        docs[rate] = json.loads(proc.stdout)
+    assert docs["100mbit"]["hosts"]["count"] == 2 and docs["100mbit"]["hosts"]["link_bps"] == 10**8
+    here = {(p["label"], p["ps"]): p["samples_per_s"] for p in measured[0]["predictions"] if p["transport"] == "zmq"}
+    slow, fast = ({(p["label"], p["ps"]): p["samples_per_s"] for p in docs[r]["predictions"]}
+                  for r in ("100mbit", "10gbit"))
+    assert set(slow) == {("mirrored", 0), ("between_graph:sync", 1), ("parameter_server:sync", 1)}
+    for setup in slow:   # (the small model moves ~100 KB a step: 100mbit is ~10 ms of wire)
+        assert slow[setup] < fast[setup] <= here[setup] * 1.0001, (setup, slow[setup], fast[setup], here[setup])
+    text = advise("--measured", str(path), "--worker", "2", "--ps", "1", "--hosts", "4", "--link", "1gbit",
+                  "--cores-per-host", "8").stdout
+    assert "predicted for 2 workers on 4 hosts, links 1gbit, 8 cores each" in " ".join(text.split())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--link", "1gbit"], "--link: only with --hosts N"),
+    (["--hosts", "2", "--link", "fast"], "link rate 'fast'"),
+    (["--hosts", "2", "--predict-workers", "64"], "give one of them"),
+    (["--hosts", "2", "--bandwidth", "1gbit"], "--link RATE"),
+    (["--hosts", "2", "--cores-per-host", "0"], "--cores-per-host must be"),
+])
+def test_hosts_options_say_what_is_wrong(args, message):
+    proc = advise(*args, timeout=60)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert message in proc.stderr

@@ -8,6 +8,8 @@
     stratagem advise --predict-workers 256 --bandwidth 25Gbit --latency 20us   # on a network you describe
     stratagem advise --model mypkg.models:build       # your model (the interface of stratagem bench's)
     stratagem advise --quick --json > advice.json     # machine-readable; --measured advice.json reuses it
+    stratagem advise --hosts 2 --link 100mbit --transports zmq --model wide   # as stratagem bench --hosts runs
+    stratagem advise --hosts 8 --link 1gbit --cores-per-host 16 --worker 8    # 8 real hosts you describe
 
 It measures this machine (:mod:`stratagem.advise.probe`): the model's compute for one step, a ps's
 update of its parameters, how tasks share the cores, and per transport the latency and bandwidth of
@@ -20,6 +22,13 @@ reason in a sentence.
 (no core sharing, no straggler measured across hosts), the links as measured here between two
 tasks, unloaded (or as ``--bandwidth``/``--latency`` describe them), every ps on its own link, the
 variables placed as the strategies place them.
+
+**Hosts you describe** (``--hosts N --link RATE``, :mod:`stratagem.advise.hosts`): the costs measured
+here (per call and per byte, the compute) with the links modelled: the tasks placed on the hosts as
+``stratagem launch --hosts`` places them, each host's link ``RATE`` each way, two tasks on one host
+talking over its loopback. Without ``--cores-per-host`` the hosts are emulated on this machine (what
+``stratagem bench --hosts N --link RATE`` runs: every task shares its cores); with ``--cores-per-host
+C`` each host has C cores of its own.
 
 **A cluster that spans hosts.** The links are measured between local tasks unless you measure them
 on your cluster: run ``stratagem advise --probe-links links.json --transports zmq`` as every task of
@@ -145,7 +154,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the measured one")
     parser.add_argument("--latency", metavar="TIME",
                         help="for --predict-workers: the network's one-way latency (e.g. 20us) instead of the "
-                             "measured one")
+                             "measured one; with --hosts: the links' one-way delay, added to each call")
+    parser.add_argument("--hosts", type=int, metavar="N",
+                        help="predict for N hosts (the tasks placed on them as stratagem launch --hosts does) "
+                             "instead of this machine; the links modelled, the costs measured here")
+    parser.add_argument("--link", metavar="RATE",
+                        help="with --hosts: each host's link rate each way (100mbit, 1gbit, 10gbit; default: "
+                             "unshaped); --latency gives its one-way delay")
+    parser.add_argument("--link-of", action="append", default=[], metavar="HOST=RATE",
+                        help="with --hosts: one host's link rate (host1=100mbit); repeatable")
+    parser.add_argument("--tasks-per-host", type=int, metavar="K",
+                        help="with --hosts: K tasks on each host in turn (default: round-robin)")
+    parser.add_argument("--cores-per-host", type=float, metavar="C",
+                        help="with --hosts: each host has C cores of its own (default: the hosts are emulated "
+                             "on this machine, as stratagem bench --hosts runs them, and share its cores)")
     parser.add_argument("--probe-links", metavar="PATH",
                         help="run as every task of a job on your cluster: time its links (every pair, an "
                              "all-reduce, a ps exchange) over the one transport of --transports; the first task "
@@ -188,9 +210,17 @@ def check(args: argparse.Namespace) -> dict:
                "predict": _int_list("--predict-workers", args.predict_workers) if args.predict_workers else [],
                "bandwidth": parse_bandwidth(args.bandwidth) if args.bandwidth else None,
                "latency": parse_latency(args.latency) if args.latency else None}
-    if (checked["bandwidth"] or checked["latency"] is not None) and not checked["predict"]:
+    checked["hosts"] = _described_cluster(args)
+    if checked["hosts"] is not None and checked["predict"]:
+        raise ConfigurationError("--hosts describes the cluster to predict for; --predict-workers extrapolates "
+                                 "one task per host: give one of them")
+    if checked["hosts"] is not None and checked["bandwidth"]:
+        raise ConfigurationError("with --hosts, give the link rate as --link RATE (e.g. --link 1gbit), not "
+                                 "--bandwidth")
+    if (checked["bandwidth"] or checked["latency"] is not None) and not (checked["predict"] or checked["hosts"]):
         raise ConfigurationError("--bandwidth and --latency describe the network of --predict-workers: "
-                                 "give --predict-workers too (this machine's links are measured)")
+                                 "give --predict-workers too (this machine's links are measured), or --latency "
+                                 "with --hosts N")
     if args.measured and not os.path.isfile(args.measured):
         raise ConfigurationError(f"--measured: no such file {args.measured!r} (write one with --json > FILE)")
     checked["links"] = [p.strip() for p in args.links.split(",") if p.strip()] if args.links else []
@@ -204,6 +234,28 @@ def check(args: argparse.Namespace) -> dict:
                                      f"(got {args.transports!r})")
         checked["probe_transport"] = names[0]
     return checked
+
+
+def _described_cluster(args: argparse.Namespace):
+    """``--hosts`` and its options as a :class:`~stratagem.advise.hosts.DescribedCluster` (None without
+    ``--hosts``)."""
+    from stratagem.launch.hosts import HostsSpec
+
+    given = [flag for flag, value in (("--link", args.link), ("--link-of", args.link_of or None),
+                                      ("--tasks-per-host", args.tasks_per_host),
+                                      ("--cores-per-host", args.cores_per_host)) if value is not None]
+    if args.hosts is None:
+        if given:
+            raise ConfigurationError(f"{', '.join(given)}: only with --hosts N (the cluster to predict for)")
+        return None
+    if args.cores_per_host is not None and not args.cores_per_host > 0:
+        raise ConfigurationError(f"--cores-per-host must be a number of cores > 0, got {args.cores_per_host:g}")
+    from stratagem.advise.hosts import DescribedCluster
+
+    latency = f"{parse_latency(args.latency) * 1e6:g}us" if args.latency and parse_latency(args.latency) > 0 else None
+    spec = HostsSpec.parse(args.hosts, link=args.link, link_of=args.link_of, latency=latency,
+                           tasks_per_host=args.tasks_per_host)
+    return DescribedCluster(spec, args.cores_per_host)
 
 
 def _transports(args: argparse.Namespace) -> tuple:
@@ -377,7 +429,12 @@ def print_report(measured, predictions, best_reason, extrapolated: dict, setting
         if conv is not None:
             cells.append(_to_target(p, conv))
         table.add_row(*cells, _parts(p))
-    console.print(f"predicted for {settings['workers']} workers here (tasks share the {host.cores:g} cores):")
+    if settings.get("hosts") is not None:
+        console.print(f"predicted for {settings['workers']} workers on {settings['hosts'].describe()} (the costs "
+                      f"measured here, the links modelled: see stratagem.advise.hosts):", markup=False,
+                      highlight=False, soft_wrap=True)
+    else:
+        console.print(f"predicted for {settings['workers']} workers here (tasks share the {host.cores:g} cores):")
     console.print(table)
     console.print(f"recommended: {reason}", markup=False, highlight=False, soft_wrap=True)
     for name, why in measured.skipped.items():
@@ -433,6 +490,12 @@ def document(measured, predictions, best_reason, extrapolated: dict, settings: d
            "recommendation": {**record(best), "reason": reason},
            "predictions": [record(p) for p in predictions],
            "measurements": measured.as_dict()}
+    if settings.get("hosts") is not None:
+        spec = settings["hosts"].hosts
+        doc["hosts"] = {"count": spec.count, "link_bps": spec.link,
+                        "link_of_bps": {spec.name(h): r for h, r in sorted(spec.link_of.items())},
+                        "latency_s": spec.latency, "tasks_per_host": spec.tasks_per_host,
+                        "cores_per_host": settings["hosts"].cores_per_host, "description": settings["hosts"].describe()}
     if extrapolated:
         doc["extrapolation"] = {
             "assumptions": list(ASSUMPTIONS),
@@ -474,7 +537,13 @@ def run(args: argparse.Namespace) -> int:
         if not measured.transports:
             raise ConfigurationError("no transport could be measured here: "
                                      + "; ".join(f"{k}: {v}" for k, v in measured.skipped.items()))
-        predictions, best_reason = advise(measured, args.worker, settings["ps"], settings["strategies"])
+        if settings["hosts"] is not None:
+            from stratagem.advise import hosts as described
+
+            predictions, best_reason = described.predict(settings["hosts"], measured, args.worker, settings["ps"],
+                                                         settings["strategies"])
+        else:
+            predictions, best_reason = advise(measured, args.worker, settings["ps"], settings["strategies"])
         extrapolated = extrapolate(measured, settings["predict"], settings["ps"], settings["strategies"],
                                    settings["bandwidth"], settings["latency"]) if settings["predict"] else {}
     except ConfigurationError as exc:
@@ -484,7 +553,7 @@ def run(args: argparse.Namespace) -> int:
         say(str(exc))
         return EXIT_FAILED
     shown = {"workers": args.worker, "ps": settings["ps"], "bandwidth": settings["bandwidth"],
-             "latency": settings["latency"]}
+             "latency": settings["latency"], "hosts": settings["hosts"]}
     if args.json:
         json.dump(document(measured, predictions, best_reason, extrapolated, shown), sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -144,14 +144,16 @@ def check_names(strategies: list[StrategyChoice], transports: list[str], manager
 
 
 def plan(strategies: list[StrategyChoice], transports: list[str], *, workers: int, ps: int,
-         manager, compressions: list[str | None] = (None,)) -> list[Combination]:
+         manager, compressions: list[str | None] = (None,), hosts=None) -> list[Combination]:
     """Every combination, in strategy-major order (then transport, then compression), each with its
     cluster or the reason it is skipped.
 
     ``manager`` is the plugin manager: it says which strategies, transports and compressors exist (an
     unknown name raises ``ConfigurationError``: :func:`check_names`); each transport is checked once
     (:func:`~stratagem.bench.availability.check_transport`, importing it), each compressor's usability
-    too, and a strategy without a ``compression`` option is skipped with the reason it gives."""
+    too, and a strategy without a ``compression`` option is skipped with the reason it gives. With
+    ``hosts`` (emulated hosts), a transport launched by its own launcher (``mpi``) is skipped: the
+    emulated hosts are the local launcher's."""
     from stratagem.core.errors import PluginError
     from stratagem.bench.availability import check_transport
 
@@ -179,6 +181,9 @@ def plan(strategies: list[StrategyChoice], transports: list[str], *, workers: in
         for transport in transports:
             check = checks[transport]
             reason = problem or check.skip
+            if reason is None and hosts is not None and check.mpi_job:
+                reason = (f"{transport} jobs start under their own launcher (mpiexec), which does not run on "
+                          f"emulated hosts: leave out --hosts, or use zmq, grpc or shm")
             if reason is None and check.max_np is not None and workers + ps + 1 > check.max_np:
                 reason = f"needs one GPU per task: up to {workers + ps + 1} tasks, {check.max_np} GPU(s) visible"
             for compression in compressions:

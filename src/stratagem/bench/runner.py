@@ -46,6 +46,7 @@ class RunSettings:
     target_loss: float | None
     batch_size: int
     param_bytes: int
+    hosts: object = None      # a launch.hosts.HostsSpec: run every combination on emulated hosts
 
 
 @dataclass
@@ -118,7 +119,7 @@ def _launch(combination: Combination, spec_path: str, settings: RunSettings, cap
 
     return launch(command, workers=cluster.workers, ps=cluster.ps, chief=cluster.chief,
                   transport=combination.transport, env=env, timeout=settings.timeout, output=capture,
-                  error_output=capture, ps_grace=10.0)
+                  error_output=capture, ps_grace=10.0, hosts=settings.hosts)
 
 
 def run_combination(combination: Combination, settings: RunSettings,
@@ -162,6 +163,8 @@ def run_combination(combination: Combination, settings: RunSettings,
     except ValueError as exc:
         return Outcome(combination, "failed", str(exc), seconds=seconds)
     figures["replicas"] = records[0]["replicas"]
+    # where each task that wrote figures ran (its hostname: host0, host1... on emulated hosts)
+    figures["task_hosts"] = {r["task"]: r["host"] for r in records if "task" in r and "host" in r}
     return Outcome(combination, "ok", figures=figures, seconds=seconds)
 
 

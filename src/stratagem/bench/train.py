@@ -9,9 +9,12 @@
     stratagem bench --model embedding              # a 100k-row table a step reads ~2K rows of
     stratagem bench --strategies mirrored --transports zmq --compression none,fp16,topk,powersgd
     stratagem bench --model mypkg.models:build     # your own model (see stratagem.bench.models)
+    stratagem bench --hosts 2 --link 100mbit --strategies mirrored,parameter_server:sync --model wide
 
 Every combination runs as a local cluster of its own (``stratagem launch``; ``mpiexec`` for ``mpi``),
-one after another: ``--worker`` replicas train (the ``parameter_server`` coordinator is one more task),
+one after another (with ``--hosts N --link RATE``: on N emulated hosts of this machine, one task per
+host in turn, ps tasks and the coordinator too, each host's link shaped to RATE, as ``stratagem launch
+--hosts`` runs them; :mod:`stratagem.launch.hosts`): ``--worker`` replicas train (the ``parameter_server`` coordinator is one more task),
 ``--ps`` tasks hold the variables of ``between_graph`` and ``parameter_server``. Every replica trains
 on the same data (each its own batches of ``batch_size`` rows, drawn by replica index and step) from
 the same initial values, with plain SGD, for ``--steps`` steps each; the first ``--warmup`` steps are
@@ -44,6 +47,7 @@ from stratagem.bench import plan as planning
 from stratagem.bench.models import BUILTIN, build_model
 from stratagem.bench.runner import RunSettings, run_combination
 from stratagem.bench.units import human_bytes
+from stratagem.launch.hosts import add_host_arguments, hosts_spec
 
 DEFAULT_TRANSPORTS_NOTE = "every registered transport (those not usable here are listed as skipped)"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -73,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop a combination after this long (default 180)")
     parser.add_argument("--json", metavar="PATH", help="write every figure and the environment here")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG: throughput bars and loss-vs-time curves")
+    # --hosts N --link RATE --link-of HOST=RATE --tasks-per-host K --latency D: every combination on
+    # emulated hosts, as stratagem launch --hosts runs a job (round-robin placement by default)
+    add_host_arguments(parser)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -147,8 +154,9 @@ def run(args: argparse.Namespace) -> int:
         manager = plugin_manager()
         transports = planning.parse_transports(args.transports) if args.transports else manager.names("transport")
         compressions = planning.parse_compressions(args.compression)
+        hosts = hosts_spec(args)
         combinations = planning.plan(strategies, transports, workers=args.worker, ps=args.ps, manager=manager,
-                                     compressions=compressions)
+                                     compressions=compressions, hosts=hosts)
     except ConfigurationError as exc:
         err.print(f"stratagem bench: {exc}", markup=False, highlight=False)
         return EXIT_USAGE
@@ -157,10 +165,11 @@ def run(args: argparse.Namespace) -> int:
     target = args.target_loss if args.target_loss is not None else model.target_loss
     settings = RunSettings(model=args.model, steps=args.steps, warmup=args.warmup, seed=args.seed,
                            timeout=args.timeout, target_loss=target, batch_size=model.batch_size,
-                           param_bytes=param_bytes)
+                           param_bytes=param_bytes, hosts=hosts)
     header = (f"stratagem bench: model {model.name} ({human_bytes(param_bytes)} of parameters, "
               f"batch {model.batch_size} per replica), {args.worker} replicas, {args.ps} ps, "
-              f"{args.steps} steps ({args.warmup} warm-up)")
+              f"{args.steps} steps ({args.warmup} warm-up)"
+              + (f", on {hosts.describe()}" if hosts is not None else ""))
     environment = describe_environment(workers=args.worker, ps=args.ps)   # load average before the runs
     display = _Display(err, len(combinations))
     outcomes = []
@@ -180,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
               "warmup": args.warmup, "seed": args.seed, "workers": args.worker, "ps": args.ps,
               "target_loss": target, "strategies": [s.label for s in strategies], "transports": transports,
               "compression": [c or planning.NO_COMPRESSION for c in compressions],
-              "timeout": args.timeout}
+              "timeout": args.timeout, "hosts": _hosts_config(hosts)}
     if args.json:
         document = report.to_json(outcomes, config, environment)
         with open(args.json, "w") as f:
@@ -191,6 +200,15 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"wrote {args.plot}", markup=False, highlight=False)
     failed = [o for o in outcomes if o.status in ("failed", "timeout")]
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _hosts_config(hosts) -> dict | None:
+    """The emulated hosts of a run, for its JSON (None: one host, unshaped loopback)."""
+    if hosts is None:
+        return None
+    return {"count": hosts.count, "link_bps": hosts.link, "link_of_bps": {hosts.name(h): r for h, r in
+                                                                          sorted(hosts.link_of.items())},
+            "latency_s": hosts.latency, "tasks_per_host": hosts.tasks_per_host, "description": hosts.describe()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

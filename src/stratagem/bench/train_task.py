@@ -22,6 +22,7 @@ The measuring tasks write ``OUT/<job>-<index>.json``; the runner reads them.
 
 import json
 import os
+import socket
 import sys
 import time
 
@@ -204,7 +205,7 @@ def main() -> int:
     else:
         with strategy:
             record = replica_loop()
-    record.update(task=strategy.task.short, replicas=training_replicas(),
+    record.update(task=strategy.task.short, host=socket.gethostname(), replicas=training_replicas(),
                   param_bytes=int(sum(v.size * v.dtype.itemsize for v in variables.values())),
                   started=started, finished=time.time())
     write_record(record)
