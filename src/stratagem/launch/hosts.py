@@ -19,6 +19,9 @@ bridge outlives the launcher, even one killed with SIGKILL (none is named in ``i
 holders die with the *thread* that started them: start :class:`EmulatedHosts` from the thread that
 lives as long as the hosts (the launcher's main thread).
 
+:meth:`EmulatedHosts.set_link` changes one host's link while it runs (cut, slowed, restored: the fault
+matrix's link faults, :mod:`stratagem.testing.faults`).
+
 A command runs inside a host through :meth:`EmulatedHosts.command` (a prefix that enters the host's
 namespaces with ``setns`` and execs it). Needs Linux, ``ip`` and ``tc`` (iproute2), and the right to
 make namespaces: root, or an unprivileged user namespace (``unshare -r stratagem launch --hosts ...``).
