@@ -11,7 +11,8 @@ launch`` on emulated hosts, one task per host (:func:`stratagem.testing.faults.r
   (TCP resends 0.2, 0.6, 1.4 s after the cut: a cut of 1 s is bridged 1.4 s after it began; a cut of
   half the timeout, 1.5 s, only 3 s after: lost, as a peer silent for its timeout must be);
 - slowed to a hundredth of its rate for the rest of the job (longer than a peer timeout): the heartbeats
-  still get through, and the job finishes as without it.
+  still get through, and the job finishes as without it;
+- a link change for a host that is not there, or at a rate that is not one, names the problem.
 
 Needs root (or ``unshare -r``) and iproute2; skipped, saying why, where emulated hosts cannot be built.
 """
@@ -23,8 +24,9 @@ import json
 import numpy as np
 import pytest
 
+from stratagem.core.errors import ConfigurationError
 from stratagem.testing.faults import run_fault
-from stratagem.testing.hosts import why_no_hosts
+from stratagem.testing.hosts import emulated_hosts, why_no_hosts
 
 PEER_TIMEOUT = 3.0
 
@@ -72,3 +74,11 @@ def test_a_link_slowed_to_a_hundredth_for_longer_than_the_peer_timeout_is_no_los
     _finished_as_without_the_fault(outcome, 100)
     # Slow for longer than a peer timeout, or the test says nothing.
     assert outcome.ended > PEER_TIMEOUT, _report(outcome)
+
+
+def test_a_bad_link_change_names_the_problem():
+    with emulated_hosts(1) as hosts:
+        with pytest.raises(ConfigurationError, match=r"no host 1: give 0\.\.0"):
+            hosts.network.set_link(1, "down")
+        with pytest.raises(ConfigurationError, match="like 100mbit"):
+            hosts.network.set_link(0, "fast")
