@@ -5,8 +5,8 @@ Each test runs the plain training script (:mod:`stratagem.testing.fault_script`)
 launch`` on emulated hosts, one task per host (:func:`stratagem.testing.faults.run_fault`, peer timeout
 3 s), and strikes worker:1's host link when the chief starts step 3 (``EmulatedHosts.set_link``):
 
-- cut for good: the others fail naming worker:1 a peer timeout after the cut, and the job is over
-  within the peer timeout plus 10 s;
+- cut for good: the others fail naming worker:1 a peer timeout after the cut (those the launcher has
+  not stopped first), and the job is over within the peer timeout plus 10 s;
 - cut for a third of the peer timeout, then restored: the job waits and finishes as without the cut
   (TCP resends 0.2, 0.6, 1.4 s after the cut: a cut of 1 s is bridged 1.4 s after it began; a cut of
   half the timeout, 1.5 s, only 3 s after: lost, as a peer silent for its timeout must be);
@@ -51,8 +51,10 @@ def _finished_as_without_the_fault(outcome, steps: int) -> None:
 def test_a_worker_cut_off_for_good_is_lost_and_named_by_every_other_task():
     outcome = run_fault("mirrored", "zmq", "worker:1", "link_cut", peer_timeout=PEER_TIMEOUT, steps=40)
     assert outcome.exit_code == 1, _report(outcome)
-    survivors = {"worker:0", "worker:2"}
-    assert set(outcome.named) >= survivors, "a survivor did not fail with an error\n" + _report(outcome)
+    # The first survivor to notice fails the job, and the launcher stops the others: they may be gone
+    # before they print their own error. Every one that did names worker:1.
+    survivors = set(outcome.named) & {"worker:0", "worker:2"}
+    assert survivors, "no survivor failed with an error\n" + _report(outcome)
     for task in survivors:
         assert outcome.named[task][:1] == ["worker:1"], f"{task} names {outcome.named[task]}\n" + _report(outcome)
         assert 0.9 * PEER_TIMEOUT <= outcome.noticed[task] <= 2 * PEER_TIMEOUT + 3, _report(outcome)
