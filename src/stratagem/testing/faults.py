@@ -156,6 +156,7 @@ def run_fault(strategy: str, transport: str, culprit: str | None, fault: str | N
         link_for = LINK_FAULTS[fault] if link_for is None and fault != "link_cut" else link_for
         slowed = max(8000, parse_rate(link) // SLOWDOWN)
     struck: list[float] = []
+    unstruck: list[BaseException] = []
     timers: list[threading.Timer] = []
 
     def signal_later(pid: int, sig: int, delay: float) -> None:
@@ -176,7 +177,11 @@ def run_fault(strategy: str, transport: str, culprit: str | None, fault: str | N
         elif fault == "exit":
             _signal(pid, signal.SIGUSR2)
         elif fault in LINK_FAULTS:
-            network.set_link(culprit_host, slowed if fault == "link_slow" else "down")
+            try:
+                network.set_link(culprit_host, slowed if fault == "link_slow" else "down")
+            except (ConfigurationError, OSError, subprocess.SubprocessError) as exc:
+                unstruck.append(exc)     # raised once the job is over, not in the launcher's reader thread
+                return
             if fault != "link_cut":
                 timer = threading.Timer(link_for, _restore, args=(network, culprit_host))
                 timer.daemon = True
@@ -205,6 +210,8 @@ def run_fault(strategy: str, transport: str, culprit: str | None, fault: str | N
         if network is not None:
             network.close()
     finished = time.monotonic()
+    if unstruck:
+        raise RuntimeError(f"could not strike {fault} on {culprit}'s host link: {unstruck[0]}") from unstruck[0]
     start = struck[0] if struck else None
     named, noticed, trained = {}, {}, {}
     for _, task, text in watch.lines:
