@@ -21,7 +21,8 @@ chief (worker:0) starts step 3 (:func:`stratagem.testing.faults.run_fault`). A c
 Link faults (``link_slow``: the culprit's host link slowed to a hundredth of its 100 Mbit/s for 20 s;
 ``link_cut_short``: cut for 10 s, then restored; ``link_cut``: cut for good) run the job on emulated
 hosts (one task per host; root, or ``unshare -r``): ``--faults link_slow,link_cut_short,link_cut``.
-Where emulated hosts cannot be built, their rows say why and are not run. Nothing here passes or fails
+Where emulated hosts cannot be built, and over ``shm`` (one host's tasks only), their rows say why
+and are not run. Nothing here passes or fails
 the suite: it prints the table (markdown) and, with ``--json``, every cell's details.
 """
 
@@ -165,8 +166,9 @@ def main() -> None:
         no_hosts = why_no_hosts() if set(faults) & set(LINK_FAULTS) else None
         for strategy, culprit, fault in cells(strategies, faults, roles):
             want = expected(strategy, culprit, fault, args.peer_timeout)
-            if fault in LINK_FAULTS and no_hosts:
-                print(f"| {transport} | {strategy} | {culprit} | {fault} | {want} | not run: {no_hosts} "
+            if fault in LINK_FAULTS and (no_hosts or transport == "shm"):
+                why = no_hosts or "shm connects the tasks of one host only (it refuses others, saying so)"
+                print(f"| {transport} | {strategy} | {culprit} | {fault} | {want} | not run: {why} "
                       f"| - | - | - | - | - |", flush=True)
                 continue
             outcome = run_fault(strategy, transport, culprit, fault, peer_timeout=args.peer_timeout, steps=args.steps)
