@@ -19,6 +19,9 @@ bridge outlives the launcher, even one killed with SIGKILL (none is named in ``i
 holders die with the *thread* that started them: start :class:`EmulatedHosts` from the thread that
 lives as long as the hosts (the launcher's main thread).
 
+:meth:`EmulatedHosts.set_link` changes one host's link while it runs (cut, slowed, restored: the fault
+matrix's link faults, :mod:`stratagem.testing.faults`).
+
 A command runs inside a host through :meth:`EmulatedHosts.command` (a prefix that enters the host's
 namespaces with ``setns`` and execs it). Needs Linux, ``ip`` and ``tc`` (iproute2), and the right to
 make namespaces: root, or an unprivileged user namespace (``unshare -r stratagem launch --hosts ...``).
@@ -282,6 +285,15 @@ def _shaping(dev: str, rate: int | None, delay: float | None) -> list[str]:
     return [f"qdisc add dev {dev} root {tbf}"] if tbf else []
 
 
+def _reshaping(dev: str, rate: int | None, delayed: bool) -> str:
+    """The ``tc -batch`` line that sets ``dev``'s rate at run time (a ``netem`` root, when there is
+    one, is kept: the token bucket is its child)."""
+    where = "parent 1:1 handle 10:" if delayed else "root"
+    if rate is None:
+        return f"qdisc replace dev {dev} {where} pfifo"
+    return f"qdisc replace dev {dev} {where} tbf rate {rate}bit burst {_burst(rate)} latency {QUEUE_MS}ms"
+
+
 class EmulatedHosts:
     """A set of emulated hosts, built by :meth:`start` (or ``with``) and removed by :meth:`close`.
 
@@ -390,6 +402,24 @@ class EmulatedHosts:
         kwargs.setdefault("capture_output", True)
         kwargs.setdefault("text", True)
         return subprocess.run(self.command(host, argv), timeout=timeout, **kwargs)
+
+    def set_link(self, host: int, link: "str | int | None") -> None:
+        """Change host ``host``'s link while it runs (a link fault): ``"down"`` cuts it (its ``eth0``
+        goes down, so nothing crosses either way; sockets stay open), a rate (``"1mbit"``, or bits/s)
+        shapes it to that rate in both directions (and brings it up), None puts it back as the spec
+        built it (up, at its rate, or unshaped)."""
+        if not self._hosts:
+            raise RuntimeError("the emulated hosts are not started (call start(), or use them in a with block)")
+        if not 0 <= host < len(self._hosts):
+            raise ConfigurationError(f"no host {host}: give 0..{len(self._hosts) - 1}")
+        holder = self._hosts[host]
+        if link == "down":
+            self._batch(holder, "ip", ["link set eth0 down"])
+            return
+        rate = self.spec.rate_of(host) if link is None else (link if isinstance(link, int) else parse_rate(link))
+        for namespace, dev in ((holder, "eth0"), (self._switch, f"p{host}")):
+            self._batch(namespace, "tc", [_reshaping(dev, rate, bool(self.spec.latency))])
+        self._batch(holder, "ip", ["link set eth0 up"])
 
     def holder_pids(self) -> list[int]:
         """The processes holding the namespaces (the switch's first): once they and the commands started

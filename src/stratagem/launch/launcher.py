@@ -149,7 +149,7 @@ def launch(
     grace: float = DEFAULT_GRACE,
     ps_grace: float = DEFAULT_PS_GRACE,
     restart_workers: int | None = None,
-    hosts: HostsSpec | None = None,
+    hosts: HostsSpec | EmulatedHosts | None = None,
 ) -> LaunchResult:
     """Run ``command`` once per task of a local cluster and supervise the job; see the module doc.
 
@@ -161,7 +161,9 @@ def launch(
     (``interrupted_by``) rather than raised: a caller running several jobs should check it.
     ``restart_workers``: see ``--restart-workers`` in the module doc (None: a failed task stops the job).
     ``hosts``: run the tasks on emulated hosts (``--hosts``: :mod:`stratagem.launch.hosts`), each task
-    bound to its host's address; ``host`` must then stay the default.
+    bound to its host's address; ``host`` must then stay the default. Given started
+    :class:`~stratagem.launch.hosts.EmulatedHosts`, the job runs on them and leaves them to the caller
+    (who can change a link while it runs: ``set_link``, the fault matrix's link faults).
     """
     base_env = job_env(env)
     check_options(command, workers, ps, chief, secret, timeout, grace, ps_grace, base_env.get("PATH"))
@@ -176,12 +178,14 @@ def launch(
     out = Sink(output if output is not None else sys.stdout)
     err = Sink(error_output if error_output is not None else sys.stderr)
 
+    own_network = hosts is not None and not isinstance(hosts, EmulatedHosts)   # else the caller's, started
     if hosts is None:
         cluster, port_holders = _plan_cluster(workers, ps, chief, host)
         network, placement = None, {}
     else:
+        network = hosts if isinstance(hosts, EmulatedHosts) else EmulatedHosts(hosts)
+        hosts, port_holders = network.spec, {}
         cluster, placement = plan_hosts_cluster({"chief": 1 if chief else 0, "worker": workers, "ps": ps}, hosts)
-        network, port_holders = EmulatedHosts(hosts), {}
     tasks: list[RunningTask] = []
     pump = OutputPump()
     started = time.monotonic()
@@ -205,7 +209,8 @@ def launch(
     try:
         with SignalTrap() as trap:
             if network is not None:
-                network.start()
+                if own_network:
+                    network.start()
                 err.write(f"stratagem launch: {hosts.describe()}: " + ", ".join(
                     f"{task.short} on {network.names[placement[task]]}" for task in cluster.tasks()) + "\n")
             for task in cluster.tasks():
@@ -217,7 +222,7 @@ def launch(
     finally:
         # Every path, including errors and KeyboardInterrupt from a caller's handler: nothing survives.
         kill_and_reap(tasks)
-        if network is not None:
+        if own_network:
             network.close()  # after the tasks: the namespaces go with their last process
         pump.close()
         job_end.close()

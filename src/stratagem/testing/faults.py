@@ -13,6 +13,16 @@ Faults (struck when the chief, worker:0, starts its step 3):
   script); ``exit``: ``sys.exit(3)`` (SIGUSR2);
 - ``sigstop_short``: SIGSTOP, SIGCONT half a peer timeout later (a GC pause, a swapped-out process);
 - ``sigstop_long``: SIGSTOP, SIGCONT two peer timeouts later (a stall that must count as a loss).
+
+Link faults run the job on emulated hosts (:mod:`stratagem.launch.hosts`: one task per host, links of
+``link``, 100 Mbit/s by default; root or ``unshare -r``) and strike the culprit's host link
+(:meth:`~stratagem.launch.hosts.EmulatedHosts.set_link`, both directions):
+
+- ``link_slow``: slowed to a hundredth of its rate for 20 s, then restored;
+- ``link_cut_short``: cut (its ``eth0`` down) for 10 s, then restored;
+- ``link_cut``: cut for good.
+
+``link_for`` changes how long the slowed or short-cut link lasts (a test's short cut).
 """
 
 from __future__ import annotations
@@ -23,14 +33,23 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
 
+from stratagem.core.cluster import TaskId
+from stratagem.core.errors import ConfigurationError
+from stratagem.launch.hosts import EmulatedHosts, HostsSpec, parse_rate, plan_cluster
 from stratagem.launch.launcher import launch
 from stratagem.testing.strategy_contract import clean_env
 
 FAULTS = ("sigkill", "sigstop_short", "sigstop_long", "exception", "exit")
+#: Faults of the culprit's host link (the job on emulated hosts), and how long each lasts by default
+#: (seconds; None: for good).
+LINK_FAULTS = {"link_slow": 20.0, "link_cut_short": 10.0, "link_cut": None}
+#: A slowed link's rate: its own divided by this.
+SLOWDOWN = 100
 #: The tasks of each strategy's job: the chief (worker:0: mirrored's rank 0, in_graph's client,
 #: parameter_server's coordinator, between_graph's chief) and the others.
 JOBS = {"mirrored": (3, 0), "in_graph": (3, 0), "between_graph": (3, 1), "parameter_server": (3, 1)}
@@ -47,6 +66,8 @@ class FaultOutcome:
     culprit: str
     fault: str
     peer_timeout: float
+    #: Seconds a link fault lasted (None: for good, or not a link fault).
+    link_for: float | None
     exit_code: int
     #: The task the launcher blamed (``LaunchResult.failed_task``), or None.
     launcher_culprit: str | None
@@ -118,14 +139,24 @@ def _named(error: dict, me: str) -> list[str]:
 
 def run_fault(strategy: str, transport: str, culprit: str | None, fault: str | None, *,
               peer_timeout: float = 3.0, limit: float = 90.0, steps: int = 40, grace: float = 2.0,
-              compute: str = "") -> FaultOutcome:
+              compute: str = "", link: str = "100mbit", link_for: float | None = None) -> FaultOutcome:
     """Run the job of ``strategy`` over ``transport`` (peer timeout ``peer_timeout``), strike ``fault``
     on ``culprit`` (None: no fault) and return what came of it. Every process is reaped whatever happens;
-    the job is stopped after ``limit`` seconds (exit 124)."""
-    if fault is not None and fault not in FAULTS:
-        raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
+    the job is stopped after ``limit`` seconds (exit 124). A link fault runs the job on emulated hosts
+    with links of ``link``; ``link_for`` overrides how long a slowed or short-cut link lasts."""
+    if fault is not None and fault not in FAULTS and fault not in LINK_FAULTS:
+        raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS + tuple(LINK_FAULTS))}")
     workers, ps = JOBS[strategy.partition(":")[0]]
+    network = None
+    if fault in LINK_FAULTS:
+        spec = HostsSpec.parse(workers + ps, link=link)
+        culprit_host = plan_cluster({"worker": workers, "ps": ps}, spec)[1].get(TaskId.parse(culprit))
+        if culprit_host is None:
+            raise ValueError(f"culprit {culprit!r} is not a task of the {strategy} job")
+        link_for = LINK_FAULTS[fault] if link_for is None and fault != "link_cut" else link_for
+        slowed = max(8000, parse_rate(link) // SLOWDOWN)
     struck: list[float] = []
+    unstruck: list[BaseException] = []
     timers: list[threading.Timer] = []
 
     def signal_later(pid: int, sig: int, delay: float) -> None:
@@ -145,6 +176,17 @@ def run_fault(strategy: str, transport: str, culprit: str | None, fault: str | N
             _signal(pid, signal.SIGUSR1)
         elif fault == "exit":
             _signal(pid, signal.SIGUSR2)
+        elif fault in LINK_FAULTS:
+            try:
+                network.set_link(culprit_host, slowed if fault == "link_slow" else "down")
+            except (ConfigurationError, OSError, subprocess.SubprocessError) as exc:
+                unstruck.append(exc)     # raised once the job is over, not in the launcher's reader thread
+                return
+            if fault != "link_cut":
+                timer = threading.Timer(link_for, _restore, args=(network, culprit_host))
+                timer.daemon = True
+                timer.start()
+                timers.append(timer)
         else:
             _signal(pid, signal.SIGSTOP)
             signal_later(pid, signal.SIGCONT, peer_timeout * (0.5 if fault == "sigstop_short" else 2.0))
@@ -157,12 +199,19 @@ def run_fault(strategy: str, transport: str, culprit: str | None, fault: str | N
     if compute:
         command += ["--compute", compute]
     try:
+        if fault in LINK_FAULTS:
+            network = EmulatedHosts(spec).start()    # here, in the thread that outlives the job
         result = launch(command, workers=workers, ps=ps, transport=transport, env=env, timeout=limit,
-                        output=watch, error_output=watch, grace=grace, ps_grace=10.0)
+                        output=watch, error_output=watch, grace=grace, ps_grace=10.0, hosts=network)
     finally:
         for timer in timers:
             timer.cancel()
+            timer.join(30.0)     # a restore under way ends before the hosts go
+        if network is not None:
+            network.close()
     finished = time.monotonic()
+    if unstruck:
+        raise RuntimeError(f"could not strike {fault} on {culprit}'s host link: {unstruck[0]}") from unstruck[0]
     start = struck[0] if struck else None
     named, noticed, trained = {}, {}, {}
     for _, task, text in watch.lines:
@@ -174,11 +223,19 @@ def run_fault(strategy: str, transport: str, culprit: str | None, fault: str | N
             trained[task] = text
     return FaultOutcome(
         strategy=strategy, transport=transport, culprit=culprit or "", fault=fault or "none",
-        peer_timeout=peer_timeout, exit_code=result.exit_code,
+        peer_timeout=peer_timeout, link_for=link_for if fault in LINK_FAULTS else None, exit_code=result.exit_code,
         launcher_culprit=result.failed_task.short if result.failed_task is not None else None,
         reason=result.reason, returncodes=result.returncodes, named=named, noticed=noticed,
         ended=round(finished - start, 2) if start is not None else None, trained=trained,
         output="\n".join(f"[{task}] {text}" if task else text for _, task, text in watch.lines))
+
+
+def _restore(network: EmulatedHosts, host: int) -> None:
+    """Put a host's link back as it was built (the job may be over: then there is nothing to restore)."""
+    try:
+        network.set_link(host, None)
+    except (ConfigurationError, RuntimeError, OSError, subprocess.SubprocessError):
+        pass
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -188,4 +245,4 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-__all__ = ["FAULTS", "JOBS", "FaultOutcome", "run_fault"]
+__all__ = ["FAULTS", "JOBS", "LINK_FAULTS", "SLOWDOWN", "FaultOutcome", "run_fault"]
