@@ -467,3 +467,16 @@ def test_the_ring_socket_is_abstract():
             probe.connect(address)
         finally:
             probe.close()
+
+
+def test_a_transport_refused_for_another_host_ends_with_its_one_error_line(tmp_path):
+    """The script ends by the refusal; the exit hook that ends what the script left open must not then
+    trip over the half-made transport (it printed an AttributeError after the error)."""
+    script = tmp_path / "refused.py"
+    script.write_text("import stratagem\nfrom stratagem.core.cluster import ClusterSpec\n"
+                      "stratagem.transport('shm', cluster=ClusterSpec({'worker': ['127.0.0.1:1', '10.9.9.9:2']}),"
+                      " task='worker:0')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STRATAGEM_")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 1 and "connects only tasks on one host" in done.stderr, done.stderr
+    assert "AttributeError" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr

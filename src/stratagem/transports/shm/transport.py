@@ -224,6 +224,8 @@ class ShmTransport(Transport):
                  native_allreduce_bytes: int | None = NATIVE_MIN_BYTES, control_options: dict | None = None,
                  remote: str | None = None, **common):
         super().__init__(cluster, task, **common)
+        # Until the options pass, nothing is made (the exit hook may end a transport refused here).
+        self._started, self.control = False, None
         if not isinstance(ring_bytes, int) or not MIN_CAPACITY <= ring_bytes <= MAX_CAPACITY:
             raise ConfigurationError(f"shm: ring_bytes must be an int between {MIN_CAPACITY} and {MAX_CAPACITY}, "
                                      f"got {ring_bytes!r}")
@@ -268,7 +270,6 @@ class ShmTransport(Transport):
         self._retire: dict[TaskId, tuple[str, _Incoming]] = {}  # lost peers whose ring is to drain
         self._retire_lock = threading.Lock()
         self._wake_r = self._wake_w = -1
-        self._started = False
 
     @classmethod
     def check_usable(cls) -> None:
@@ -312,8 +313,9 @@ class ShmTransport(Transport):
 
     def _shutdown(self, graceful: bool) -> None:
         if not self._started:
-            self.control.close()
-            self._inbox.close("closed before it started")
+            if self.control is not None:     # None: its options were refused, nothing was made
+                self.control.close()
+                self._inbox.close("closed before it started")
             return
         self._reading.stop()
         # Everything we sent is in the rings already; the goodbye goes after it (zmq keeps order).
