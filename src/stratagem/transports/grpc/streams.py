@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import queue
 import threading
+from typing import Iterator
 
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import PeerLostError, TransportTimeout
 from stratagem.core.transport import SendHandle
+from stratagem.transports.framing import chunks
 
 END = object()  # ends a request stream
 
@@ -113,6 +115,44 @@ class Outgoing:
                 keep.append(item)
         for item in keep:
             self.queue.put(item)
+
+    def requests(self, chunk_bytes: int) -> Iterator[bytes]:
+        """The request stream (run by gRPC's request thread): the queued frames in order, each large
+        frame cut into messages of at most ``chunk_bytes``, small ones coalesced into one message."""
+        held = None
+        try:
+            while True:
+                item = held if held is not None else self.queue.get()
+                held = None
+                if item is END:
+                    return
+                if isinstance(item, LazySend):
+                    with self.lock:
+                        if self.error is not None:
+                            item.finish(self.error)
+                            continue
+                        self.current = item
+                    for message in chunks(item.parts, chunk_bytes):
+                        yield message
+                    with self.lock:
+                        self.current = None
+                    item.finish()
+                    continue
+                # Small frames already queued go together, in one message of at most a chunk.
+                batch, size = [item.data], len(item.data)
+                while size < chunk_bytes:
+                    try:
+                        held = self.queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not isinstance(held, Eager) or size + len(held.data) > chunk_bytes:
+                        break
+                    batch.append(held.data)
+                    size += len(held.data)
+                    held = None
+                yield batch[0] if len(batch) == 1 else b"".join(batch)
+        finally:
+            self.drained.set()
 
     def cancel(self) -> None:
         if self.call is not None:
