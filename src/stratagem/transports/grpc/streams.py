@@ -4,7 +4,8 @@
 handshake's progress and what failed it. :class:`Incoming` is a peer's stream into our server
 (its handshake is :mod:`stratagem.core.acceptor`'s).
 :class:`LazySend` is the handle of a large send, done once gRPC's request thread has cut the last
-chunk out of the caller's arrays. Nothing here imports grpc.
+chunk out of the caller's arrays (before that chunk is handed to gRPC: what happens to the bytes
+afterwards, the peer's receive and goodbye included, is no longer the send's). Nothing here imports grpc.
 """
 
 from __future__ import annotations
@@ -132,11 +133,19 @@ class Outgoing:
                             item.finish(self.error)
                             continue
                         self.current = item
-                    for message in chunks(item.parts, chunk_bytes):
+                    pieces = chunks(item.parts, chunk_bytes)
+                    message = next(pieces)
+                    for following in pieces:
                         yield message
+                        message = following
+                    # The last message is made: every byte of the caller's arrays is copied, so the send
+                    # is complete now, before that message is handed to gRPC. Completing it only when
+                    # gRPC asked for the next one let the peer read it, finish and say goodbye first, and
+                    # a send that had delivered everything then failed with "closed its transport".
                     with self.lock:
                         self.current = None
                     item.finish()
+                    yield message
                     continue
                 # Small frames already queued go together, in one message of at most a chunk.
                 batch, size = [item.data], len(item.data)
