@@ -210,6 +210,10 @@ def _error_from_abort(session: CollectiveSession, meta: dict) -> Exception:
         error = CommunicationError(f"{origin_name} failed a collective on communicator {session.name!r} "
                                    f"and aborted it: {reason}")
     error.abort_meta = meta  # so this rank forwards the same notice, not a new one
+    if kind != "lost" and isinstance(origin, int) and 0 <= origin < session.size:
+        # The rank that failed the call first (a lost peer's error blames that peer instead): what
+        # this rank's failure report tells the launcher (stratagem.core.failures).
+        error.culprit = session.members[origin]
     return error
 
 

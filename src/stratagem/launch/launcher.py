@@ -71,6 +71,7 @@ from stratagem.launch.job import (
     job_secret,
     task_env,
 )
+from stratagem.launch.failures import FailureReports
 from stratagem.launch.restarts import RESTARTS_ENV, Restarts
 from stratagem.launch.supervisor import (
     EXIT_OK,
@@ -164,8 +165,11 @@ def launch(
     started = time.monotonic()
     colors = {task: COLORS[i % len(COLORS)] for i, task in enumerate(cluster.tasks())}
 
+    reports = FailureReports()   # where a failing task says when it failed and whom it blames
+
     def start(task: TaskId, restarts: int = 0) -> RunningTask:
         env = task_env(base_env, cluster, task, secret, transport)
+        env.update(reports.env(task))
         if restarts:
             env[RESTARTS_ENV] = str(restarts)
         process = start_task(task, command, env)
@@ -181,11 +185,12 @@ def launch(
                 port_holders.pop(task).close()  # free the port as late as possible: see core.ports
                 tasks.append(start(task))
             outcome = run_to_end(tasks, pump, trap, timeout=timeout, ps_grace=ps_grace, grace=grace,
-                                 started=started, restarts=restarts)
+                                 started=started, restarts=restarts, reports=reports)
     finally:
         # Every path, including errors and KeyboardInterrupt from a caller's handler: nothing survives.
         kill_and_reap(tasks)
         pump.close()
+        reports.close()
         for sock in port_holders.values():
             sock.close()
 
