@@ -606,6 +606,11 @@ def broadcast(session: CollectiveSession, x, root: int = 0, algorithm: str = "au
     return _broadcast_receive(session, None if x is None else as_array(x), root)
 
 
+#: What a broadcast receiver does not know as it enters the call (its agreement message gives None
+#: there): the root's algorithm and chunking, and its dtype and shape too if it passed no array.
+_RECEIVERS_LACK = (("algo", "chunk"), ("dtype", "shape", "algo", "chunk"))
+
+
 def _broadcast_root(session: CollectiveSession, x, root: int, algorithm: str):
     if x is None:
         raise ConfigurationError(f"broadcast: the root (rank {root}) must pass the array to send, not None")
@@ -618,6 +623,7 @@ def _broadcast_root(session: CollectiveSession, x, root: int, algorithm: str):
         others = [r for r in range(call.size) if r != root]
         # The agreement: ours carries the call's description (and, direct, the tensor) to every rank.
         handles = [call.send_async(r, work) if algo == "direct" else call.send_async(r) for r in others]
+        call.expect_partial(*_RECEIVERS_LACK)
         try:
             for r in others:
                 call.agree(r)   # every rank makes this call, with this root (and dtype and shape, if given)
@@ -649,6 +655,7 @@ def _broadcast_receive(session: CollectiveSession, x, root: int):
         dtype, shape = DTYPES[call.fp["dtype"]], tuple(call.fp["shape"])
         xp = np if x is None else _array_module(x)
         count = int(np.prod(shape, dtype=np.int64))
+        call.expect_partial(*_RECEIVERS_LACK)
         for r in range(call.size):
             if r not in (call.rank, root):
                 call.agree(r)

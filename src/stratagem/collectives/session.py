@@ -232,6 +232,7 @@ class CollectiveCall:
         self._meta: dict | None = None   # {"fp": packed fingerprint}, made on the first send/receive
         #: Chunk size (elements) imposed by another rank (a broadcast's root); None: our own option.
         self.chunk: int | None = None
+        self._partial_forms: frozenset = frozenset()   # agreement fingerprints accepted as they are
 
     @property
     def meta(self) -> dict:
@@ -286,6 +287,12 @@ class CollectiveCall:
                                       f"{count} of {np.dtype(dtype) if dtype is not None else 'any dtype'}")
         return data.reshape(-1)
 
+    def expect_partial(self, *lacking: Sequence[str]) -> None:
+        """Say which agreement messages are expected (:meth:`agree`): ours, without each of the given
+        sets of fields (None there). Those are accepted with one comparison of bytes, the others are
+        compared field by field."""
+        self._partial_forms = frozenset(pack_fingerprint({**self.fp, **dict.fromkeys(fields)}) for fields in lacking)
+
     def agree(self, src: int) -> None:
         """Receive ``src``'s agreement message: a bufferless one saying which call it makes, sent as it
         entered the call, so some fields may still be unknown to it (None: a broadcast receiver that
@@ -327,6 +334,8 @@ class CollectiveCall:
         meta = message.meta
         theirs = meta.get("fp")
         if theirs is None or theirs != self.meta["fp"]:  # the same bytes: the same call (the usual case)
+            if partial and theirs in self._partial_forms:
+                return message
             if "abort" in meta:
                 raise _error_from_abort(s, meta)
             self._check_fingerprint(src, unpack_fingerprint(theirs), partial)
