@@ -33,8 +33,12 @@ Algorithms:
   ranks): recursive doubling. A non-power-of-two world first folds its extra ranks into partners and
   hands them the result at the end. Partners combine with the lower rank's operand first, so both
   hold the same bits.
-* broadcast: binomial tree (chunked) for small tensors; scatter down the binomial tree, then a ring
-  all-gather, for large ones (van de Geijn), which costs ~2x the tensor per rank instead of log2(p)x.
+* broadcast: every rank first tells every other one which call it makes (an *agreement*: one round
+  of bufferless messages, all at once), so that a rank that disagrees (another root, dtype or shape)
+  makes every rank raise, the root included. Small tensors ride on the root's agreement messages
+  (``direct``: one round in all); large ones then go by scatter down the binomial tree and a ring
+  all-gather (van de Geijn), which costs ~2x the tensor per rank instead of log2(p)x; the binomial
+  tree (chunked) is still there to choose.
 * all-gather and reduce-scatter: the pipelined ring. Barrier: dissemination (ceil(log2 p) rounds).
 
 Safety: all of a communicator's traffic uses one tag (``coll/<name>``), and every message carries the
@@ -53,7 +57,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from stratagem.collectives.session import CollectiveCall, CollectiveSession, fingerprint
-from stratagem.core.errors import ConfigurationError
+from stratagem.core.errors import CollectiveMismatchError, ConfigurationError
 from stratagem.core.transport import SendHandle
 from stratagem.core.wire import DTYPES, dtype_name
 
@@ -80,7 +84,7 @@ ALLREDUCE_ALGORITHMS = ("auto", "ring", "recursive_doubling", "direct", "pairwis
 DIRECT_MAX_RANKS = 4
 #: The most bytes a rank sends in a direct exchange chosen by ``auto`` ((ranks - 1) x the tensor).
 DIRECT_BYTES = 2 << 20
-BROADCAST_ALGORITHMS = ("auto", "binomial_tree", "scatter_allgather")
+BROADCAST_ALGORITHMS = ("auto", "binomial_tree", "scatter_allgather")   # and "direct", which auto picks
 
 
 # -- argument checks (shared with the Communicator, which checks before dispatching) ----------------
@@ -584,7 +588,7 @@ def choose_broadcast_algorithm(session: CollectiveSession, nbytes: int, length: 
     if algorithm != "auto":
         return algorithm
     if nbytes <= session.small_bytes or length < session.size:
-        return "binomial_tree"
+        return "direct"
     return "scatter_allgather"
 
 
@@ -602,6 +606,11 @@ def broadcast(session: CollectiveSession, x, root: int = 0, algorithm: str = "au
     return _broadcast_receive(session, None if x is None else as_array(x), root)
 
 
+#: What a broadcast receiver does not know as it enters the call (its agreement message gives None
+#: there): the root's algorithm and chunking, and its dtype and shape too if it passed no array.
+_RECEIVERS_LACK = (("algo", "chunk"), ("dtype", "shape", "algo", "chunk"))
+
+
 def _broadcast_root(session: CollectiveSession, x, root: int, algorithm: str):
     if x is None:
         raise ConfigurationError(f"broadcast: the root (rank {root}) must pass the array to send, not None")
@@ -611,7 +620,19 @@ def _broadcast_root(session: CollectiveSession, x, root: int, algorithm: str):
     fp = fingerprint("broadcast", root=root, dtype=dtype_name(x.dtype), shape=x.shape, algo=algo,
                       chunk=session.chunk_elems(work.dtype.itemsize))
     with session.collective(fp) as call:
-        _run_broadcast(call, work, algo, root)
+        others = [r for r in range(call.size) if r != root]
+        # The agreement: ours carries the call's description (and, direct, the tensor) to every rank.
+        handles = [call.send_async(r, work) if algo == "direct" else call.send_async(r) for r in others]
+        call.expect_partial(*_RECEIVERS_LACK)
+        try:
+            for r in others:
+                call.agree(r)   # every rank makes this call, with this root (and dtype and shape, if given)
+        except BaseException:
+            _wait_quietly(call, handles)   # never raise while the transport may still read ``work``
+            raise
+        call.wait(handles)
+        if algo != "direct":
+            _run_broadcast(call, work, algo, root)
     return work.reshape(x.shape)
 
 
@@ -623,17 +644,40 @@ def _broadcast_receive(session: CollectiveSession, x, root: int):
     else:
         dtype, shape = dtype_name(check_dtype(x.dtype, "broadcast")), x.shape
     fp = fingerprint("broadcast", root=root, dtype=dtype, shape=shape, algo=None, chunk=None)
-    v = (session.rank - root) % session.size
     with session.collective(fp, learn=learn) as call:
-        parent = (_tree_parent(v) + root) % session.size
-        call.prime(parent)  # its fingerprint says the dtype, shape and algorithm the root chose
+        # The agreement: what this rank knows of the call, to every other rank (bufferless, so the
+        # sends complete at once), then the root's, which says the dtype, shape and algorithm it
+        # chose, then everyone else's (a rank that disagrees on anything makes every rank raise).
+        for r in range(call.size):
+            if r != call.rank:
+                call.send(r)
+        call.prime(root)
         dtype, shape = DTYPES[call.fp["dtype"]], tuple(call.fp["shape"])
         xp = np if x is None else _array_module(x)
-        work = xp.empty(int(np.prod(shape, dtype=np.int64)), dtype=dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        call.expect_partial(*_RECEIVERS_LACK)
+        for r in range(call.size):
+            if r not in (call.rank, root):
+                call.agree(r)
         # The root's chunking governs: receivers must cut chunks exactly as the senders do.
         call.chunk = int(call.fp["chunk"])
-        _run_broadcast(call, work, call.fp["algo"], root)
+        algo = call.fp["algo"]
+        if algo == "direct":
+            work = xp.asarray(call.recv(root, count, dtype))   # its agreement message carried the tensor
+        else:
+            call.recv(root)   # its agreement message, bufferless
+            work = xp.empty(count, dtype=dtype)
+            _run_broadcast(call, work, algo, root)
     return work.reshape(shape)
+
+
+def _wait_quietly(call: CollectiveCall, handles) -> None:
+    """Wait for sends while another error is on its way out (that one is the error to report)."""
+    for handle in handles:
+        try:
+            handle.wait(call.session.timeout)
+        except Exception:  # noqa: BLE001
+            log.debug("a send did not complete while a broadcast was unwinding", exc_info=True)
 
 
 def _run_broadcast(call: CollectiveCall, work, algo: str, root: int) -> None:
@@ -642,6 +686,9 @@ def _run_broadcast(call: CollectiveCall, work, algo: str, root: int) -> None:
         _tree_broadcast(call, work, v, root)
     elif algo == "scatter_allgather":
         _scatter_allgather(call, work, v, root)
+    elif algo != "local":
+        raise CollectiveMismatchError(f"broadcast: the root chose an algorithm this rank does not know: {algo!r} "
+                                      f"(give every rank the same version of stratagem)")
 
 
 def barrier(session: CollectiveSession) -> None:

@@ -237,8 +237,11 @@ class Communicator:
 
         Non-roots pass either an array of the root's shape and dtype (checked against the root's; its
         contents are ignored and it is not modified) or ``None`` (shape and dtype come from the root).
-        ``algorithm`` (the root's counts): ``auto`` (binomial tree up to ``small_bytes``, else
-        scatter + ring all-gather), ``binomial_tree`` or ``scatter_allgather``.
+        Every rank first checks with every other one that they make the same call (root, dtype,
+        shape), so a rank that disagrees makes every rank raise ``CollectiveMismatchError``, the root
+        included. ``algorithm`` (the root's counts): ``auto`` (up to ``small_bytes`` the tensor rides
+        on the root's agreement messages, else scatter + ring all-gather), ``binomial_tree`` or
+        ``scatter_allgather``.
 
         >>> import numpy as np
         >>> from concurrent.futures import ThreadPoolExecutor

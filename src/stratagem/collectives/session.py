@@ -216,6 +216,10 @@ def _error_from_abort(session: CollectiveSession, meta: dict) -> Exception:
         error = CommunicationError(f"{origin_name} failed a collective on communicator {session.name!r} "
                                    f"and aborted it: {reason}")
     error.abort_meta = meta  # so this rank forwards the same notice, not a new one
+    if kind != "lost" and isinstance(origin, int) and 0 <= origin < session.size:
+        # The rank that failed the call first (a lost peer's error blames that peer instead): what
+        # this rank's failure report tells the launcher (stratagem.core.failures).
+        error.culprit = session.members[origin]
     return error
 
 
@@ -234,6 +238,7 @@ class CollectiveCall:
         self._meta: dict | None = None   # {"fp": packed fingerprint}, made on the first send/receive
         #: Chunk size (elements) imposed by another rank (a broadcast's root); None: our own option.
         self.chunk: int | None = None
+        self._partial_forms: frozenset = frozenset()   # agreement fingerprints accepted as they are
 
     @property
     def meta(self) -> dict:
@@ -288,6 +293,21 @@ class CollectiveCall:
                                       f"{count} of {np.dtype(dtype) if dtype is not None else 'any dtype'}")
         return data.reshape(-1)
 
+    def expect_partial(self, *lacking: Sequence[str]) -> None:
+        """Say which agreement messages are expected (:meth:`agree`): ours, without each of the given
+        sets of fields (None there). Those are accepted with one comparison of bytes, the others are
+        compared field by field."""
+        self._partial_forms = frozenset(pack_fingerprint({**self.fp, **dict.fromkeys(fields)}) for fields in lacking)
+
+    def agree(self, src: int) -> None:
+        """Receive ``src``'s agreement message: a bufferless one saying which call it makes, sent as it
+        entered the call, so some fields may still be unknown to it (None: a broadcast receiver that
+        passed no array knows neither dtype nor shape, and no receiver knows the root's algorithm).
+        The fields it gives must be ours, else :class:`CollectiveMismatchError`."""
+        message = self._pending.pop(src, None) or self._receive(src, partial=True)
+        if message.buffers:
+            raise self._mismatch(src, f"sent {len(message.buffers)} buffers where an agreement (none) was expected")
+
     def last_words(self, lost: PeerLostError) -> Exception:
         """The error to raise for a lost peer: the abort notice it queued before it went, if any.
 
@@ -309,7 +329,9 @@ class CollectiveCall:
             if "abort" in message.meta:
                 return _error_from_abort(s, message.meta)
 
-    def _receive(self, src: int) -> Message:
+    def _receive(self, src: int, partial: bool = False) -> Message:
+        """``src``'s next message, its fingerprint checked (``partial``: fields it gives as None are
+        ones it does not know yet, see :meth:`agree`)."""
         s = self.session
         if s.generation is None:
             message = s.transport.recv(s.members[src], s.tag, timeout=s.timeout)
@@ -318,9 +340,11 @@ class CollectiveCall:
         meta = message.meta
         theirs = meta.get("fp")
         if theirs is None or theirs != self.meta["fp"]:  # the same bytes: the same call (the usual case)
+            if partial and theirs in self._partial_forms:
+                return message
             if "abort" in meta:
                 raise _error_from_abort(s, meta)
-            self._check_fingerprint(src, unpack_fingerprint(theirs))
+            self._check_fingerprint(src, unpack_fingerprint(theirs), partial)
         return message
 
     def _receive_current(self, src: int) -> Message:
@@ -351,7 +375,7 @@ class CollectiveCall:
             if not (isinstance(gen, int) and gen < s.generation):
                 return message   # older generations' leftovers are dropped: never reduced
 
-    def _check_fingerprint(self, src: int, theirs: dict | None) -> None:
+    def _check_fingerprint(self, src: int, theirs: dict | None, partial: bool = False) -> None:
         s = self.session
         if not isinstance(theirs, dict):
             raise CollectiveMismatchError(
@@ -359,7 +383,8 @@ class CollectiveCall:
                 f"communicator {s.name!r}: something else uses this tag; give each communicator its own name"
             )
         mine = self.fp
-        differs = [k for k in set(mine) | set(theirs) if k not in self._learn and mine.get(k) != theirs.get(k)]
+        differs = [k for k in set(mine) | set(theirs) if k not in self._learn and mine.get(k) != theirs.get(k)
+                   and not (partial and k in theirs and theirs[k] is None)]
         if differs:
             mine_text, theirs_text = describe(mine), describe(theirs)
             hint = ("every rank must make the same collective calls, in the same order, with the same op, "
@@ -372,7 +397,7 @@ class CollectiveCall:
                 f"collective mismatch on communicator {s.name!r}: {s.who(src)} called {theirs_text}, but "
                 f"{s.who(s.rank)} called {mine_text}; {hint}"
             )
-        if self._learn:
+        if self._learn and not partial:
             for key in self._learn:
                 mine[key] = theirs.get(key)
             self._learn.clear()

@@ -37,6 +37,8 @@ import sys
 import threading
 import weakref
 
+from stratagem.core import failures
+
 log = logging.getLogger(__name__)
 
 
@@ -89,14 +91,16 @@ def end_at_exit(obj) -> None:
     _REGISTRY.add(obj)
 
 
-def note_failure(error: str) -> None:
+def note_failure(error: str, culprit=None) -> None:
     """Say that the script is ending because of ``error`` although it ends by ``SystemExit`` (which
-    no exception hook sees): what is still open then ends as after an uncaught exception.
+    no exception hook sees): what is still open then ends as after an uncaught exception. ``culprit``:
+    the task the failure blames, if any (told to the launcher: :mod:`stratagem.core.failures`).
 
     Used where Stratagem itself ends a process with a message and a non-zero status (an ``in_graph``
     replica whose client is gone)."""
     if _REGISTRY.error is None:
         _REGISTRY.error = error
+    failures.report_failure(error, None if culprit is None else str(culprit))
 
 
 def _install(registry: _Registry) -> None:
@@ -107,6 +111,10 @@ def _install(registry: _Registry) -> None:
         # interpreter starts ending: remember it so that transports abort instead of closing.
         if registry.error is None:
             registry.error = f"{exc_type.__name__}: {exc}" if str(exc) else exc_type.__name__
+        # Before anything else, so that the time is when the script failed: the launcher compares it
+        # with the other tasks' to find the task that failed first.
+        failures.report_failure(f"{exc_type.__name__}: {exc}" if str(exc) else exc_type.__name__,
+                                failures.culprit_of(exc))
         previous_hook(exc_type, exc, tb)
 
     sys.excepthook = excepthook

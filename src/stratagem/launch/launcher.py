@@ -81,6 +81,7 @@ from stratagem.launch.job import (
     task_env,
 )
 from stratagem.launch.job_end import JobEndRecord
+from stratagem.launch.failures import FailureReports
 from stratagem.launch.restarts import RESTARTS_ENV, Restarts
 from stratagem.launch.supervisor import (
     EXIT_OK,
@@ -192,9 +193,12 @@ def launch(
     colors = {task: COLORS[i % len(COLORS)] for i, task in enumerate(cluster.tasks())}
     job_end = JobEndRecord()   # tells a task that wakes (or restarts) after the chief's normal end
 
+    reports = FailureReports()   # where a failing task says when it failed and whom it blames
+
     def start(task: TaskId, restarts: int = 0) -> RunningTask:
         env = task_env(base_env, cluster, task, secret, transport)
         env.update(job_end.env())
+        env.update(reports.env(task))
         if restarts:
             env[RESTARTS_ENV] = str(restarts)
         process = start_task(task, command if network is None else network.command(placement[task], command), env)
@@ -218,7 +222,7 @@ def launch(
                     port_holders.pop(task).close()  # free the port as late as possible: see core.ports
                 tasks.append(start(task))
             outcome = run_to_end(tasks, pump, trap, timeout=timeout, ps_grace=ps_grace, grace=grace,
-                                 started=started, restarts=restarts)
+                                 started=started, restarts=restarts, reports=reports)
     finally:
         # Every path, including errors and KeyboardInterrupt from a caller's handler: nothing survives.
         kill_and_reap(tasks)
@@ -226,6 +230,7 @@ def launch(
             network.close()  # after the tasks: the namespaces go with their last process
         pump.close()
         job_end.close()
+        reports.close()
         for sock in port_holders.values():
             sock.close()
 

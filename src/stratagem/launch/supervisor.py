@@ -34,6 +34,8 @@ from typing import Sequence
 
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import ConfigurationError
+from stratagem.launch import failures
+from stratagem.launch.failures import FailureReports
 from stratagem.launch.restarts import Restarts
 from stratagem.launch.task_output import OutputPump
 
@@ -166,6 +168,7 @@ class RunningTask:
         self.stopped_by_launcher = False
         self.restarts = 0        # --restart-workers: how many times this task was started again
         self.tolerated = False   # --restart-workers: it failed and the job goes on without it
+        self.ended_at: float | None = None   # time.time() when its exit was first seen
 
     @property
     def running(self) -> bool:
@@ -177,6 +180,7 @@ class RunningTask:
             return self.process.returncode
         code = self.process.poll()
         if code is not None:
+            self.ended_at = time.time()
             # The task is over. Its group may still hold processes it started (daemons, a forked
             # data loader); they must not outlive it. Signalled now, while the group id cannot
             # yet have been reused by an unrelated process.
@@ -277,26 +281,47 @@ class Outcome:
     interrupted_by: int | None = None
 
 
-def first_failure(tasks: list[RunningTask], restarts: Restarts | None = None) -> Outcome | None:
-    """The first task that failed on its own (non-zero exit or killed by a signal we did not send).
+def first_failure(tasks: list[RunningTask], restarts: Restarts | None = None,
+                  reports: FailureReports | None = None) -> Outcome | None:
+    """The task that failed first, if one failed on its own (non-zero exit or killed by a signal we
+    did not send): with the tasks' failure ``reports``, the one the earliest failure blames, which may
+    still run (stopped, or still ending); without them, the first seen exiting
+    (:mod:`stratagem.launch.failures`).
 
     A task the ``restarts`` policy covers is never one: the policy restarts or tolerates it when it
     next looks, even if it died just after the policy's last look."""
+    failed = []
     for t in tasks:
         if restarts is not None and restarts.covers(t.task):
             continue
         code = t.poll()
         if code and not t.stopped_by_launcher and not t.tolerated:
-            how = f"was killed by {describe_signal(-code)}" if code < 0 else f"exited with code {code}"
-            return Outcome(f"{t.task.short} {how}; stopped the other tasks", EXIT_TASK_FAILED, t.task)
-    return None
+            failed.append(t)
+    if not failed:
+        return None
+    known = {t.task: t for t in tasks}
+
+    def may_blame(task: TaskId) -> bool:   # a task of this job that did not finish cleanly, nor is restarted
+        return task in known and known[task].poll() != 0 and (restarts is None or not restarts.covers(task))
+
+    blame = failures.first_failure(failed, reports, in_job=may_blame)
+    code = known[blame.task].poll()
+    own = reports.report(blame.task) if reports is not None and code is None else None
+    if code is not None:
+        how = f"was killed by {describe_signal(-code)}" if code < 0 else f"exited with code {code}"
+    elif own is not None:   # it failed, and is still ending (closing its transport...)
+        how = f"failed ({own['error']})"
+    else:
+        how = f"stopped responding ({blame.seen.short} lost it: {blame.error})"
+    return Outcome(f"{blame.task.short} {how}; stopped the other tasks", EXIT_TASK_FAILED, blame.task)
 
 
 def supervise(tasks: list[RunningTask], pump: OutputPump, trap: SignalTrap, *,
               timeout: float | None, ps_grace: float, started: float,
-              restarts: Restarts | None = None) -> Outcome:
+              restarts: Restarts | None = None, reports: FailureReports | None = None) -> Outcome:
     """Watch the running job until it is over or must be stopped; say why. ``restarts``: the
-    ``--restart-workers`` policy, which may start a failed worker again (in place in ``tasks``)."""
+    ``--restart-workers`` policy, which may start a failed worker again (in place in ``tasks``);
+    ``reports``: where the tasks report their failures (to name the one that failed first)."""
     deadline = started + timeout if timeout is not None else None
     ps_deadline = None
     while True:
@@ -315,7 +340,7 @@ def supervise(tasks: list[RunningTask], pump: OutputPump, trap: SignalTrap, *,
         if restarts is not None:
             restarts.handle(tasks)   # may replace a dead worker in ``tasks`` by its new process
         drivers = [t for t in tasks if t.task.job not in SERVING_JOBS]
-        failure = first_failure(tasks, restarts)
+        failure = first_failure(tasks, restarts, reports)
         if failure:
             return failure
         if len(over) == len(tasks):
@@ -362,10 +387,12 @@ def kill_and_reap(tasks: list[RunningTask]) -> None:
 
 
 def run_to_end(tasks: list[RunningTask], pump: OutputPump, trap: SignalTrap, *, timeout: float | None,
-               ps_grace: float, grace: float, started: float, restarts: Restarts | None = None) -> Outcome:
+               ps_grace: float, grace: float, started: float, restarts: Restarts | None = None,
+               reports: FailureReports | None = None) -> Outcome:
     """Watch the started job until it is over (:func:`supervise`), stop what still runs (:func:`stop`),
     and let the last output arrive; say why the job ended."""
-    outcome = supervise(tasks, pump, trap, timeout=timeout, ps_grace=ps_grace, started=started, restarts=restarts)
+    outcome = supervise(tasks, pump, trap, timeout=timeout, ps_grace=ps_grace, started=started, restarts=restarts,
+                        reports=reports)
     stop(tasks, pump, trap, grace)
     pump.drain(DRAIN_SECONDS, POLL_INTERVAL)
     return outcome

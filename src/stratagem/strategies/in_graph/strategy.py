@@ -104,6 +104,7 @@ import numpy as np
 
 from stratagem.core.cluster import is_evaluator
 from stratagem.core.errors import ConfigurationError, PeerLostError, TransportTimeout
+from stratagem.core.failures import culprit_of
 from stratagem.core.lifecycle import note_failure
 from stratagem.core import timeline as _timeline
 from stratagem.strategies.base import Strategy, evaluator_refusal, global_batches
@@ -224,7 +225,7 @@ class InGraphStrategy(Strategy):
             if lost is None:
                 raise SystemExit(0)
             message = f"stratagem in_graph: {self.task} stopped serving: {lost}"
-            note_failure(message)
+            note_failure(message, culprit_of(lost))
             raise SystemExit(message)
         if lost is not None:
             raise lost

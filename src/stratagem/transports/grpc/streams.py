@@ -4,17 +4,20 @@
 handshake's progress and what failed it. :class:`Incoming` is a peer's stream into our server
 (its handshake is :mod:`stratagem.core.acceptor`'s).
 :class:`LazySend` is the handle of a large send, done once gRPC's request thread has cut the last
-chunk out of the caller's arrays. Nothing here imports grpc.
+chunk out of the caller's arrays (before that chunk is handed to gRPC: what happens to the bytes
+afterwards, the peer's receive and goodbye included, is no longer the send's). Nothing here imports grpc.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from typing import Iterator
 
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import PeerLostError, TransportTimeout
 from stratagem.core.transport import SendHandle
+from stratagem.transports.framing import chunks
 
 END = object()  # ends a request stream
 
@@ -113,6 +116,52 @@ class Outgoing:
                 keep.append(item)
         for item in keep:
             self.queue.put(item)
+
+    def requests(self, chunk_bytes: int) -> Iterator[bytes]:
+        """The request stream (run by gRPC's request thread): the queued frames in order, each large
+        frame cut into messages of at most ``chunk_bytes``, small ones coalesced into one message."""
+        held = None
+        try:
+            while True:
+                item = held if held is not None else self.queue.get()
+                held = None
+                if item is END:
+                    return
+                if isinstance(item, LazySend):
+                    with self.lock:
+                        if self.error is not None:
+                            item.finish(self.error)
+                            continue
+                        self.current = item
+                    pieces = chunks(item.parts, chunk_bytes)
+                    message = next(pieces)
+                    for following in pieces:
+                        yield message
+                        message = following
+                    # The last message is made: every byte of the caller's arrays is copied, so the send
+                    # is complete now, before that message is handed to gRPC. Completing it only when
+                    # gRPC asked for the next one let the peer read it, finish and say goodbye first, and
+                    # a send that had delivered everything then failed with "closed its transport".
+                    with self.lock:
+                        self.current = None
+                    item.finish()
+                    yield message
+                    continue
+                # Small frames already queued go together, in one message of at most a chunk.
+                batch, size = [item.data], len(item.data)
+                while size < chunk_bytes:
+                    try:
+                        held = self.queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not isinstance(held, Eager) or size + len(held.data) > chunk_bytes:
+                        break
+                    batch.append(held.data)
+                    size += len(held.data)
+                    held = None
+                yield batch[0] if len(batch) == 1 else b"".join(batch)
+        finally:
+            self.drained.set()
 
     def cancel(self) -> None:
         if self.call is not None:

@@ -109,7 +109,6 @@ Helpers live beside this module: ``grpc_config`` (options, TLS files, bind addre
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 
@@ -140,9 +139,9 @@ from stratagem.transports.grpc.config import (
     server_options,
 )
 from stratagem.core.handshake import CONTROL_LIMITS
-from stratagem.transports.framing import Reassembler, chunks, frame_bytes
+from stratagem.transports.framing import Reassembler, frame_bytes
 from stratagem.transports.grpc.acceptor import GrpcAcceptor
-from stratagem.transports.grpc.streams import END, Eager, LazySend, Outgoing, fresh
+from stratagem.transports.grpc.streams import Eager, LazySend, Outgoing, fresh
 from stratagem.transports.grpc.threads import DaemonExecutor, close_in_background
 
 log = logging.getLogger(__name__)
@@ -372,7 +371,7 @@ class GrpcTransport(Transport):
         peer.queue.put(Eager(frame_bytes(wire.encode(Kind.HELLO, "", hello))))
         peer.channel = self._channel(address)
         stream = peer.channel.stream_stream(FULL_METHOD)  # no (de)serializers: raw bytes
-        peer.call = stream(self._requests(peer), wait_for_ready=True)
+        peer.call = stream(peer.requests(self.chunk_bytes), wait_for_ready=True)
         return peer
 
     def _channel(self, address: str) -> grpc.Channel:
@@ -382,43 +381,6 @@ class GrpcTransport(Transport):
         credentials = grpc.ssl_channel_credentials(root_certificates=self._tls["ca"], private_key=self._tls["key"],
                                                    certificate_chain=self._tls["cert"])
         return grpc.secure_channel(address, credentials, options=options)
-
-    def _requests(self, peer: Outgoing):
-        """The request stream to ``peer`` (run by gRPC's request thread): frames in queue order."""
-        held = None
-        try:
-            while True:
-                item = held if held is not None else peer.queue.get()
-                held = None
-                if item is END:
-                    return
-                if isinstance(item, LazySend):
-                    with peer.lock:
-                        if peer.error is not None:
-                            item.finish(peer.error)
-                            continue
-                        peer.current = item
-                    for message in chunks(item.parts, self.chunk_bytes):
-                        yield message
-                    with peer.lock:
-                        peer.current = None
-                    item.finish()
-                    continue
-                # Small frames already queued go together, in one message of at most a chunk.
-                batch, size = [item.data], len(item.data)
-                while size < self.chunk_bytes:
-                    try:
-                        held = peer.queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if not isinstance(held, Eager) or size + len(held.data) > self.chunk_bytes:
-                        break
-                    batch.append(held.data)
-                    size += len(held.data)
-                    held = None
-                yield batch[0] if len(batch) == 1 else b"".join(batch)
-        finally:
-            peer.drained.set()
 
     def _read_responses(self, peer: Outgoing) -> None:
         """Reads the acceptor's control frames on our stream to ``peer``, then handles its end."""
