@@ -41,6 +41,8 @@ def _absolute(target: str) -> bool:
         name = ".".join(parts[:i])
         if not _importable(name):
             return True
+        if i == 1 and name not in sys.modules:
+            return False   # a bare name is one seen from the module, never a module to import (a script could run)
         try:
             module = importlib.import_module(name)
         except ImportError:

@@ -1065,3 +1065,35 @@ def test_fuzz_encode_raises_only_protocol_error(meta, tag):
         return
     frame = decode(data)
     assert frame.tag == tag and same(meta, frame.meta)
+
+
+def test_an_exception_raised_in_this_thread_while_decoding_is_not_taken_for_garbage():
+    """A signal handler's exception (a user's SIGUSR1 handler that raises, an alarm) that lands during
+    the decode is the program's, not the peer's: it must not be turned into a dropped frame."""
+    import signal
+
+    class Alarm(Exception):
+        pass
+
+    def ring(signum, frame):
+        raise Alarm()
+
+    envelope = msgpack.packb({"t": "x", "m": {"v": list(range(200_000))}, "b": []})
+    header = wire.Header(wire.Kind.DATA, 0, len(envelope), 0)
+    limits = wire.Limits(max_envelope_bytes=1 << 24)
+    previous = signal.signal(signal.SIGALRM, ring)
+    caught = []
+    try:
+        for _ in range(30):
+            signal.setitimer(signal.ITIMER_REAL, 0.003)
+            try:
+                while True:
+                    wire.read_envelope(header, envelope, limits)
+            except Alarm:
+                caught.append("alarm")
+            except wire.ProtocolError as exc:
+                caught.append(str(exc))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert caught and all(c == "alarm" for c in caught), [c for c in caught if c != "alarm"][:3]

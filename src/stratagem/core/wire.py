@@ -311,13 +311,19 @@ def read_header(head, limits: Limits = DEFAULT_LIMITS) -> Header:
     return Header(kind, flags, envelope_len, payload_len)
 
 
+#: What msgpack raises on garbage (its FormatError, StackError, ExtraData... are ValueErrors; an unhashable
+#: map key is a TypeError).
+_GARBAGE = (ValueError, TypeError, msgpack.exceptions.UnpackException)
+
+
 def read_envelope(header: Header, envelope, limits: Limits = DEFAULT_LIMITS) -> tuple[str, dict, list[BufferSpec]]:
     """Decode and check the envelope; returns ``(tag, meta, buffer specs)``."""
     if len(envelope) != header.envelope_len:
         raise ProtocolError(f"envelope is {len(envelope)} bytes, the header says {header.envelope_len}")
     try:
         body = msgpack.unpackb(envelope, raw=False, strict_map_key=True, use_list=True)
-    except Exception as exc:  # msgpack raises many types on garbage; all mean the same to us
+    except _GARBAGE as exc:  # every way msgpack refuses garbage means the same to us; anything else
+        # (an exception a signal handler raised in this thread, MemoryError) is not the peer's fault
         raise ProtocolError(f"envelope is not valid msgpack: {type(exc).__name__}: {exc}") from None
     if type(body) is not dict or len(body) != 3 or "t" not in body or "m" not in body or "b" not in body:
         raise ProtocolError("envelope must be a map with exactly the keys 't', 'm', 'b'")
