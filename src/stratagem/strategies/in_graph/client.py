@@ -212,7 +212,7 @@ class Client:
             return None
         for outcome in outcomes:
             if outcome.error is not None:
-                if outcome.replica.remote:
+                if isinstance(outcome.error, ReplicaError):   # the step raised there (not a setup error)
                     self.blamed = (outcome.replica.task, outcome.error)
                 raise outcome.error
         self._merge_and_apply(outcomes, rows)
