@@ -587,9 +587,10 @@ def test_processes_workers_exit_when_the_client_crashes_or_forgets_shutdown(tmp_
 
 def test_processes_unguarded_script_gets_a_clear_error(tmp_path):
     job = run_tasks(tmp_path, 2, secret=None, script=SCRIPTS / "in_graph_unguarded.py", timeout=30)
-    # The client's script ended by that exception: its replica stops too, naming the client.
+    # The client's script ended by that exception: its replica stops too, naming the client (the
+    # client told it so before leaving).
     assert job["codes"] == [1, 1], job["errs"]
-    assert "stopped serving: lost peer /job:worker/task:0" in job["errs"][1]
+    assert "stopped serving: the job failed because the in_graph client /job:worker/task:0 failed" in job["errs"][1]
     assert "strategy.run() was called while a replica (/job:worker/task:1) imported your script" in job["errs"][0]
     assert 'if __name__ == "__main__":' in job["errs"][0]
 

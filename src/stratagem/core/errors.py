@@ -84,3 +84,16 @@ class WorldChangedError(CommunicationError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.lost))
+
+
+class JobFailedError(StratagemError):
+    """A task that serves others (an ``in_graph`` replica, a ``parameter_server`` worker) stops because
+    the job failed elsewhere: its client or coordinator said so before it left. ``task`` names the task
+    that failed (None when the client or coordinator could not tell which)."""
+
+    def __init__(self, task, message: str):
+        self.task = task
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (self.task, str(self)))

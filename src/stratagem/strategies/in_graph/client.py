@@ -92,6 +92,8 @@ class Client:
         self.sender = FunctionSender(strategy, strategy.config["functions"])
         self._pool: ThreadPoolExecutor | None = None
         self._attempts = 0
+        #: The remote replica whose failure the last step raised, and that error (None: none did).
+        self.blamed: tuple[Any, BaseException] | None = None
 
     def remote(self) -> list[Replica]:
         return [r for r in self.replicas if r.remote and r.alive]
@@ -134,6 +136,14 @@ class Client:
             with contextlib.suppress(Exception):
                 self._receive(replica, deadline, lambda meta: meta.get("op") == "bye")
 
+    def abort(self, culprit, error: str) -> None:
+        """The client leaves because the job failed (``culprit``: the task that failed, ``error``: why):
+        tell every worker still in, so that each stops serving naming it (best effort, briefly)."""
+        notice = Message({"op": "abort", "culprit": str(culprit), "error": error[:2000]})
+        for replica in self.remote():
+            with contextlib.suppress(Exception):
+                self.transport.send(replica.task, REQUEST, notice, timeout=1.0)
+
     def _receive(self, replica: Replica, deadline: float, wanted: Callable[[dict], bool]) -> Message:
         """The next reply of ``replica`` that ``wanted`` accepts (late answers to earlier steps are dropped)."""
         while True:
@@ -153,9 +163,10 @@ class Client:
         detail = f"{replica.label} {'died' if isinstance(exc, PeerLostError) else 'did not answer'} {when}: {exc}"
         if self.strategy.config["on_replica_failure"] == "raise":
             hint = "; pass on_replica_failure='continue' to go on with the other replicas"
-            if isinstance(exc, PeerLostError):
-                raise PeerLostError(replica.task, detail + hint) from exc
-            raise TransportTimeout(detail + hint) from exc
+            error = (PeerLostError(replica.task, detail + hint) if isinstance(exc, PeerLostError)
+                     else TransportTimeout(detail + hint))
+            self.blamed = (replica.task, error)
+            raise error from exc
         for replica, exc in failures:
             replica.alive = False
             self.lost[replica.label] = str(exc)
@@ -176,6 +187,7 @@ class Client:
         """One try over the live replicas; ``None`` if some were lost and left out."""
         self._attempts += 1
         attempt = self._attempts
+        self.blamed = None
         replicas = [r for r in self.replicas if r.alive]
         bounds = split_bounds(rows, len(replicas)) if rows is not None else None
         planned = []                                       # (outcome, lo, hi): replicas that get rows
@@ -200,6 +212,8 @@ class Client:
             return None
         for outcome in outcomes:
             if outcome.error is not None:
+                if isinstance(outcome.error, ReplicaError):   # the step raised there (not a setup error)
+                    self.blamed = (outcome.replica.task, outcome.error)
                 raise outcome.error
         self._merge_and_apply(outcomes, rows)
         return PerReplica([o.result for o in outcomes], None if rows is None else [o.rows for o in outcomes],

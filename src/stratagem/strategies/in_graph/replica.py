@@ -10,6 +10,8 @@ serves here. The client's messages (tag ``in_graph/request``), in order:
   answers ``done`` with every ``apply_gradients`` call's gradients (by variable name, in call order)
   and the step's result, or ``error`` with the exception's type, message and traceback.
 - ``shutdown``: the replica answers ``bye`` and stops serving.
+- ``abort``: the client leaves because the job failed (``culprit``: the task that failed, ``error``:
+  why); the replica stops serving with :class:`~stratagem.core.errors.JobFailedError` naming it.
 
 Answers go under ``in_graph/reply``. A client that disappears (``PeerLostError``) ends the serving.
 Values are held once per variable (:class:`HeldValue`), shared by every copy of a variable on the
@@ -29,7 +31,9 @@ from typing import Any
 import numpy as np
 
 from stratagem.core import values
-from stratagem.core.errors import ConfigurationError, PeerLostError, TransportClosed, TransportTimeout
+from stratagem.core.cluster import TaskId
+from stratagem.core.errors import (ConfigurationError, JobFailedError, PeerLostError, TransportClosed,
+                                   TransportTimeout)
 from stratagem.training.optimizers.rules import from_config
 from stratagem.core.transport import Message
 from stratagem.training.variables import Variable, VariableStore, is_device_array, strategy_scope
@@ -175,7 +179,8 @@ class ReplicaServer:
     # -- serving -------------------------------------------------------------------------------------
     def serve(self, first_timeout: float | None, idle_timeout: float | None) -> None:
         """Answer the client until it says ``shutdown``. Raises ``PeerLostError`` if the client is lost,
-        ``TransportTimeout`` if it stays silent beyond the limits (``None``: no limit)."""
+        ``JobFailedError`` if it left because the job failed, ``TransportTimeout`` if it stays silent
+        beyond the limits (``None``: no limit)."""
         heard_from_client = False
         since = time.monotonic()
         while True:
@@ -197,6 +202,8 @@ class ReplicaServer:
             if op == "shutdown":
                 self._answer({"op": "bye"})
                 return
+            if op == "abort":
+                raise self._aborted(message.meta)
             if op == "hello":
                 self._hello(message.meta)
             elif op == "step":
@@ -205,6 +212,18 @@ class ReplicaServer:
                 log.warning("%s: ignored a request %r from the client", self.strategy.task, op)
                 self._answer({"op": "error", "step": message.meta.get("step"), "where": "setup",
                               "type": "ConfigurationError", "message": f"unknown request {op!r}", "traceback": ""})
+
+    def _aborted(self, meta: dict) -> JobFailedError:
+        """The client left because the job failed: the error naming the task that failed."""
+        error, culprit = str(meta.get("error") or "an error"), meta.get("culprit")
+        try:
+            culprit = TaskId.parse(str(culprit))
+        except Exception:  # noqa: BLE001 - a notice without a task: the client is all we know
+            culprit = self.client
+        if culprit == self.client:
+            return JobFailedError(culprit, f"the job failed because the in_graph client {culprit} failed: {error}")
+        return JobFailedError(culprit, f"the job failed because {culprit} failed (the in_graph client "
+                                       f"{self.client} stopped on it: {error})")
 
     def _answer(self, meta: dict, buffers: list | None = None) -> None:
         try:

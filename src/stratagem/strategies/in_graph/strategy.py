@@ -103,7 +103,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from stratagem.core.cluster import is_evaluator
-from stratagem.core.errors import ConfigurationError, PeerLostError, TransportTimeout
+from stratagem.core.errors import ConfigurationError, JobFailedError, PeerLostError, TransportTimeout
 from stratagem.core.failures import culprit_of
 from stratagem.core.lifecycle import note_failure
 from stratagem.core import timeline as _timeline
@@ -217,7 +217,7 @@ class InGraphStrategy(Strategy):
             self._server = ReplicaServer(self, self._importing_script)
             self._server.serve(first_timeout=self.config["timeout"] or self.transport.timeout,
                                idle_timeout=self.config["idle_timeout"])
-        except (PeerLostError, TransportTimeout) as exc:
+        except (PeerLostError, TransportTimeout, JobFailedError) as exc:
             lost = exc
         finally:
             self.shutdown()
@@ -390,6 +390,16 @@ class InGraphStrategy(Strategy):
                 self._client.release()
         finally:
             super().shutdown()
+
+    def leave_with_error(self, error: str) -> None:
+        """The script failed: on the client, first tell the replicas which task the job failed because
+        of (a replica whose failure the last step raised, else this client), so that each names it."""
+        client = getattr(self, "_client", None)
+        if client is not None and not self.closed:
+            blamed = client.blamed
+            culprit = blamed[0] if blamed is not None and str(blamed[1]) in error else self.task
+            client.abort(culprit, error)
+        super().leave_with_error(error)
 
     def __exit__(self, *exc) -> None:
         self.shutdown()

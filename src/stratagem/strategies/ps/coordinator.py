@@ -165,6 +165,9 @@ class Coordinator:
         self.executed: Counter = Counter()
         #: Closures sent again after their worker was lost.
         self.retried = 0
+        #: The task the last step error is the fault of (None: not known, e.g. a shard refused the
+        #: step because the job had failed elsewhere), and that error; None before any.
+        self.blamed: tuple[TaskId | None, BaseException] | None = None
 
     # -- the user's calls ----------------------------------------------------------------------------
     def schedule(self, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> RemoteValue:
@@ -230,6 +233,26 @@ class Coordinator:
             if worker not in lost:
                 try:
                     self.transport.send(worker, CLOSURE_TAG, Message({"op": "shutdown"}), timeout=5)
+                except CommunicationError:
+                    pass
+
+    def abort(self, culprit, error: str) -> None:
+        """The coordinator leaves because the job failed (``culprit``: the task that failed, None when
+        not known; ``error``: why): cancel what is queued and tell every worker still in, so that each
+        stops naming it rather than the coordinator (best effort, briefly)."""
+        with self._cond:
+            self._closing = True
+            pending, self._queue = list(self._queue), deque()
+            self._cond.notify_all()
+        for closure in pending:
+            closure.remote._fail(CancelledError(f"{closure.remote._name} was cancelled: the job failed"))
+        notice = Message({"op": "abort", "culprit": None if culprit is None else str(culprit),
+                          "error": error[:2000]})
+        lost = self.transport.lost_peers()
+        for worker in self.workers:
+            if worker not in lost:
+                try:
+                    self.transport.send(worker, CLOSURE_TAG, notice, timeout=1.0)
                 except CommunicationError:
                     pass
 
@@ -432,9 +455,14 @@ class Coordinator:
         name = getattr(closure.fn, "__qualname__", repr(closure.fn))
         if meta.get("lost_task"):
             task = TaskId.parse(meta["lost_task"])
-            return ShardLostError(task, self.strategy._client.pieces.get(task.index, []),
-                                  f"seen by {worker} while it ran {name}")
-        return ClosureError(f"step function {name} failed on {worker}: {meta.get('error_type')}: {meta['error']}")
+            error = ShardLostError(task, self.strategy._client.pieces.get(task.index, []),
+                                   f"seen by {worker} while it ran {name}")
+            self.blamed = (task, error)
+            return error
+        error = ClosureError(f"step function {name} failed on {worker}: {meta.get('error_type')}: {meta['error']}")
+        # A shard's refusal (the job failed elsewhere: its text says where) is not this worker's fault.
+        self.blamed = (None if meta.get("error_type") == "RemoteError" else worker, error)
+        return error
 
     def _failed(self, closure: _Closure, error: BaseException, worker) -> None:
         closure.remote._fail(error, worker)

@@ -331,8 +331,12 @@ class ParameterServerStrategy(PSStrategyBase):
             super().leave_with_error(error)
             return
         # The coordinator failed: the shards learn why, and the workers must not take the end for
-        # a normal one (which tells them to exit 0): they see the coordinator gone, naming it.
+        # a normal one (which tells them to exit 0): they are told the job failed, naming the task it
+        # failed because of (a worker whose step raised, a lost shard, else this coordinator).
         self._exit_error = error
+        blamed = self._coordinator.blamed
+        culprit = blamed[0] if blamed is not None and str(blamed[1]) in error else self.task
+        self._coordinator.abort(culprit, error)
         self._say_goodbye()
         # Past PSStrategyBase's override, whose shutdown() would tell the workers to exit normally.
         super(PSStrategyBase, self).leave_with_error(error)

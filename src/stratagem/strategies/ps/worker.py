@@ -6,8 +6,9 @@ it is there, then waits for closures (tag ``ps.closure``), runs each and sends b
 remote copies of the coordinator's (built from the shards' catalog, by name); the optimizer is rebuilt
 from its config; a per-worker iterator is this worker's own iterator over ``dataset_fn(context)``.
 
-It fails (the process exits non-zero) when a shard is lost (:class:`ShardLostError` naming it) or the
-coordinator disappears; an exception in a closure is sent back to the coordinator instead.
+It fails (the process exits non-zero) when a shard is lost (:class:`ShardLostError` naming it), when the
+coordinator disappears, or when it says the job failed (``op: abort``: :class:`JobFailedError` naming the
+task that failed); an exception in a closure is sent back to the coordinator instead.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 
 from stratagem.core import job_state, remote_code, values
 from stratagem.core.cluster import TaskId
-from stratagem.core.errors import FunctionNotFound, PeerLostError, ProtocolError, StratagemError, TransportTimeout
+from stratagem.core.errors import (FunctionNotFound, JobFailedError, PeerLostError, ProtocolError, StratagemError,
+                                   TransportTimeout)
 from stratagem.strategies.ps.coordinator import CLOSURE_TAG, POLL, RESULT_TAG
 from stratagem.ps.protocol import ShardLostError
 from stratagem.core.transport import Message
@@ -94,11 +96,30 @@ class Worker:
                 ) from None
             if message.meta.get("op") == "shutdown":
                 return self.ran
+            if message.meta.get("op") == "abort":
+                raise self._aborted(message.meta)
             reply, lost = self.run(message)
             self.transport.send(self.coordinator, RESULT_TAG, reply, timeout=self.strategy._timeout)
             self.ran += 1
             if lost is not None:
                 raise lost
+
+    def _aborted(self, meta: dict) -> JobFailedError:
+        """The coordinator left because the job failed: the error naming the task that failed."""
+        me, coordinator = self.transport.task, self.coordinator
+        error, culprit = str(meta.get("error") or "an error"), meta.get("culprit")
+        try:
+            culprit = TaskId.parse(str(culprit)) if culprit else None
+        except Exception:  # noqa: BLE001 - a notice without a task: its text says what is known
+            culprit = None
+        if culprit is None:
+            text = f"{me}: the job failed ({error}); the coordinator {coordinator} stopped on it"
+        elif culprit == coordinator:
+            text = f"{me}: the job failed because the coordinator {coordinator} failed: {error}"
+        else:
+            text = (f"{me}: the job failed because {culprit} failed (the coordinator {coordinator} "
+                    f"stopped on it: {error})")
+        return JobFailedError(culprit, text)
 
     def run(self, message: Message) -> tuple[Message, BaseException | None]:
         """Run one closure; return the reply and, if a shard was lost, the error to stop with."""
