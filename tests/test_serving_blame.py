@@ -162,3 +162,13 @@ def test_every_task_names_the_failed_worker(strategy, fault):
         assert tasks["ps:0"].proc.returncode != 0, output
     if fault != "sigstop_long":
         assert tasks["worker:1"].proc.returncode == (3 if fault == "exit" else 1), output
+
+
+@pytest.mark.timeout(120)
+def test_the_launcher_follows_a_serving_tasks_blame_to_the_failed_worker():
+    """Under the launcher, a serving task that stops because worker:1 failed blames worker:1 in its
+    failure report, so the launcher names worker:1 even when that serving task exits first."""
+    from stratagem.testing.faults import run_fault
+
+    outcome = run_fault("in_graph", "zmq", "worker:1", "exit", peer_timeout=3.0)
+    assert outcome.exit_code == 1 and outcome.launcher_culprit == "worker:1", outcome.reason + outcome.output[-3000:]

@@ -93,6 +93,8 @@ class JobFailedError(StratagemError):
 
     def __init__(self, task, message: str):
         self.task = task
+        if task is not None:
+            self.culprit = task      # what the launcher follows to name the task that failed first
         super().__init__(message)
 
     def __reduce__(self):
