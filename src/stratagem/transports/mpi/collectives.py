@@ -189,8 +189,8 @@ class MpiCollectives:
     # -- what MPI takes: the same choice on every rank, from what the fingerprint covers --------------
     def accepts_allreduce(self, session: CollectiveSession, x, op: str = "sum", algorithm: str = "auto",
                           out=None) -> bool:
-        x = np.asarray(x)
-        return self._plan(op, coll.check_allreduce(x, op, algorithm, out), x.size) is not None
+        x = np.asarray(x)      # checked by the communicator already (this is on every step's path)
+        return self._plan(op, coll.working_dtype(op, x.dtype), x.size) is not None
 
     def accepts_reduce_scatter(self, session: CollectiveSession, x, op: str = "sum") -> bool:
         x = np.asarray(x)

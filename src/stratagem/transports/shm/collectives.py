@@ -117,8 +117,8 @@ class ShmCollectives:
         shared arena: every member sees one and declines alike."""
         if coll.is_device_array(x):
             return False
-        x = coll.as_array(x)
-        nbytes = x.size * coll.check_allreduce(x, op, algorithm, out).itemsize
+        x = coll.as_array(x)   # checked by the communicator already (this is on every step's path)
+        nbytes = x.size * coll.working_dtype(op, x.dtype).itemsize
         return not (algorithm != "auto" or session.size < 2 or nbytes < self.min_bytes or x.size < session.size
                     or nbytes > MAX_CAPACITY or not self.transport.ring_peers.issuperset(session.members))
 
