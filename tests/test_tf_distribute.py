@@ -16,8 +16,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
-import time
 import warnings
 from pathlib import Path
 
@@ -27,8 +25,8 @@ import pytest
 import stratagem
 from stratagem import ClusterSpec, ConfigurationError, ReduceOp
 from stratagem.core import user_errors
-from stratagem.strategies.mirrored import MirroredStrategy
 from stratagem.transports.local import LocalFabric
+from test_mirrored import run_replicas as mirrored_replicas   # the threads-over-local harness
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -102,35 +100,13 @@ def test_communicator_beside_a_strategy(order):
 # -- replicas as threads over the local transport ------------------------------------------------------
 
 def run_replicas(n: int, body, timeout: float = 20.0, **options):
-    """``body(strategy, rank)`` on ``n`` mirrored replicas, each a thread; returns the results by rank."""
-    cluster, fabric = ClusterSpec({"worker": [f"local:{i}" for i in range(n)]}), LocalFabric()
-    strategies = [MirroredStrategy("local", cluster=cluster, task=task, transport_options={"fabric": fabric,
-                                   "timeout": timeout}, **options) for task in cluster.replicas()]
-    results, errors = [None] * n, [None] * n
-
-    def target(rank):
-        try:
-            results[rank] = body(strategies[rank], rank)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors[rank] = exc
-            strategies[rank].shutdown()
-
-    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(n)]
-    try:
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + timeout + 5
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        assert not any(t.is_alive() for t in threads), "a replica did not finish"
-    finally:
-        for s in strategies:
-            s.shutdown()
+    """``body(strategy, rank)`` on ``n`` mirrored replicas, each a thread; returns the results by rank
+    (test_mirrored's harness, raising the first replica's error as it is)."""
+    results, errors = mirrored_replicas(n, body, timeout=timeout, **options)
     for exc in errors:
         if exc is not None:
             raise exc
     return results
-
 
 def test_reduce_with_reduce_op_axis_and_torch_tensors():
     torch = pytest.importorskip("torch")
