@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_launcher import summary_rows   # the launcher summary table, parsed once
 
 SCRIPT = Path(__file__).parent / "scripts" / "first_failure.py"
 LIMIT = 60
@@ -29,20 +30,11 @@ LIMIT = 60
 pytestmark = pytest.mark.timeout(LIMIT + 30)
 
 
-def summary_rows(stderr: str) -> dict[str, str]:
-    """``{"worker:1": "stopped by launcher (SIGKILL)  <- first failure", ...}`` from the summary table."""
-    rows = {}
-    for line in stderr.splitlines():
-        match = re.match(r"^  (?P<task>[a-z]+:\d+)\s+(?P<pid>\d+)  (?P<status>.+)$", line)
-        if match:
-            rows[match["task"]] = match["status"]
-    return rows
-
-
 def errors_of(stderr: str, task: str) -> list[str]:
-    """The last lines of ``task``'s tracebacks (``[worker:0] stratagem.core.errors.PeerLostError: ...``)."""
+    """The last lines of ``task``'s tracebacks (``[worker:0] stratagem.core.errors.PeerLostError: ...``), or
+    the one line a serving task ends with (``[worker:2] stratagem in_graph: ... stopped serving: ...``)."""
     return [line for line in stderr.splitlines()
-            if line.startswith(f"[{task}] ") and re.match(r"^\[\S+\] [\w.]+(Error|Exception): ", line)]
+            if line.startswith(f"[{task}] ") and re.match(r"^\[\S+\] ([\w.]+(Error|Exception)|stratagem [\w_]+): ", line)]
 
 
 @pytest.mark.parametrize("strategy, transport, ending", [
@@ -63,9 +55,9 @@ def test_the_launcher_names_the_task_that_failed_first(strategy, transport, endi
     assert rows["worker:1"].endswith("<- first failure"), log
     assert not any(status.endswith("<- first failure") for task, status in rows.items() if task != "worker:1"), log
     # The peers that failed name worker:1 too (the first of them to exit was the launcher's old pick).
-    # Under in_graph only the client (worker:0) talks to worker:1; worker:2, a replica, loses the client.
-    peers = ["worker:0"] if strategy == "in_graph" else ["worker:0", "worker:2"]
-    failed_peers = [task for task in peers if rows[task].startswith("exit ")]
+    # Under in_graph the client (worker:0) tells its other replica (worker:2) which task failed before it
+    # leaves, so whichever of them exits before the launcher stops the other names worker:1.
+    failed_peers = [task for task in ("worker:0", "worker:2") if rows[task].startswith("exit ")]
     assert failed_peers, log
     for task in failed_peers:
         assert errors_of(done.stderr, task) and all("worker/task:1" in line for line in errors_of(done.stderr, task)), log
