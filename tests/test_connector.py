@@ -19,7 +19,7 @@ import contextlib
 import pytest
 
 from stratagem.core import handshake
-from stratagem.core.acceptor import Acceptor, Admitted, Reply
+from stratagem.core.acceptor import Acceptor, Admitted
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.connector import GOODBYE, READY, Connector, Failed, Send, Stage
 from stratagem.core.errors import AuthenticationError, ConfigurationError, ProtocolError

@@ -7,8 +7,9 @@ per-(src, dst, tag) ordering.
 
 Threads: whoever holds the reader lock reads the ROUTER, the connection monitors and the DEALERs
 still in their handshake: it decodes messages, runs both sides of the handshake
-(``core/acceptor.py``, ``core/connector.py``) and files data into the mailbox. A ``recv`` that has to wait takes the reader lock itself, so a message reaches
-the thread that wants it without a hand-off between threads; it then waits in a receive on the
+(``core/acceptor.py``, ``core/connector.py``) and files data into the mailbox. A ``recv`` that has
+to wait takes the reader lock itself, so a message reaches the thread that wants it without a
+hand-off between threads; it then waits in a receive on the
 ROUTER alone (a message already there costs no system call; a poll of every socket costs ZeroMQ two
 per socket), and polls every socket at least every 10 ms. A background thread reads when no
 ``recv`` does. User threads send on the DEALERs of peers that completed the handshake, one lock per
