@@ -250,6 +250,12 @@ class Acceptor:
         """Connections in their handshake now."""
         return len(self._handshaking)
 
+    @property
+    def token(self) -> bytes | None:
+        """What a connection must show at the transport's connection gate, if it has one
+        (:func:`~stratagem.core.handshake.connection_token`; None without a secret)."""
+        return None if self.secret is None else handshake.connection_token(self.secret, self.cluster_id)
+
     # -- what a transport tells ----------------------------------------------------------------------
     def connect(self, peer: str, link=None) -> tuple[Connection, list]:
         """A new connection from ``peer``; returns it and the :class:`CutOff` of the oldest connection

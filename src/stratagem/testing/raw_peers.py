@@ -4,6 +4,13 @@ gives it, as an attacker or a broken program would (:class:`~stratagem.testing.b
 - :class:`ZmqRawPeer`: a bare ZeroMQ DEALER connected to a ``zmq`` task's ROUTER;
 - :class:`GrpcRawPeer`: one call of a ``grpc`` task's one method, from a plain gRPC client.
 
+And the other way round, a *raw acceptor*: a server at a task's address that answers whoever
+connects with the frames a test scripts, as a misconfigured or hostile task would (the connecting
+side of the handshake must refuse it: :mod:`stratagem.core.connector`):
+
+- :class:`ZmqRawAcceptor`: a bare ROUTER (it lets any ZMTP PLAIN credentials through its gate);
+- :class:`GrpcRawAcceptor`: a plain gRPC server of the one method.
+
 pyzmq and grpcio are imported when a peer is made, not with this module. Each has ``to(target)``,
 which opens one to a started transport, as :meth:`ByteStreamContract.open_raw
 <stratagem.testing.byte_stream.ByteStreamContract.open_raw>` wants:
@@ -28,7 +35,7 @@ from typing import Sequence
 from stratagem.core import handshake, wire
 from stratagem.core.errors import ProtocolError
 from stratagem.testing.byte_stream import RawPeer
-from stratagem.transports.framing import Reassembler, chunks
+from stratagem.transports.framing import Reassembler, chunks, frame_bytes
 
 
 class ZmqRawPeer(RawPeer):
@@ -149,4 +156,118 @@ class GrpcRawPeer(RawPeer):
         self._reader.join(10)
 
 
-__all__ = ["ZmqRawPeer", "GrpcRawPeer"]
+class RawAcceptor:
+    """A server at ``address`` that answers each frame that comes in with what ``respond(kind, meta)``
+    returns, a list of ``(kind, meta)`` frames; :attr:`received` lists the frames that came in, as
+    ``(kind, meta)``. Close it (or use it as a context manager) to stop it."""
+
+    def __init__(self, respond):
+        self.respond = respond
+        self.received: list[tuple[wire.Kind, dict]] = []
+        self._arrived = threading.Condition()
+
+    def _on_frame(self, frame: wire.Frame) -> list[bytes]:
+        """The encoded answers to ``frame`` (each a list of parts)."""
+        with self._arrived:
+            self.received.append((frame.kind, frame.meta))
+            self._arrived.notify_all()
+        return [wire.encode(kind, "", meta) for kind, meta in self.respond(frame.kind, frame.meta)]
+
+    def wait_for(self, kind: wire.Kind, timeout: float) -> dict | None:
+        """The metadata of the first frame of ``kind`` that came in, waiting up to ``timeout`` (None if none)."""
+        with self._arrived:
+            self._arrived.wait_for(lambda: any(k == kind for k, _ in self.received), timeout)
+            return next((meta for k, meta in self.received if k == kind), None)
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> "RawAcceptor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ZmqRawAcceptor(RawAcceptor):
+    """A bare ROUTER bound at ``address`` (a ``zmq`` task's): it answers on the connection a frame came
+    in on, and lets any connection through (with a secret, a task shows ZMTP PLAIN credentials)."""
+
+    def __init__(self, address: str, respond, plain: bool = False):
+        import zmq
+
+        super().__init__(respond)
+        self._zmq = zmq
+        self._ctx = zmq.Context()
+        self._zap = None
+        if plain:  # the connecting task shows its token: let it in whatever it is
+            self._zap = self._ctx.socket(zmq.REP)
+            self._zap.bind("inproc://zeromq.zap.01")
+        self.socket = self._ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if plain:
+            self.socket.plain_server = True
+        self.socket.bind(f"tcp://{address}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True, name=f"raw-zmq-acceptor-{address}")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        zmq = self._zmq
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        if self._zap is not None:
+            poller.register(self._zap, zmq.POLLIN)
+        while not self._stop.is_set():
+            ready = dict(poller.poll(50))
+            if self._zap is not None and self._zap in ready:
+                request = self._zap.recv_multipart()
+                self._zap.send_multipart([b"1.0", request[1], b"200", b"OK", b"", b""])
+            if self.socket in ready:
+                routing_id, *parts = self.socket.recv_multipart()
+                for answer in self._on_frame(wire.decode_parts(parts)):
+                    self.socket.send_multipart([routing_id, *answer])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.socket.close(linger=0)
+        if self._zap is not None:
+            self._zap.close(linger=0)
+        self._ctx.term()
+
+
+class GrpcRawAcceptor(RawAcceptor):
+    """A plain gRPC server of a ``grpc`` task's one method at ``address`` (without TLS)."""
+
+    def __init__(self, address: str, respond):
+        import concurrent.futures
+
+        import grpc
+
+        from stratagem.transports.grpc.config import METHOD, SERVICE
+
+        super().__init__(respond)
+        handler = grpc.method_handlers_generic_handler(SERVICE, {
+            METHOD: grpc.stream_stream_rpc_method_handler(self._serve)})
+        self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix=f"raw-grpc-acceptor-{address}")
+        self.server = grpc.server(self._pool, handlers=[handler])
+        if not self.server.add_insecure_port(address):
+            raise RuntimeError(f"the raw gRPC acceptor cannot bind {address}")
+        self.server.start()
+
+    def _serve(self, requests, context):
+        reassembler = Reassembler(wire.DEFAULT_LIMITS)
+        for message in requests:
+            frames: list = []
+            reassembler.feed(message, frames.append)
+            for frame in frames:
+                for answer in self._on_frame(frame):
+                    yield frame_bytes(answer)
+
+    def close(self) -> None:
+        self.server.stop(0).wait(10)
+        self._pool.shutdown(wait=False)
+
+
+__all__ = ["ZmqRawPeer", "GrpcRawPeer", "RawAcceptor", "ZmqRawAcceptor", "GrpcRawAcceptor"]

@@ -59,15 +59,14 @@ class LazySend(SendHandle):
 
 
 class Outgoing:
-    """Our stream to one peer: its channel, the call, the queue of frames and the handshake state."""
+    """Our stream to one peer: its channel, the call, the queue of frames and its handshake (``hs``, a
+    :class:`~stratagem.core.connector.Connector`)."""
 
-    def __init__(self, task: TaskId, address: str, nonce: bytes):
-        self.task, self.address, self.nonce = task, address, nonce
+    def __init__(self, task: TaskId, address: str, hs):
+        self.task, self.address, self.hs = task, address, hs
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.ready = threading.Event()      # welcomed, or failed (then ``error`` says why)
-        self.welcomed = False
-        self.authenticating = False
         self.goodbye = False                # the acceptor said it is closing
         self.busy = False                   # the acceptor had no room for the stream: try a new one
         self.error: Exception | None = None
@@ -78,6 +77,11 @@ class Outgoing:
         self.finished = threading.Event()   # the response stream has ended
         self.channel = None
         self.call = None
+
+    @property
+    def welcomed(self) -> bool:
+        """True once the peer welcomed us, whatever happened since."""
+        return self.hs.accepted
 
     def enqueue(self, item) -> None:
         with self.lock:

@@ -18,7 +18,8 @@ buffer also carries the frame's head, up to 16 KiB), so gRPC's per-message limit
 receiver reassembles them with every limit checked before it allocates (see
 :mod:`stratagem.transports.framing`).
 
-**Handshake.** The stream starts with the protocol's handshake (``core/handshake.py``): HELLO →
+**Handshake.** The stream starts with the protocol's handshake (``core/handshake.py``; the accepting
+side is ``core/acceptor.py``'s state machine, the connecting side ``core/connector.py``'s): HELLO →
 WELCOME, or with a cluster secret HELLO → CHALLENGE → AUTH → WELCOME. Data is sent only after
 WELCOME. Until then the acceptor accepts nothing but the next handshake frame, under tiny control
 limits, and refuses a stream that has not completed it within ``handshake_timeout``. A peer that
@@ -114,8 +115,8 @@ import time
 
 import grpc
 
-from stratagem.core import handshake, ports, wire
-from stratagem.core.acceptor import Acceptor
+from stratagem.core import ports, wire
+from stratagem.core.acceptor import CONTROL_LIMITS, Acceptor
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import (
     AuthenticationError,
@@ -125,6 +126,7 @@ from stratagem.core.errors import (
     TransportClosed,
     TransportTimeout,
 )
+from stratagem.core.connector import GOODBYE, READY, Connector, Failed, Send
 from stratagem.core.mailbox import Mailbox
 from stratagem.core.transport import COMPLETED, Message, SendHandle, Transport
 from stratagem.core.wire import Kind
@@ -138,7 +140,6 @@ from stratagem.transports.grpc.config import (
     load_tls,
     server_options,
 )
-from stratagem.core.handshake import CONTROL_LIMITS
 from stratagem.transports.framing import Reassembler, frame_bytes
 from stratagem.transports.grpc.acceptor import GrpcAcceptor
 from stratagem.transports.grpc.streams import Eager, LazySend, Outgoing, fresh
@@ -366,9 +367,8 @@ class GrpcTransport(Transport):
 
     def _connect(self, task: TaskId, address: str) -> Outgoing:
         """A stream to ``task`` at ``address``, its HELLO queued (under the lock)."""
-        hello, nonce = handshake.make_hello(self.task, self._cluster_id, self.secret)
-        peer = Outgoing(task, address, nonce)
-        peer.queue.put(Eager(frame_bytes(wire.encode(Kind.HELLO, "", hello))))
+        peer = Outgoing(task, address, Connector(self.task, task, self._cluster_id, self.secret, address))
+        peer.queue.put(Eager(frame_bytes(wire.encode(Kind.HELLO, "", peer.hs.hello))))
         peer.channel = self._channel(address)
         stream = peer.channel.stream_stream(FULL_METHOD)  # no (de)serializers: raw bytes
         peer.call = stream(peer.requests(self.chunk_bytes), wait_for_ready=True)
@@ -396,9 +396,8 @@ class GrpcTransport(Transport):
             # the acceptor cut off its oldest handshake): worth another try.
             code = exc.code() if hasattr(exc, "code") else None
             peer.busy = not peer.welcomed and code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        except ProtocolError as exc:
-            log.warning("%s: %s sent a malformed control frame: %s", self.task, peer.task, exc)
-            peer.fail(ProtocolError(f"{peer.task} sent a malformed control frame: {exc}"))
+        except ProtocolError as exc:  # what it sends next cannot be trusted to be framed either
+            self._carry_out(peer, peer.hs.malformed(str(exc)))
             peer.call.cancel()
         except Exception as exc:  # must never die silently: senders would wait for the handshake
             log.exception("%s: the response reader of %s crashed", self.task, peer.task)
@@ -408,41 +407,25 @@ class GrpcTransport(Transport):
         self._outgoing_ended(peer, how)
 
     def _on_response(self, peer: Outgoing, frame: wire.Frame) -> None:
-        meta = frame.meta
-        if frame.kind == Kind.CHALLENGE:
-            if self.secret is None or peer.welcomed or peer.authenticating:
-                raise ProtocolError("unexpected CHALLENGE")
-            if meta.get("task") != peer.task.short or not handshake.answers_hello(meta, peer.nonce):
-                raise ProtocolError(f"a CHALLENGE that does not answer our HELLO to {peer.task}")
-            try:
-                auth = handshake.answer_challenge(self.secret, self._cluster_id, self.task, peer.task,
-                                                  peer.nonce, meta)
-            except ProtocolError as exc:
-                log.warning("%s: %s", self.task, exc)
-                reject = {"task": self.task.short, "reason": str(exc)}
-                peer.fail(exc, Eager(frame_bytes(wire.encode(Kind.REJECT, "", reject))))
-                return
-            peer.authenticating = True
-            peer.enqueue(Eager(frame_bytes(wire.encode(Kind.AUTH, "", auth))))
-        elif frame.kind == Kind.WELCOME:
-            if peer.welcomed or (self.secret is not None and not peer.authenticating):
-                raise ProtocolError("unexpected WELCOME")
-            if meta.get("task") != peer.task.short:
-                error = ConfigurationError(f"the address {peer.address} of {peer.task} is served by "
-                                           f"{meta.get('task')!r}: give every task the same cluster spec")
-                log.warning("%s: %s", self.task, error)
-                peer.fail(error)
-                peer.call.cancel()
-                return
-            peer.welcomed = True
-            peer.ready.set()
-        elif frame.kind == Kind.REJECT:
-            reason = meta.get("reason") if isinstance(meta.get("reason"), str) else "no reason given"
-            log.warning("%s: %s refused our stream: %s", self.task, peer.task, reason)
-            error_type = AuthenticationError if "secret" in reason.lower() else ProtocolError
-            peer.fail(error_type(f"{peer.task} refused the connection: {reason}"))
-        elif frame.kind == Kind.GOODBYE:
-            peer.goodbye = True
+        """One control frame of the acceptor; the rules are :class:`~stratagem.core.connector.Connector`'s."""
+        self._carry_out(peer, peer.hs.on_frame(frame.kind, frame.meta))
+
+    def _carry_out(self, peer: Outgoing, actions: list) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                peer.enqueue(Eager(frame_bytes(wire.encode(action.kind, "", action.meta))))
+            elif action is READY:
+                peer.ready.set()
+            elif action is GOODBYE:
+                peer.goodbye = True
+            elif isinstance(action, Failed):
+                log.warning("%s: %s", self.task, action.error)
+                if action.reject is not None:  # the REJECT goes out, then our side of the stream ends
+                    peer.fail(action.error, Eager(frame_bytes(wire.encode(Kind.REJECT, "", action.reject))))
+                else:
+                    peer.fail(action.error)
+                    if not action.by_peer:  # the acceptor ends the stream after its own REJECT
+                        peer.call.cancel()
 
     def _outgoing_ended(self, peer: Outgoing, how: str) -> None:
         with self._lock:

@@ -6,9 +6,10 @@ has its own connection, and ZeroMQ keeps messages on it in order, which gives th
 per-(src, dst, tag) ordering.
 
 Threads: whoever holds the reader lock reads the ROUTER, the connection monitors and the DEALERs
-still in their handshake: it decodes messages, runs the handshake (``core/handshake.py``) and files
-data into the mailbox. A ``recv`` that has to wait takes the reader lock itself, so a message reaches
-the thread that wants it without a hand-off between threads; it then waits in a receive on the
+still in their handshake: it decodes messages, runs both sides of the handshake
+(``core/acceptor.py``, ``core/connector.py``) and files data into the mailbox. A ``recv`` that has
+to wait takes the reader lock itself, so a message reaches the thread that wants it without a
+hand-off between threads; it then waits in a receive on the
 ROUTER alone (a message already there costs no system call; a poll of every socket costs ZeroMQ two
 per socket), and polls every socket at least every 10 ms. A background thread reads when no
 ``recv`` does. User threads send on the DEALERs of peers that completed the handshake, one lock per
@@ -22,7 +23,9 @@ both ends less than a part per buffer. Received message memory is kept for reuse
 Handshake: the connector sends HELLO on its DEALER; the acceptor answers on that same connection
 (CHALLENGE, then WELCOME after AUTH with a cluster secret; WELCOME at once without one; REJECT with
 the reason when it refuses), so a forged HELLO never makes us talk to the task it names. Data flows
-after WELCOME.
+after WELCOME. What the connector accepts in answer (from the task it connected to only, a CHALLENGE
+answering its own HELLO, a valid proof) is :class:`~stratagem.core.connector.Connector`'s rule,
+the same as grpc's.
 
 Memory before the handshake: ZeroMQ allocates a whole message part before we see it, so the ROUTER
 refuses (and disconnects) any part over :data:`PART_BYTES` (or the largest frame head the limits
@@ -82,8 +85,8 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from stratagem.core import handshake, ports, wire
-from stratagem.core.acceptor import Acceptor
+from stratagem.core import ports, wire
+from stratagem.core.acceptor import CONTROL_LIMITS, Acceptor
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import (
     AuthenticationError,
@@ -93,11 +96,11 @@ from stratagem.core.errors import (
     TransportClosed,
     TransportTimeout,
 )
+from stratagem.core.connector import READY, Connector, Failed, Send
 from stratagem.core.mailbox import Mailbox
 from stratagem.core.reading import SharedReader
 from stratagem.core.transport import COMPLETED, Message, SendHandle, Transport
 from stratagem.core.wire import Kind
-from stratagem.core.handshake import CONTROL_LIMITS
 from stratagem.transports.zmq.acceptor import ZmqAcceptor
 from stratagem.transports.zmq.malloc import keep_message_memory
 
@@ -128,21 +131,20 @@ ZAP_USER = b"stratagem"
 
 
 class _Peer:
-    """Our outgoing connection to one peer: a DEALER socket and its handshake state."""
+    """Our outgoing connection to one peer: a DEALER socket and its handshake (``hs``)."""
 
-    def __init__(self, task: TaskId, sock: zmq.Socket, monitor: zmq.Socket, nonce: bytes, address: str):
+    def __init__(self, task: TaskId, sock: zmq.Socket, monitor: zmq.Socket, hs: Connector, address: str):
         self.task = task
         self.sock = sock
         self.monitor = monitor
-        self.nonce = nonce
+        self.hs = hs
         self.address = address
         self.lock = threading.Lock()      # a zmq socket is used by one thread at a time
         self.ready = threading.Event()    # data may flow (set at once without a secret)
         self.error: Exception | None = None
         self.connected = False            # a connection came up, so a later drop means lost
         self.closed = False
-        self.handshaking = False          # the reader reads its answers (until WELCOME or REJECT)
-        self.challenged = False           # the acceptor proved it knows the secret; AUTH sent
+        self.handshaking = False          # the reader reads its answers (until WELCOME or a failure)
 
     def fail(self, error: Exception) -> None:
         self.error = error
@@ -205,8 +207,10 @@ class ZmqTransport(Transport):
         #: Counters a test or an operator can read: frames dropped and why.
         self.stats = {"rejected_frames": 0, "data_frames": 0}
         #: What arrives at the ROUTER: the handshake as acceptor, then data into the mailbox.
+        acceptor = Acceptor(self.task, self.cluster, self.secret, limits=self.limits)
+        self._zap_token = acceptor.token   # what a connection must show at the gate, with a secret
         self._acceptor = ZmqAcceptor(
-            Acceptor(self.task, self.cluster, self.secret, limits=self.limits), self._mailbox, self.stats,
+            acceptor, self._mailbox, self.stats,
             answer=self._answer, forget_peer=self._forget_peer, watch_peer=self._ensure_peer,
             peer_gone=self._peer_gone, part_cap=self._part_cap)
 
@@ -446,24 +450,24 @@ class ZmqTransport(Transport):
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, self._linger_ms)
         sock.setsockopt(zmq.MAXMSGSIZE, _CONTROL_PART_BYTES)  # it only ever receives control frames
-        if self.secret:
+        hs = Connector(self.task, task, self._cluster_id, self.secret, address)
+        if hs.token is not None:
             sock.plain_username = ZAP_USER
-            sock.plain_password = handshake.connection_token(self.secret, self._cluster_id)
+            sock.plain_password = hs.token
         interval_ms, timeout_ms, ttl_ms = heartbeat_ms(self.peer_timeout)
         sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
         sock.setsockopt(zmq.HEARTBEAT_TTL, ttl_ms)
         monitor = sock.get_monitor_socket(_MONITOR_EVENTS, self._monitor_address())
         sock.connect(f"tcp://{address}")
-        hello, nonce = handshake.make_hello(self.task, self._cluster_id, self.secret)
-        peer = _Peer(task, sock, monitor, nonce, address)
-        peer.handshaking = True  # from now on only the reader uses sock, until WELCOME or REJECT
+        peer = _Peer(task, sock, monitor, hs, address)
+        peer.handshaking = True  # from now on only the reader uses sock, until WELCOME or a failure
         try:
             # Never block here (we hold the peers' lock): a connection the peer's gate refused (a wrong
             # token) is gone within milliseconds, and a DEALER without a connection blocks a send forever.
             # The refusal then reaches whoever waits as the monitor's handshake failure, and anything
             # else as the caller's own timeout, never a hang.
-            sock.send_multipart(wire.encode(Kind.HELLO, "", hello), flags=zmq.NOBLOCK)
+            sock.send_multipart(wire.encode(Kind.HELLO, "", hs.hello), flags=zmq.NOBLOCK)
         except zmq.Again:
             log.debug("%s: HELLO to %s not queued: its connection is already gone", self.task, task)
         return peer
@@ -584,7 +588,6 @@ class ZmqTransport(Transport):
         zap.bind("inproc://zeromq.zap.01")   # the endpoint libzmq asks, per context
         router.setsockopt(zmq.ZAP_DOMAIN, b"stratagem")
         router.plain_server = True
-        self._zap_token = handshake.connection_token(self.secret, self._cluster_id)
         return zap
 
     def _answer_zap(self) -> None:
@@ -634,7 +637,8 @@ class ZmqTransport(Transport):
 
     # -- our side of the handshake: the answers to our HELLOs, read by the reader -------------------
     def _on_answer(self, peer: _Peer) -> None:
-        """Read what the acceptor answered on ``peer``'s DEALER while its handshake runs."""
+        """Read what the acceptor answered on ``peer``'s DEALER while its handshake runs; its rules are
+        :class:`~stratagem.core.connector.Connector`'s."""
         while peer.handshaking:
             try:
                 parts = peer.sock.recv_multipart(flags=zmq.NOBLOCK)
@@ -643,40 +647,22 @@ class ZmqTransport(Transport):
             try:
                 frame = wire.decode_parts(parts, CONTROL_LIMITS)
             except ProtocolError as exc:
-                log.warning("%s: %s at %s answered our HELLO with a malformed frame (ignored): %s",
-                            self.task, peer.task, peer.address, exc)
-                continue
-            self._on_answer_frame(peer, frame)
-
-    def _on_answer_frame(self, peer: _Peer, frame: wire.Frame) -> None:
-        meta = frame.meta
-        if frame.kind == Kind.CHALLENGE and self.secret is not None and not peer.challenged:
-            if not handshake.answers_hello(meta, peer.nonce):
-                log.warning("%s: %s sent a CHALLENGE that answers no HELLO of ours; ignored", self.task, peer.task)
-                return
-            try:
-                # Checked against the task we connected to, whatever the challenge claims.
-                auth = handshake.answer_challenge(self.secret, self._cluster_id, self.task, peer.task,
-                                                  peer.nonce, meta)
-            except ProtocolError as exc:
-                log.warning("%s: %s", self.task, exc)
-                self._end_handshake(peer)
-                peer.fail(exc)
-                return
-            peer.challenged = True
-            self._send_control(peer, Kind.AUTH, auth)
-        elif frame.kind == Kind.WELCOME and (self.secret is None or peer.challenged):
-            self._end_handshake(peer)
-            peer.ready.set()
-        elif frame.kind == Kind.REJECT:
-            reason = meta.get("reason") if isinstance(meta.get("reason"), str) else "no reason given"
-            log.warning("%s: %s refused our connection: %s", self.task, peer.task, reason)
-            error_type = AuthenticationError if "secret" in reason.lower() else ProtocolError
-            self._end_handshake(peer)
-            peer.fail(error_type(f"{peer.task} refused the connection: {reason}"))
-        else:
-            log.warning("%s: %s answered our HELLO with an unexpected %s frame; ignored", self.task,
-                        peer.task, frame.kind.name)
+                actions = peer.hs.malformed(str(exc))
+            else:
+                actions = peer.hs.on_frame(frame.kind, frame.meta)
+            for action in actions:
+                if isinstance(action, Send):
+                    self._send_control(peer, action.kind, action.meta)
+                elif action is READY:
+                    self._end_handshake(peer)
+                    peer.ready.set()
+                elif isinstance(action, Failed):
+                    log.warning("%s: %s", self.task, action.error)
+                    if action.reject is not None:
+                        self._send_control(peer, Kind.REJECT, action.reject)
+                    self._end_handshake(peer)
+                    peer.fail(action.error)
+                # GOODBYE comes only after READY, when the reader reads this DEALER no more.
 
     def _end_handshake(self, peer: _Peer) -> None:
         """Stop reading ``peer``'s DEALER (reader thread): from here on user threads send on it."""
