@@ -9,6 +9,8 @@ steps/s under each consistency mode.
                                                           # issue 14's targets (~15 minutes)
     python benchmarks/ps.py --part throughput --link 10gbit   # behind a 10 Gbit/s loopback (~3 min)
     python benchmarks/ps.py --part mlp --modes async sync bounded --json results-ps.json
+    python benchmarks/ps.py --part throughput --hosts --link 250mbit --workers 4 --ps 1 2 4 --kinds ps raw raw-ps \
+        --raw-ps-ways inplace/adopt/pieces --partition-bytes 1M --warmup 1 --rounds 2   # issue 22, 5c (~8 min)
 
 **Throughput.** A model of ``--params`` float32 parameters (default 10M: a 5M, a 4M and a 1M weight
 matrix plus biases, 40 MB) lives on ``--ps`` tasks (1, 2 and 4). Each of ``--workers`` workers (2),
@@ -67,6 +69,17 @@ nothing is dropped; the qdisc's counters, printed at the end, show it). On one h
 both directions, shares that one limited loopback: it models one shared link of RATE, not a NIC of
 RATE per host, so raw's aggregate GB/s comes out at RATE/8. The default ``--iters`` there gives
 about 3 s per job at the rate. The CPU column then shows the headroom each kind leaves.
+
+**--hosts --link RATE** (issue 22, 5c) puts every task on an emulated host of its own (``stratagem
+launch --hosts``: a network namespace per host, joined by a bridge, each host's link shaped to RATE
+both ways with ``tc tbf``): the workers on hosts 0..W-1, the ps tasks on the next ones, and the raw
+paths' clients and servers on the same hosts. A ps task's link then carries every worker's pushes
+and pulls for its shard, a worker's link the whole model each way: with 1 ps the ps link is the
+bottleneck, and ps tasks add links. Steps per worker: about ``--seconds`` (8) of the links' time.
+The scaling table gives each contender's GB/s against the 1-ps cell, the links' bound (the busiest
+link's bytes one way at RATE, pushes coming in while pulls go out: full duplex), and the cores each role's tasks used (mean per task) and the machine's busy cores.
+``--partition-bytes`` (default 4 MiB) is the strategy's ``partition_bytes``: variables above it
+are split over the ps tasks.
 
 **MLP.** The MLP 784-512-512-10 of ``mlp_training.py`` (670K parameters, numpy forward/backward,
 batch 128 per worker, SGD) trained by 2 workers on 2 ps tasks under ``async``, ``sync`` and
@@ -628,9 +641,9 @@ def hosts_scaling(args, rows: list[dict]) -> list[str]:
     against the same round's), ours >= 0.9x the minimal pyzmq PS."""
     print(f"\nScaling over ps tasks (links {args.link}, one task per host); cores per task: mean of the role's "
           f"tasks over the timed window (median over the rounds); host: the machine's busy cores then\n")
-    print("| workers | ps tasks | contender | GB/s median (min-max) | x the 1-ps cell | links' bound GB/s "
+    print("| workers | ps tasks | contender | GB/s median (min-max) | x the 1-ps cell | links' bound GB/s | x bound "
           "| cores per worker | cores per ps | host busy cores |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     lines = []
     for workers in args.workers:
         cell = {r["ps"]: r for r in rows if r["workers"] == workers}
@@ -642,10 +655,11 @@ def hosts_scaling(args, rows: list[dict]) -> list[str]:
                 if not st:
                     continue
                 layout = frames_per_server(model_shapes(args.params), ps, args.partition_bytes)
+                # Full duplex: the busiest link's bytes one way at the rate (pushes in while pulls go out).
                 bound = 2 * sum(sum(sizes) for sizes in layout[0]) * workers / hosts_step_s(args.link, layout, workers)
                 grow = st["gbps"]["median"] / base["gbps"]["median"] if base else float("nan")
                 print(f"| {workers} | {ps} | {label} | {st['gbps']['median']:.3f} ({st['gbps']['min']:.3f}-"
-                      f"{st['gbps']['max']:.3f}) | {grow:.2f} | {bound / 1e9:.3f} | "
+                      f"{st['gbps']['max']:.3f}) | {grow:.2f} | {bound / 1e9:.3f} | {st['gbps']['median'] / bound * 1e9:.2f} | "
                       f"{st['worker_task_cores']['median']:.2f} | {st['ps_task_cores']['median']:.2f} | "
                       f"{st['host_cores']['median']:.2f} |")
         ours = {}
