@@ -559,7 +559,6 @@ def summarize(args, rounds: list[dict], jobs, cells, total: int) -> dict:
     """Median (min, max) over the rounds per contender and cell; ``ours / raw-ps`` per round, against
     the raw-ps way with the highest median in that cell (the best plain use of pyzmq here), run in
     the same round; the targets."""
-    args.hosts_rounds = rounds
     by = {}
     for entry in rounds:
         by.setdefault((entry["workers"], entry["ps"], entry["label"]), []).append(entry)
@@ -596,11 +595,13 @@ def summarize(args, rounds: list[dict], jobs, cells, total: int) -> dict:
 
     link = f", loopback limited to {args.link} ({parse_rate(args.link) / 1e9:.2f} GB/s, shared by every flow)" \
         if args.link else ""
+    steps = f"{args.iters} steps per worker"
     if args.hosts:
+        steps = f"steps per worker for about {args.seconds:g} s of the links' time"
         link = (f", every task on an emulated host of its own, each host's link {args.link} both ways "
                 f"({parse_rate(args.link) / 1e6:.0f} MB/s)")
     print(f"\nPush + pull of a {total / 1e6:.1f}M-parameter float32 model ({total * 4 / 1e6:.0f} MB each way per "
-          f"step), {args.iters} steps per worker, {args.rounds} round(s) in alternating order{link}; "
+          f"step), {steps}, {args.rounds} round(s) in alternating order{link}; "
           f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in args.loadavg_before)} before. "
           f"GB/s: median (min-max) over the rounds; ours / raw-ps: median (min) of the rounds' ratios\n")
     gb = lambda row, label: (lambda st: f"{st['median']:.2f} ({st['min']:.2f}-{st['max']:.2f})")(  # noqa: E731
@@ -626,7 +627,7 @@ def summarize(args, rounds: list[dict], jobs, cells, total: int) -> dict:
                       f"({st['worker_cpu_ms_per_step']['median']:.1f} + {st['ps_cpu_ms_per_step']['median']:.1f}) |")
     verdicts = targets(rows)
     if args.hosts:
-        verdicts += hosts_scaling(args, rows)
+        verdicts += hosts_scaling(args, rows, rounds)
     if verdicts:
         print()
         for line in verdicts:
@@ -634,7 +635,7 @@ def summarize(args, rounds: list[dict], jobs, cells, total: int) -> dict:
     return {"params": total, "iters": args.iters, "rows": rows, "rounds": rounds, "targets": verdicts}
 
 
-def hosts_scaling(args, rows: list[dict]) -> list[str]:
+def hosts_scaling(args, rows: list[dict], rounds: list[dict]) -> list[str]:
     """Issue 22, 5c (``--hosts``): the table of throughput against ps tasks per contender, with each
     task's cores (every figure the median over the rounds), and the verdicts: ours grows >= 1.8x from
     1 to 2 ps tasks and >= 3.2x from 1 to 4 (the median of the rounds' ratios, a round's cells
@@ -647,7 +648,7 @@ def hosts_scaling(args, rows: list[dict]) -> list[str]:
     lines = []
     for workers in args.workers:
         cell = {r["ps"]: r for r in rows if r["workers"] == workers}
-        labels = [label for label in (OURS, *(r.get("raw_ps") for r in cell.values())) if label]
+        labels = [label for label in (OURS, *(r.get(k) for k in ("raw_ps", "raw") for r in cell.values())) if label]
         for label in dict.fromkeys(labels):
             base = cell.get(min(cell), {}).get("kinds", {}).get(label)
             for ps, r in sorted(cell.items()):
@@ -663,7 +664,7 @@ def hosts_scaling(args, rows: list[dict]) -> list[str]:
                       f"{st['worker_task_cores']['median']:.2f} | {st['ps_task_cores']['median']:.2f} | "
                       f"{st['host_cores']['median']:.2f} |")
         ours = {}
-        for entry in args.hosts_rounds:
+        for entry in rounds:
             if entry["workers"] == workers and entry["label"] == OURS:
                 ours.setdefault(entry["ps"], {})[entry["round"]] = entry["gbps"]
         for many, need in ((2, 1.8), (4, 3.2)):
