@@ -4,7 +4,9 @@ Every process reads one JSON spec: ``server_ports`` (one per server), ``client_p
 client, all 0 for a reply over the request's own connection), ``frames`` (per server, the byte sizes
 of the pieces it holds, as the PS path places them) and ``whole`` (per frame, whether it is a whole
 variable), ``work`` (the ``raw-ps`` variant) with its ``server`` and ``client`` ways (below), ``lr``,
-``warmup``, ``iters`` and ``start_at`` (the wall-clock time the clients start their timed steps).
+``warmup``, ``iters`` and ``start_at`` (the wall-clock time the clients start their timed steps);
+with ``ps.py --hosts``, ``server_addresses`` and ``client_addresses`` (index -> the address of the
+emulated host each runs on; loopback otherwise).
 
 - ``raw``/``raw-duplex``: a server answers each request with as many bytes, in one multipart
   message, doing nothing with the data; a client sends every server its frames before waiting for
@@ -41,6 +43,12 @@ import time
 import numpy as np
 
 CHUNK = 64 * 1024  # float32 elements per SGD chunk: 256 KB
+
+
+def _address(spec: dict, role: str, index: int) -> str:
+    """Where server or client ``index`` listens: its emulated host's address (``server_addresses``,
+    ``client_addresses``: ``ps.py --hosts``), else loopback."""
+    return spec.get(f"{role}_addresses", {}).get(str(index), "127.0.0.1")
 
 
 def _f32(frame) -> np.ndarray:
@@ -104,13 +112,13 @@ def server(spec: dict, index: int) -> None:
     sizes = spec["frames"][index]
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
-    sock.bind(f"tcp://127.0.0.1:{spec['server_ports'][index]}")
+    sock.bind(f"tcp://{_address(spec, 'server', index)}:{spec['server_ports'][index]}")
     back = {}
     for client, client_port in enumerate(spec["client_ports"]):
         if client_port:
             dealer = ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.IDENTITY, f"s{index}".encode())
-            dealer.connect(f"tcp://127.0.0.1:{client_port}")
+            dealer.connect(f"tcp://{_address(spec, 'client', client)}:{client_port}")
             back[f"c{client}".encode()] = dealer
     inplace = spec.get("server", "spare") == "inplace"
     shard = (InPlaceShard if inplace else Shard)(sizes, spec["lr"]) if spec["work"] else None
@@ -132,8 +140,10 @@ def server(spec: dict, index: int) -> None:
                 sock.send(ident, zmq.SNDMORE)
                 tracker = sock.send(values, copy=False, track=not inplace)
             shard.sent(k, tracker)
+    # Close only once the last replies are out: on a slow link (ps.py --hosts) they are still queued
+    # seconds after the last push came in, and linger=0 would drop them.
     time.sleep(0.5)
-    ctx.destroy(linger=0)
+    ctx.destroy(linger=60_000)
 
 
 def client(spec: dict, out: str, index: int) -> None:
@@ -141,15 +151,15 @@ def client(spec: dict, out: str, index: int) -> None:
 
     ctx = zmq.Context()
     socks = []
-    for port in spec["server_ports"]:
+    for server, port in enumerate(spec["server_ports"]):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"c{index}".encode())
-        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.connect(f"tcp://{_address(spec, 'server', server)}:{port}")
         socks.append(sock)
     inbox = None
     if spec["client_ports"][index]:
         inbox = ctx.socket(zmq.ROUTER)
-        inbox.bind(f"tcp://127.0.0.1:{spec['client_ports'][index]}")
+        inbox.bind(f"tcp://{_address(spec, 'client', index)}:{spec['client_ports'][index]}")
     work = spec["work"]
     adopt = spec.get("client", "copy") == "adopt"
     dtype = np.float32 if work else np.uint8

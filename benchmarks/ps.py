@@ -9,6 +9,8 @@ steps/s under each consistency mode.
                                                           # issue 14's targets (~15 minutes)
     python benchmarks/ps.py --part throughput --link 10gbit   # behind a 10 Gbit/s loopback (~3 min)
     python benchmarks/ps.py --part mlp --modes async sync bounded --json results-ps.json
+    python benchmarks/ps.py --part throughput --hosts --link 250mbit --workers 4 --ps 1 2 4 --kinds ps raw raw-ps \
+        --raw-ps-ways inplace/adopt/pieces --partition-bytes 1M --warmup 1 --rounds 2   # issue 22, 5c (~8 min)
 
 **Throughput.** A model of ``--params`` float32 parameters (default 10M: a 5M, a 4M and a 1M weight
 matrix plus biases, 40 MB) lives on ``--ps`` tasks (1, 2 and 4). Each of ``--workers`` workers (2),
@@ -67,6 +69,17 @@ nothing is dropped; the qdisc's counters, printed at the end, show it). On one h
 both directions, shares that one limited loopback: it models one shared link of RATE, not a NIC of
 RATE per host, so raw's aggregate GB/s comes out at RATE/8. The default ``--iters`` there gives
 about 3 s per job at the rate. The CPU column then shows the headroom each kind leaves.
+
+**--hosts --link RATE** (issue 22, 5c) puts every task on an emulated host of its own (``stratagem
+launch --hosts``: a network namespace per host, joined by a bridge, each host's link shaped to RATE
+both ways with ``tc tbf``): the workers on hosts 0..W-1, the ps tasks on the next ones, and the raw
+paths' clients and servers on the same hosts. A ps task's link then carries every worker's pushes
+and pulls for its shard, a worker's link the whole model each way: with 1 ps the ps link is the
+bottleneck, and ps tasks add links. Steps per worker: about ``--seconds`` (8) of the links' time.
+The scaling table gives each contender's GB/s against the 1-ps cell, the links' bound (the busiest
+link's bytes one way at RATE, pushes coming in while pulls go out: full duplex), and the cores each role's tasks used (mean per task) and the machine's busy cores.
+``--partition-bytes`` (default 4 MiB) is the strategy's ``partition_bytes``: variables above it
+are split over the ps tasks.
 
 **MLP.** The MLP 784-512-512-10 of ``mlp_training.py`` (670K parameters, numpy forward/backward,
 batch 128 per worker, SGD) trained by 2 workers on 2 ps tasks under ``async``, ``sync`` and
@@ -312,9 +325,10 @@ def pid_files(out: str) -> dict[int, str]:
     return found
 
 
-def launch_job(mode: str, spec: dict, ps: int, workers: int, timeout: float, meter: bool = False):
-    """Run a child job under stratagem's launcher; return the workers' records (and, with ``meter``,
-    the CPU spent over their timed window)."""
+def launch_job(mode: str, spec: dict, ps: int, workers: int, timeout: float, meter: bool = False, hosts=None):
+    """Run a child job under stratagem's launcher (on emulated hosts, one task per host, with
+    ``hosts``: a link rate); return the workers' records (and, with ``meter``, the CPU spent over
+    their timed window)."""
     from stratagem.launch.launcher import launch
 
     with tempfile.TemporaryDirectory() as out:
@@ -325,7 +339,7 @@ def launch_job(mode: str, spec: dict, ps: int, workers: int, timeout: float, met
         with CpuMeter(lambda: pid_files(out)) as cpu:
             result = launch([sys.executable, os.path.abspath(__file__), "--child", mode, spec_path, out],
                             workers=workers, ps=ps, timeout=timeout, output=sys.stderr, error_output=errors,
-                            env=THREADS)
+                            env=THREADS, hosts=hosts_spec(workers + ps, hosts) if hosts else None)
         if not result.ok:
             raise RuntimeError(f"{mode} job failed: {result.reason}\n{errors.getvalue()[-3000:]}")
         records = [json.load(open(os.path.join(out, f"worker:{i}.json"))) for i in range(workers)]
@@ -335,11 +349,13 @@ def launch_job(mode: str, spec: dict, ps: int, workers: int, timeout: float, met
 
 
 def raw_job(layout: tuple, warmup: int, iters: int, timeout: float, duplex: bool, work: bool,
-            workers: int = 2, server: str = "spare", client: str = "copy"):
+            workers: int = 2, server: str = "spare", client: str = "copy", hosts: str | None = None):
     """A bare pyzmq path (:mod:`_ps_raw`): a server per entry of ``layout`` (:func:`frames_per_server`)
     and ``workers`` clients,
     each client sending every server its frames and getting the same back; with ``work``, the minimal
-    PS (its ``server`` and ``client`` ways: see :mod:`_ps_raw`)."""
+    PS (its ``server`` and ``client`` ways: see :mod:`_ps_raw`). With ``hosts`` (a link rate), each
+    process on an emulated host of its own, as ``launch_job`` places ours: clients on hosts
+    0..workers-1, servers on the next ones."""
     from stratagem.testing.world import free_ports
 
     frames, whole = layout
@@ -348,21 +364,37 @@ def raw_job(layout: tuple, warmup: int, iters: int, timeout: float, duplex: bool
     env = {**os.environ, **THREADS}
     me = os.path.abspath(__file__)
     procs, roles = [], {}
+    network = place = None
+    # The clients wait for start_at after their warm-up steps: on slow links those take seconds.
+    settle = 1.0 + 0.5 * workers + (1.5 * warmup * hosts_step_s(hosts, layout, workers) if hosts else 0.0)
     with tempfile.TemporaryDirectory() as out:
         spec = {"server_ports": ports[:ps], "client_ports": ports[ps:] if duplex else [0] * workers,
                 "frames": frames, "whole": whole, "work": work, "lr": 1e-3, "warmup": warmup, "iters": iters,
-                "start_at": time.time() + 1.0 + 0.5 * workers, "server": server, "client": client}
+                "server": server, "client": client}
+        if hosts:
+            from stratagem.launch.hosts import EmulatedHosts
+            from stratagem.testing.hosts import Hosts
+
+            network = EmulatedHosts(hosts_spec(workers + ps, hosts)).start()
+            place = Hosts(network)
+            spec["client_addresses"] = {str(i): place.addresses[i] for i in range(workers)}
+            spec["server_addresses"] = {str(i): place.addresses[workers + i] for i in range(ps)}
+        spec["start_at"] = time.time() + settle
         spec_path = os.path.join(out, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         try:
             with CpuMeter(lambda: roles) as cpu:
                 paths = [os.path.join(out, f"client{i}.json") for i in range(workers)]
-                commands = [("worker", ["raw-client", spec_path, path, str(i)]) for i, path in enumerate(paths)]
-                commands += [("ps", ["raw-server", spec_path, str(i)]) for i in range(ps)]
-                for role, command in commands:
-                    procs.append(subprocess.Popen([sys.executable, me, "--child", *command], env=env,
-                                                  start_new_session=True, preexec_fn=_die_with_parent))
+                commands = [("worker", i, ["raw-client", spec_path, path, str(i)]) for i, path in enumerate(paths)]
+                commands += [("ps", workers + i, ["raw-server", spec_path, str(i)]) for i in range(ps)]
+                for role, host, command in commands:
+                    argv = [sys.executable, me, "--child", *command]
+                    if place is not None:
+                        procs.append(place.popen(host, argv, env=env, preexec_fn=_die_with_parent))
+                    else:
+                        procs.append(subprocess.Popen(argv, env=env, start_new_session=True,
+                                                      preexec_fn=_die_with_parent))
                     roles = {**roles, procs[-1].pid: role}
                 deadline = time.monotonic() + timeout
                 for proc in procs:
@@ -376,6 +408,9 @@ def raw_job(layout: tuple, warmup: int, iters: int, timeout: float, duplex: bool
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+            if network is not None:
+                place.stop_processes()
+                network.close()
 
 
 def aggregate(records: list[dict], cpu: dict) -> dict:
@@ -473,12 +508,14 @@ def contenders(args) -> list[tuple[str, dict]]:
 
 
 def run_job(args, shapes, how: dict, ps: int, workers: int):
+    hosts = args.link if args.hosts else None
+    iters = hosts_iters(args, shapes, ps, workers) if hosts else args.iters
     if how["kind"] == "ps":
-        spec = {"shapes": shapes, "partition_bytes": PARTITION_BYTES, "warmup": args.warmup, "iters": args.iters}
-        return launch_job("throughput", spec, ps, workers, args.timeout, meter=True)
-    return raw_job(frames_per_server(shapes, ps, PARTITION_BYTES, how["layout"]), args.warmup, args.iters,
+        spec = {"shapes": shapes, "partition_bytes": args.partition_bytes, "warmup": args.warmup, "iters": iters}
+        return launch_job("throughput", spec, ps, workers, args.timeout, meter=True, hosts=hosts)
+    return raw_job(frames_per_server(shapes, ps, args.partition_bytes, how["layout"]), args.warmup, iters,
                    args.timeout, duplex=how["kind"] == "raw-duplex", work=how["kind"] == "raw-ps", workers=workers,
-                   server=how.get("server", "spare"), client=how.get("client", "copy"))
+                   server=how.get("server", "spare"), client=how.get("client", "copy"), hosts=hosts)
 
 
 def _stats(values: list[float]) -> dict:
@@ -496,8 +533,10 @@ def run_throughput(args) -> dict:
         flip = round_index % 2 == 1
         for workers, ps in (reversed(cells) if flip else cells):
             for label, how in (reversed(jobs) if flip else jobs):
+                iters = hosts_iters(args, shapes, ps, workers) if args.hosts else args.iters
+                where = f", each task on its own host, links {args.link}" if args.hosts else ""
                 log(f"[round {round_index + 1}] {label} with {workers} workers, {ps} ps task(s), "
-                    f"{total / 1e6:.1f}M parameters, {args.iters} steps (load {os.getloadavg()[0]:.2f})")
+                    f"{total / 1e6:.1f}M parameters, {iters} steps{where} (load {os.getloadavg()[0]:.2f})")
                 try:
                     records, cpu = run_job(args, shapes, how, ps, workers)
                 except RuntimeError as exc:
@@ -505,8 +544,13 @@ def run_throughput(args) -> dict:
                     continue
                 entry = {"round": round_index, "label": label, "workers": workers, "ps": ps,
                          "loadavg": os.getloadavg(), **aggregate(records, cpu), "records": records}
+                # Cores per task, each role's mean over the timed window (under --hosts: < 0.5 wanted).
+                entry["worker_task_cores"] = cpu["worker_cpu_s"] / entry["wall_s"] / workers
+                entry["ps_task_cores"] = cpu["ps_cpu_s"] / entry["wall_s"] / ps
                 log(f"    {entry['gbps']:.2f} GB/s, {entry['cpu_ms_per_step']:.1f} CPU ms/step "
-                    f"({entry['worker_cpu_ms_per_step']:.1f} + {entry['ps_cpu_ms_per_step']:.1f})")
+                    f"({entry['worker_cpu_ms_per_step']:.1f} + {entry['ps_cpu_ms_per_step']:.1f}); cores per task: "
+                    f"worker {entry['worker_task_cores']:.2f}, ps {entry['ps_task_cores']:.2f}; "
+                    f"host busy {entry['host_cores']:.2f} cores")
                 rounds.append(entry)
     return summarize(args, rounds, jobs, cells, total)
 
@@ -528,7 +572,10 @@ def summarize(args, rounds: list[dict], jobs, cells, total: int) -> dict:
                 row["kinds"][label] = {"gbps": _stats([e["gbps"] for e in entries]),
                                        "cpu_ms_per_step": _stats([e["cpu_ms_per_step"] for e in entries]),
                                        "worker_cpu_ms_per_step": _stats([e["worker_cpu_ms_per_step"] for e in entries]),
-                                       "ps_cpu_ms_per_step": _stats([e["ps_cpu_ms_per_step"] for e in entries])}
+                                       "ps_cpu_ms_per_step": _stats([e["ps_cpu_ms_per_step"] for e in entries]),
+                                       "worker_task_cores": _stats([e["worker_task_cores"] for e in entries]),
+                                       "ps_task_cores": _stats([e["ps_task_cores"] for e in entries]),
+                                       "host_cores": _stats([e["host_cores"] for e in entries])}
         rawps = [label for label in row["kinds"] if label.startswith("raw-ps")]
         if rawps:
             best = max(rawps, key=lambda label: row["kinds"][label]["gbps"]["median"])
@@ -548,8 +595,13 @@ def summarize(args, rounds: list[dict], jobs, cells, total: int) -> dict:
 
     link = f", loopback limited to {args.link} ({parse_rate(args.link) / 1e9:.2f} GB/s, shared by every flow)" \
         if args.link else ""
+    steps = f"{args.iters} steps per worker"
+    if args.hosts:
+        steps = f"steps per worker for about {args.seconds:g} s of the links' time"
+        link = (f", every task on an emulated host of its own, each host's link {args.link} both ways "
+                f"({parse_rate(args.link) / 1e6:.0f} MB/s)")
     print(f"\nPush + pull of a {total / 1e6:.1f}M-parameter float32 model ({total * 4 / 1e6:.0f} MB each way per "
-          f"step), {args.iters} steps per worker, {args.rounds} round(s) in alternating order{link}; "
+          f"step), {steps}, {args.rounds} round(s) in alternating order{link}; "
           f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in args.loadavg_before)} before. "
           f"GB/s: median (min-max) over the rounds; ours / raw-ps: median (min) of the rounds' ratios\n")
     gb = lambda row, label: (lambda st: f"{st['median']:.2f} ({st['min']:.2f}-{st['max']:.2f})")(  # noqa: E731
@@ -574,11 +626,56 @@ def summarize(args, rounds: list[dict], jobs, cells, total: int) -> dict:
                 print(f"| {r['workers']} | {r['ps']} | {label} | {gb(r, label)} | {st['cpu_ms_per_step']['median']:.1f} "
                       f"({st['worker_cpu_ms_per_step']['median']:.1f} + {st['ps_cpu_ms_per_step']['median']:.1f}) |")
     verdicts = targets(rows)
+    if args.hosts:
+        verdicts += hosts_scaling(args, rows, rounds)
     if verdicts:
         print()
         for line in verdicts:
             print(line)
     return {"params": total, "iters": args.iters, "rows": rows, "rounds": rounds, "targets": verdicts}
+
+
+def hosts_scaling(args, rows: list[dict], rounds: list[dict]) -> list[str]:
+    """Issue 22, 5c (``--hosts``): the table of throughput against ps tasks per contender, with each
+    task's cores (every figure the median over the rounds), and the verdicts: ours grows >= 1.8x from
+    1 to 2 ps tasks and >= 3.2x from 1 to 4 (the median of the rounds' ratios, a round's cells
+    against the same round's), ours >= 0.9x the minimal pyzmq PS."""
+    print(f"\nScaling over ps tasks (links {args.link}, one task per host); cores per task: mean of the role's "
+          f"tasks over the timed window (median over the rounds); host: the machine's busy cores then\n")
+    print("| workers | ps tasks | contender | GB/s median (min-max) | x the 1-ps cell | links' bound GB/s | x bound "
+          "| cores per worker | cores per ps | host busy cores |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    lines = []
+    for workers in args.workers:
+        cell = {r["ps"]: r for r in rows if r["workers"] == workers}
+        labels = [label for label in (OURS, *(r.get(k) for k in ("raw_ps", "raw") for r in cell.values())) if label]
+        for label in dict.fromkeys(labels):
+            base = cell.get(min(cell), {}).get("kinds", {}).get(label)
+            for ps, r in sorted(cell.items()):
+                st = r["kinds"].get(label)
+                if not st:
+                    continue
+                layout = frames_per_server(model_shapes(args.params), ps, args.partition_bytes)
+                # Full duplex: the busiest link's bytes one way at the rate (pushes in while pulls go out).
+                bound = 2 * sum(sum(sizes) for sizes in layout[0]) * workers / hosts_step_s(args.link, layout, workers)
+                grow = st["gbps"]["median"] / base["gbps"]["median"] if base else float("nan")
+                print(f"| {workers} | {ps} | {label} | {st['gbps']['median']:.3f} ({st['gbps']['min']:.3f}-"
+                      f"{st['gbps']['max']:.3f}) | {grow:.2f} | {bound / 1e9:.3f} | {st['gbps']['median'] / bound * 1e9:.2f} | "
+                      f"{st['worker_task_cores']['median']:.2f} | {st['ps_task_cores']['median']:.2f} | "
+                      f"{st['host_cores']['median']:.2f} |")
+        ours = {}
+        for entry in rounds:
+            if entry["workers"] == workers and entry["label"] == OURS:
+                ours.setdefault(entry["ps"], {})[entry["round"]] = entry["gbps"]
+        for many, need in ((2, 1.8), (4, 3.2)):
+            if 1 in ours and many in ours:
+                ratios = [ours[many][k] / ours[1][k] for k in ours[many] if k in ours[1]]
+                if ratios:
+                    median = float(np.median(ratios))
+                    lines.append(f"target ours grows >= {need}x from 1 to {many} ps tasks at {workers} workers: "
+                                 f"{median:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in ratios)}) "
+                                 f"[{'MET' if median >= need else 'MISSED'}]")
+    return lines
 
 
 def targets(rows: list[dict]) -> list[str]:
@@ -651,6 +748,33 @@ def run_mlp(args) -> dict:
 DEFAULT_ITERS = 80
 
 
+# -- emulated hosts (--hosts) ------------------------------------------------------------------------------------
+
+def hosts_spec(count: int, rate: str):
+    """``count`` emulated hosts, every link ``rate`` both ways (one task per host, round-robin in the
+    cluster's order: the workers on hosts 0..workers-1, the ps tasks on the next ones)."""
+    from stratagem.launch.hosts import HostsSpec
+
+    return HostsSpec.parse(count, link=rate)
+
+
+def hosts_step_s(rate: str, layout: tuple, workers: int) -> float:
+    """The links' time for one step of every worker, when each task has a host of its own: the
+    busiest link, a ps task's (every worker's bytes for its shard, each way) or a worker's (the
+    whole model each way); full duplex, so one direction counts."""
+    frames, _ = layout
+    busiest = max(max(workers * sum(sizes) for sizes in frames), sum(sum(sizes) for sizes in frames))
+    return busiest / parse_rate(rate)
+
+
+def hosts_iters(args, shapes, ps: int, workers: int) -> int:
+    """Steps per worker for about ``--seconds`` of links' time (given ``--iters`` wins)."""
+    if args.iters_given:
+        return args.iters
+    step = hosts_step_s(args.link, frames_per_server(shapes, ps, args.partition_bytes), workers)
+    return max(3, round(args.seconds / step))
+
+
 def link_iters(rate: str, params: int) -> int:
     """Steps for about 3 s of a job under ``--link``: the rate, not the CPU, sets the pace there, so
     fewer steps are as stable."""
@@ -675,7 +799,17 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--link", metavar="RATE", help="rate-limit the loopback of a private network namespace "
-                        "(tc tbf), e.g. 10gbit: the network, not the CPU, is the bottleneck (needs root)")
+                        "(tc tbf), e.g. 10gbit: the network, not the CPU, is the bottleneck (needs root); with "
+                        "--hosts, each host's link")
+    parser.add_argument("--hosts", action="store_true",
+                        help="with --link: every task (and every raw path's process) on an emulated host of its "
+                             "own (stratagem launch --hosts), each host's link shaped to RATE both ways")
+    parser.add_argument("--partition-bytes", type=parse_count, default=PARTITION_BYTES,
+                        help="variables larger than this are partitioned over the ps tasks (default 4194304: "
+                             "4 MiB; the model's 4 MB w3 then stays whole, on one ps task)")
+    parser.add_argument("--seconds", type=float, default=8.0,
+                        help="with --hosts: steps per worker for about this many seconds of the links' time "
+                             "(default 8)")
     parser.add_argument("--modes", nargs="+", default=["async", "sync", "bounded", "mirrored"])
     parser.add_argument("--mlp-steps", type=int, default=100)
     parser.add_argument("--timeout", type=float, default=300)
@@ -683,6 +817,9 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.link:
         parse_rate(args.link)
+    if args.hosts and not args.link:
+        parser.error("--hosts needs --link RATE (each emulated host's link rate), e.g. --hosts --link 1gbit")
+    args.iters_given = args.iters is not None
     if args.iters is None:
         args.iters = link_iters(args.link, args.params) if args.link else DEFAULT_ITERS
     return args
@@ -704,12 +841,12 @@ def main(argv=None) -> int:
             _ps_raw.client(json.load(open(rest[0])), rest[1], int(rest[2]))
         return 0
     args = parse_args(argv)
-    if args.link and not os.environ.get(NETNS_ENV):
+    if args.link and not args.hosts and not os.environ.get(NETNS_ENV):
         return reexec_in_netns(argv)
     args.loadavg_before = os.getloadavg()
     results = {"argv": argv, "loadavg_before": args.loadavg_before, "cpus": os.cpu_count(), "iters": args.iters,
                "rounds": args.rounds}
-    if args.link:
+    if args.link and not args.hosts:
         results["link"] = limit_loopback(args.link)
         log(f"--link: {results['link']['qdisc']} on the namespace's loopback")
     if args.part in ("all", "throughput"):
@@ -718,7 +855,7 @@ def main(argv=None) -> int:
         results["mlp"] = run_mlp(args)
     results["loadavg_after"] = os.getloadavg()
     print(f"\nload average after: {' '.join(f'{x:.2f}' for x in results['loadavg_after'])}")
-    if args.link:
+    if args.link and not args.hosts:
         results["link"]["qdisc_stats"] = qdisc_stats()
         print(f"loopback qdisc after the run:\n{results['link']['qdisc_stats']}")
         if any(int(n) for n in re.findall(r"dropped (\d+)", results["link"]["qdisc_stats"])):

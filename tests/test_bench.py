@@ -97,6 +97,8 @@ def test_every_default_strategy_runs_and_its_figures_make_sense(tmp_path):
     assert skipped["status"] == "skipped" and "in-process only" in skipped["reason"]
     assert doc["fastest"] in expected
     assert doc["environment"]["cores"] and doc["environment"]["versions"]
+    # the busiest replica's own CPU over its timed steps, in cores (the replicas' rows carry it)
+    assert 0 < results["mirrored x zmq"]["task_cores_max"] <= doc["environment"]["cores"]["logical"]
     # the table names every combination that ran, and the skipped ones with their reason
     for label in expected:
         strategy, transport = label.split(" x ")
@@ -229,6 +231,21 @@ def test_plan_lists_what_cannot_run_and_why():
 def _step(task, t0, t1, loss, rows=10, compute=0.001, nbytes=100):
     return {"task": task, "t0": t0, "t1": t1, "loss": loss, "rows": rows, "compute_s": compute,
             "step_s": t1 - t0, "bytes": nbytes}
+
+
+def test_summarize_gives_the_busiest_replicas_cores_over_its_timed_steps():
+    # worker:0 uses 0.05 s of CPU per 0.1 s step (half a core), worker:1 0.02 s; warm-up steps
+    # (the first 2) burn a whole second of CPU each and must not count.
+    records = []
+    for task, per_step in (("worker:0", 0.05), ("worker:1", 0.02)):
+        cpu = 0.0
+        for i in range(12):
+            cpu += 1.0 if i < 2 else per_step
+            records.append({**_step(task, i * 0.1, i * 0.1 + 0.1, 1.0), "cpu": cpu})
+    figures = measure.summarize(records, replicas=2, batch_size=10, warmup=2, target_loss=None)
+    assert figures["task_cores_max"] == pytest.approx(0.5)
+    assert measure.summarize([{k: v for k, v in r.items() if k != "cpu"} for r in records], replicas=2,
+                             batch_size=10, warmup=2, target_loss=None)["task_cores_max"] is None
 
 
 def test_summarize_counts_only_the_shared_window_and_finds_the_target():

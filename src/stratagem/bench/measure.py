@@ -54,6 +54,18 @@ def section_bytes(strategy: str, section: str, traffic) -> int:
     return int(sent + received)
 
 
+def _busiest_task_cores(by_task: dict, warmup: int) -> float | None:
+    """The most CPU any replica used over its timed steps, in cores (process CPU time, every thread,
+    over its wall time from the end of its last warm-up step to the end of its last step), from the
+    rows' cumulative ``cpu``; None where the rows have none (in_graph, parameter_server)."""
+    cores = []
+    for steps in by_task.values():
+        marks = [r for r in steps[max(0, warmup - 1):] if "cpu" in r]
+        if len(marks) > 1 and marks[-1]["t1"] > marks[0]["t1"]:
+            cores.append((marks[-1]["cpu"] - marks[0]["cpu"]) / (marks[-1]["t1"] - marks[0]["t1"]))
+    return max(cores) if cores else None
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -132,4 +144,5 @@ def summarize(records: Iterable[dict], *, replicas: int, batch_size: int, warmup
         "time_to_target_s": reached,
         "loss_curve": curve,
         "train_seconds": by_end[-1]["t1"] - t_zero,
+        "task_cores_max": _busiest_task_cores(by_task, warmup),
     }

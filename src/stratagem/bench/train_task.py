@@ -139,7 +139,7 @@ def replica_loop() -> dict:
         loss, compute, took, t0, t1 = strategy.run(one_step, args=(variables, opt, batch))
         traffic = strategy.transport.traffic.snapshot() - before
         steps.append({"task": strategy.task.short, "loss": loss, "compute_s": compute, "step_s": took,
-                      "t0": t0, "t1": t1, "rows": len(batch[0]),
+                      "t0": t0, "t1": t1, "rows": len(batch[0]), "cpu": time.process_time(),
                       "bytes": section_bytes(SPEC["strategy"], "step", traffic)})
         if progress:
             progress(step + 1, (step + 1) * MODEL.batch_size * len(strategy.cluster.replicas()))
