@@ -6,11 +6,16 @@ cells must keep true, on real transports and real processes.
   being handled. It is the program's, not the peer's: it must end the ``recv()``, not be taken for a
   bad frame and dropped (a serving ``in_graph`` replica then dropped the client's request, and the
   job hung to its limit).
+- An ``in_graph`` replica that fails while it sets up a step (an error no check of the client's
+  request explains: its copy of a module raising on import, an exception its signal handler raised
+  meanwhile) is blamed by the client, whose error carries that culprit to the launcher.
 """
 
 from __future__ import annotations
 
+import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -77,3 +82,44 @@ def test_an_exception_a_signal_handler_raises_while_zmq_reads_ends_the_recv(capl
     assert outcomes.count("raised") == len(outcomes), outcomes
     swallowed = [r.getMessage()[-200:] for r in caplog.records if "Alarm" in r.getMessage()]
     assert not swallowed, swallowed
+
+
+#: The plain script of an in_graph job whose step function lives in a module that only worker:1 fails to
+#: import (the client imports it after the strategy; a replica imports it to find the step by name).
+IN_GRAPH_SCRIPT = """\
+import numpy as np
+import stratagem
+
+strategy = stratagem.strategy("in_graph")
+import steps                      # the client's copy (the replicas serve inside stratagem.strategy())
+for _ in range(3):
+    strategy.run(steps.rows, args=(np.ones((6, 2), np.float32),))
+"""
+STEPS_MODULE = """\
+import json, os
+
+if json.loads(os.environ["STRATAGEM_CONFIG"])["task"]["index"] == 1:
+    raise RuntimeError("this host's copy of steps.py is broken")
+
+
+def rows(x):
+    return x.shape[0]
+"""
+
+
+@pytest.mark.timeout(90)
+def test_the_launcher_names_an_in_graph_replica_that_failed_setting_up_a_step(tmp_path):
+    """worker:1 fails to import the step's module: the client (worker:0) fails naming worker:1, and so
+    does the launcher (it named the client before: the client's error, a ConfigurationError, carried
+    no culprit)."""
+    (tmp_path / "train.py").write_text(IN_GRAPH_SCRIPT)
+    (tmp_path / "steps.py").write_text(STEPS_MODULE)
+    done = subprocess.run(
+        [sys.executable, "-m", "stratagem", "launch", "--worker", "3", "--grace", "1", "--timeout", "60", "--",
+         sys.executable, str(tmp_path / "train.py")],
+        capture_output=True, text=True, timeout=80, cwd=tmp_path)
+    log = done.stdout + done.stderr
+    assert done.returncode == 1, log
+    assert re.search(r"stratagem launch: FAILED: worker:1 ", done.stderr), log
+    assert re.search(r"\[worker:0\] \S*ReplicaError: replica 1 \(/job:worker/task:1\) could not run the step: "
+                     r"RuntimeError: this host's copy of steps.py is broken", log), log
