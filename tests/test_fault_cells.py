@@ -123,3 +123,29 @@ def test_the_launcher_names_an_in_graph_replica_that_failed_setting_up_a_step(tm
     assert re.search(r"stratagem launch: FAILED: worker:1 ", done.stderr), log
     assert re.search(r"\[worker:0\] \S*ReplicaError: replica 1 \(/job:worker/task:1\) could not run the step: "
                      r"RuntimeError: this host's copy of steps.py is broken", log), log
+
+
+@pytest.mark.timeout(90)
+def test_a_ps_task_that_loses_the_chief_names_it_to_the_launcher():
+    """``between_graph``: the chief (worker:0) stopped for two peer timeouts. ps:0 fails naming it, and
+    its error carries that culprit, so the launcher names worker:0 (it named ps:0 before: the ps's
+    error, "the chief ... disappeared before training ended", blamed no task)."""
+    from stratagem.testing.faults import run_fault
+
+    outcome = run_fault("between_graph", "zmq", "worker:0", "sigstop_long", peer_timeout=3.0, limit=60.0)
+    assert outcome.exit_code == 1, outcome.reason + outcome.output[-3000:]
+    assert outcome.named.get("ps:0") == ["worker:0"], outcome.output[-3000:]
+    assert outcome.launcher_culprit == "worker:0", outcome.reason + outcome.output[-3000:]
+
+
+@pytest.mark.timeout(90)
+def test_an_async_between_graph_job_finishes_without_a_stalled_worker_and_says_so():
+    """``between_graph`` (async): worker:1 stopped for two peer timeouts. Nobody waits for it: the chief
+    ends training while it is stopped, the job succeeds (its remaining steps come after the end and
+    are not applied), and the output says that worker:1 was left out."""
+    from stratagem.testing.faults import run_fault
+
+    outcome = run_fault("between_graph", "zmq", "worker:1", "sigstop_long", peer_timeout=3.0, limit=60.0)
+    assert outcome.exit_code == 0, outcome.reason + outcome.output[-3000:]
+    assert {"worker:0", "worker:2"} <= set(outcome.trained), outcome.output[-3000:]
+    assert outcome.says_left_out(), outcome.output[-3000:]

@@ -53,6 +53,8 @@ SLOWDOWN = 100
 #: The tasks of each strategy's job: the chief (worker:0: mirrored's rank 0, in_graph's client,
 #: parameter_server's coordinator, between_graph's chief) and the others.
 JOBS = {"mirrored": (3, 0), "in_graph": (3, 0), "between_graph": (3, 1), "parameter_server": (3, 1)}
+#: Words of a line that says a task was left out of the job (see ``FaultOutcome.says_left_out``).
+_LEFT_OUT = ("are gone", "finished without this task", "leaving out")
 _LINE = re.compile(r"^\[(\w+:\d+)\] (.*)$")
 _TASK = re.compile(r"/job:(\w+)/task:(\d+)|\b(worker|ps|chief):(\d+)\b")
 
@@ -87,6 +89,19 @@ class FaultOutcome:
     @property
     def ok(self) -> bool:
         return self.exit_code == 0
+
+    def says_left_out(self) -> bool:
+        """Whether the job's output says the culprit was left out: a line (of any task, the culprit's
+        own included) that names it and says it was gone (the ps's "replica(s) worker:1 are gone", the
+        culprit's "the job had finished without this task")."""
+        job, _, index = self.culprit.partition(":")
+        names = (self.culprit, f"/job:{job}/task:{index}")
+        for line in self.output.splitlines():
+            match = _LINE.match(line)
+            text = match.group(2) if match else line      # the text, not the task that printed it
+            if any(name in text for name in names) and any(word in text for word in _LEFT_OUT):
+                return True
+        return False
 
 
 class _Watch(io.TextIOBase):
