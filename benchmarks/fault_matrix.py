@@ -4,6 +4,7 @@ x fault x culprit; the outcome expected (written below, before anything runs) be
     python3 benchmarks/fault_matrix.py                                  # zmq, every strategy, fault, culprit
     python3 benchmarks/fault_matrix.py --transports zmq,grpc,shm --strategies mirrored --faults sigkill,exit
     python3 benchmarks/fault_matrix.py --culprits worker --peer-timeout 5 --json faults.json
+    python3 benchmarks/fault_matrix.py --transports mpi --strategies mirrored       # stratagem launch --mpi
     sudo python3 benchmarks/fault_matrix.py --faults link_slow,link_cut_short,link_cut       # on emulated hosts
 
 Each cell runs the plain training script (:mod:`stratagem.testing.fault_script`, 40 steps, ``--steps``) under
@@ -21,8 +22,9 @@ chief (worker:0) starts step 3 (:func:`stratagem.testing.faults.run_fault`). A c
 Link faults (``link_slow``: the culprit's host link slowed to a hundredth of its 100 Mbit/s for 20 s;
 ``link_cut_short``: cut for 10 s, then restored; ``link_cut``: cut for good) run the job on emulated
 hosts (one task per host; root, or ``unshare -r``): ``--faults link_slow,link_cut_short,link_cut``.
-Where emulated hosts cannot be built, and over ``shm`` (one host's tasks only), their rows say why
-and are not run. Nothing here passes or fails
+Where emulated hosts cannot be built, and over ``shm`` (one host's tasks only) and ``mpi`` (one private
+network namespace), their rows say why and are not run. Over ``mpi`` the job is one ``mpiexec``
+(``stratagem launch --mpi``). Nothing here passes or fails
 the suite: it prints the table (markdown) and, with ``--json``, every cell's details.
 """
 
@@ -190,8 +192,9 @@ def main() -> None:
         no_hosts = why_no_hosts() if set(faults) & set(LINK_FAULTS) else None
         for strategy, culprit, fault in cells(strategies, faults, roles):
             want = expected(strategy, culprit, fault, args.peer_timeout)
-            if fault in LINK_FAULTS and (no_hosts or transport == "shm"):
-                why = no_hosts or "shm connects the tasks of one host only (it refuses others, saying so)"
+            if fault in LINK_FAULTS and (no_hosts or transport in ("shm", "mpi")):
+                why = no_hosts or ("shm connects the tasks of one host only (it refuses others, saying so)"
+                                   if transport == "shm" else "an MPI job runs in one private network namespace")
                 print(f"| {transport} | {strategy} | {culprit} | {fault} | {want} | not run: {why} "
                       f"| - | - | - | - | - |", flush=True)
                 continue

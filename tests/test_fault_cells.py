@@ -149,3 +149,31 @@ def test_an_async_between_graph_job_finishes_without_a_stalled_worker_and_says_s
     assert outcome.exit_code == 0, outcome.reason + outcome.output[-3000:]
     assert {"worker:0", "worker:2"} <= set(outcome.trained), outcome.output[-3000:]
     assert outcome.says_left_out(), outcome.output[-3000:]
+
+
+def _no_mpi() -> str | None:
+    import importlib.util
+
+    from stratagem.launch import mpi as mpi_launch
+
+    if importlib.util.find_spec("mpi4py") is None or mpi_launch.find_mpiexec() is None:
+        return "no mpi4py or mpiexec"
+    return None if mpi_launch.private_netns()[0] is not None else "no private network namespace for MPI"
+
+
+@pytest.mark.skipif(_no_mpi() is not None, reason=_no_mpi() or "")
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("fault", ["exception", "sigkill"])
+def test_stratagem_launch_mpi_names_the_rank_that_failed(fault):
+    """``mirrored`` over the mpi transport under ``stratagem launch --mpi``: worker:1 raises (it reports
+    its own failure) or is killed outright (it reports nothing; the ranks that lose it name it). Its
+    peers name worker:1, and so does the launcher (it named mpiexec:0 before: it supervises mpiexec
+    only, and the ranks had nowhere to report)."""
+    from stratagem.testing.faults import run_fault
+
+    outcome = run_fault("mirrored", "mpi", "worker:1", fault, peer_timeout=3.0, limit=60.0)
+    assert outcome.exit_code == 1, outcome.reason + outcome.output[-3000:]
+    assert outcome.launcher_culprit == "worker:1", outcome.reason + outcome.output[-3000:]
+    assert "worker:1" in outcome.reason.split(";")[0], outcome.reason
+    peers = {task: named for task, named in outcome.named.items() if task != "worker:1"}
+    assert peers and all(named[:1] == ["worker:1"] for named in peers.values()), outcome.output[-3000:]

@@ -23,6 +23,11 @@ Link faults run the job on emulated hosts (:mod:`stratagem.launch.hosts`: one ta
 - ``link_cut``: cut for good.
 
 ``link_for`` changes how long the slowed or short-cut link lasts (a test's short cut).
+
+Over ``transport="mpi"`` the job is one ``mpiexec`` (``stratagem launch --mpi``: every rank in one
+private network namespace, ULFM where the Open MPI has it); the launcher supervises mpiexec alone, so
+its ``returncodes`` hold ``mpiexec:0`` and the culprit it names is ``mpiexec:0``, never a rank. Link
+faults do not apply to it.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from stratagem.core.cluster import TaskId
 from stratagem.core.errors import ConfigurationError
 from stratagem.launch.hosts import EmulatedHosts, HostsSpec, parse_rate, plan_cluster
 from stratagem.launch.launcher import launch
+from stratagem.launch.mpi import launch_mpi
 from stratagem.testing.strategy_contract import clean_env
 
 FAULTS = ("sigkill", "sigstop_short", "sigstop_long", "exception", "exit")
@@ -162,6 +168,8 @@ def run_fault(strategy: str, transport: str, culprit: str | None, fault: str | N
     if fault is not None and fault not in FAULTS and fault not in LINK_FAULTS:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS + tuple(LINK_FAULTS))}")
     workers, ps = JOBS[strategy.partition(":")[0]]
+    if transport == "mpi" and fault in LINK_FAULTS:
+        raise ValueError("link faults need emulated hosts, which an MPI job (one private namespace) has not")
     network = None
     if fault in LINK_FAULTS:
         spec = HostsSpec.parse(workers + ps, link=link)
@@ -216,8 +224,12 @@ def run_fault(strategy: str, transport: str, culprit: str | None, fault: str | N
     try:
         if fault in LINK_FAULTS:
             network = EmulatedHosts(spec).start()    # here, in the thread that outlives the job
-        result = launch(command, workers=workers, ps=ps, transport=transport, env=env, timeout=limit,
-                        output=watch, error_output=watch, grace=grace, ps_grace=10.0, hosts=network)
+        if transport == "mpi":      # one mpiexec job (stratagem launch --mpi), in a private network namespace
+            result = launch_mpi(command, workers=workers, ps=ps, transport="mpi", env=env, timeout=limit,
+                                output=watch, error_output=watch, grace=grace)
+        else:
+            result = launch(command, workers=workers, ps=ps, transport=transport, env=env, timeout=limit,
+                            output=watch, error_output=watch, grace=grace, ps_grace=10.0, hosts=network)
     finally:
         for timer in timers:
             timer.cancel()
