@@ -177,3 +177,31 @@ def test_stratagem_launch_mpi_names_the_rank_that_failed(fault):
     assert "worker:1" in outcome.reason.split(";")[0], outcome.reason
     peers = {task: named for task, named in outcome.named.items() if task != "worker:1"}
     assert peers and all(named[:1] == ["worker:1"] for named in peers.values()), outcome.output[-3000:]
+
+
+def test_a_circle_of_blame_names_the_task_most_reports_name():
+    """A link cut: the cut-off worker:1 hears nobody and fails naming worker:0 at the moment worker:0 and
+    worker:2 fail naming it, and its report may be the earliest. The launcher follows the blame from
+    there (worker:1 -> worker:0 -> worker:1, a circle) and names the task of the circle that most
+    reports name: worker:1 (it named worker:0 before, where the circle closed). Real report files, as
+    the tasks write them."""
+    import json
+    import os
+
+    from stratagem.core.cluster import TaskId
+    from stratagem.launch.failures import FailureReports, first_failure
+
+    w0, w1, w2 = (TaskId("worker", i) for i in range(3))
+    reports = FailureReports()
+    try:
+        for task, at, culprit in ((w1, 100.0, w0), (w0, 100.01, w1), (w2, 100.02, w1)):
+            with open(reports.path(task), "w") as f:
+                json.dump({"time": at, "pid": os.getpid(), "error": f"lost peer {culprit}", "culprit": str(culprit)}, f)
+        failed = [type("Failed", (), {"task": t, "ended_at": None})() for t in (w1, w2)]
+        blame = first_failure(failed, reports, in_job=lambda t: True, voters=[w0, w1, w2])
+        assert (blame.task, blame.seen) == (w1, w1)
+        # Two tasks naming each other, nobody else: a tie keeps the task the blame reached last.
+        os.unlink(reports.path(w2))
+        assert first_failure(failed[:1], reports, in_job=lambda t: True, voters=[w0, w1]).task == w0
+    finally:
+        reports.close()

@@ -315,7 +315,7 @@ class RankReports:
         failed = [SimpleNamespace(task=task, ended_at=None) for task in self.tasks if self.report(task) is not None]
         if not failed:
             return None
-        return first_failure(failed, self, in_job=lambda task: task in self.tasks)
+        return first_failure(failed, self, in_job=lambda task: task in self.tasks, voters=self.tasks)
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)

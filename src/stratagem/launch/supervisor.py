@@ -304,7 +304,7 @@ def first_failure(tasks: list[RunningTask], restarts: Restarts | None = None,
     def may_blame(task: TaskId) -> bool:   # a task of this job that did not finish cleanly, nor is restarted
         return task in known and known[task].poll() != 0 and (restarts is None or not restarts.covers(task))
 
-    blame = failures.first_failure(failed, reports, in_job=may_blame)
+    blame = failures.first_failure(failed, reports, in_job=may_blame, voters=[t.task for t in tasks])
     code = known[blame.task].poll()
     own = reports.report(blame.task) if reports is not None and code is None else None
     if code is not None:
