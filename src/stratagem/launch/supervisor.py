@@ -395,4 +395,11 @@ def run_to_end(tasks: list[RunningTask], pump: OutputPump, trap: SignalTrap, *, 
                         reports=reports)
     stop(tasks, pump, trap, grace)
     pump.drain(DRAIN_SECONDS, POLL_INTERVAL)
+    if outcome.failed_task is not None and reports is not None:
+        # Judged again with the reports written while the job was being stopped: when a link is cut,
+        # the cut-off task may fail first naming a peer, and its peers' reports naming it come a few
+        # tenths of a second later (see failures.first_failure: the most named of a circle of blame).
+        again = first_failure(tasks, restarts, reports)
+        if again is not None:
+            outcome = again
     return outcome
