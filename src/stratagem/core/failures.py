@@ -29,6 +29,10 @@ from stratagem.core.errors import PeerLostError
 
 #: The variable naming the file a task writes its failure report to (set by ``stratagem launch``).
 FAILURE_FILE_ENV = "STRATAGEM_FAILURE_FILE"
+#: Replaced by the MPI rank in that file's path (see :func:`report_failure`).
+RANK_FIELD = "{rank}"
+#: The variables an MPI launcher gives each rank its rank in (Open MPI's, PMIx's, PMI's).
+MPI_RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 
 
 def culprit_of(error: BaseException | None) -> str | None:
@@ -52,12 +56,18 @@ def culprit_of(error: BaseException | None) -> str | None:
 
 def report_failure(error: str, culprit: str | None = None) -> None:
     """Write this task's failure report, unless one is there already (the first failure is the one
-    that counts); nothing without ``STRATAGEM_FAILURE_FILE``.
+    that counts); nothing without ``STRATAGEM_FAILURE_FILE``. A ``{rank}`` in that path is this
+    process's MPI rank (``stratagem launch --mpi`` gives every rank the same environment).
 
     Never raises: a report that cannot be written leaves the launcher with the order of exits."""
     path = os.environ.get(FAILURE_FILE_ENV)
     if not path:
         return
+    if RANK_FIELD in path:
+        rank = next((os.environ[v] for v in MPI_RANK_ENV if os.environ.get(v, "").isdigit()), None)
+        if rank is None:
+            return
+        path = path.replace(RANK_FIELD, rank)
     record = {"time": time.time(), "pid": os.getpid(), "error": error[:2000],
               "culprit": None if culprit is None else str(culprit)}
     scratch = f"{path}.{os.getpid()}.tmp"

@@ -70,10 +70,16 @@ class Blame:
     error: str | None
 
 
-def first_failure(failed: Sequence, reports: FailureReports | None, *, in_job: Callable[[TaskId], bool]) -> Blame:
+def first_failure(failed: Sequence, reports: FailureReports | None, *, in_job: Callable[[TaskId], bool],
+                  voters: Sequence[TaskId] = ()) -> Blame:
     """Of ``failed`` (running tasks that failed on their own: ``task``, ``ended_at``), the task that
     failed first (see the module doc). ``in_job(task)``: whether a blamed task may be named (a task
-    of this job, not one a restart policy looks after)."""
+    of this job, not one a restart policy looks after).
+
+    When the blame goes round in a circle (a task cut off from the network hears nobody and names a
+    peer at the moment its peers name it), the task of the circle that the most reports name is the
+    one, counting the reports of ``voters`` (every task of the job) and of ``failed``: the cut-off task
+    names one peer, its peers all name it. A tie keeps the task the blame reached last."""
     def report(task: TaskId) -> dict | None:
         return reports.report(task) if reports is not None else None
 
@@ -85,14 +91,35 @@ def first_failure(failed: Sequence, reports: FailureReports | None, *, in_job: C
     first = report(earliest.task)
     task, seen = earliest.task, {earliest.task}
     r = first
+    chain = [task]
     while r is not None and r["culprit"] is not None:
         try:
             blamed = TaskId.parse(r["culprit"])
         except ValueError:
             break
+        if blamed in seen and in_job(blamed):
+            task = _most_named(chain[chain.index(blamed):], task, [*voters, *(t.task for t in failed)], report)
+            break
         if blamed in seen or not in_job(blamed):
             break
         task = blamed
         seen.add(blamed)
+        chain.append(blamed)
         r = report(blamed)
     return Blame(task, earliest.task, first["error"] if first is not None else None)
+
+
+def _most_named(circle: list[TaskId], last: TaskId, voters, report) -> TaskId:
+    """The task of ``circle`` that the most of ``voters``' reports blame (``last`` on a tie)."""
+    votes = {t: 0 for t in circle}
+    for voter in dict.fromkeys(voters):
+        r = report(voter)
+        try:
+            named = TaskId.parse(r["culprit"]) if r is not None and r["culprit"] is not None else None
+        except ValueError:
+            named = None
+        if named in votes:
+            votes[named] += 1
+    best = max(votes.values())
+    leaders = [t for t, n in votes.items() if n == best]
+    return last if last in leaders else leaders[0]

@@ -29,12 +29,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Mapping, Sequence, TextIO
 
 from stratagem.core.cluster import ClusterResolver, TaskId
 from stratagem.core.errors import ConfigurationError
+from stratagem.core.failures import FAILURE_FILE_ENV, RANK_FIELD, read_report
+from stratagem.launch.failures import first_failure
 from stratagem.launch.job import DEFAULT_GRACE, check_options, check_transport, job_env, job_secret
 from stratagem.launch.supervisor import (
     EXIT_OK,
@@ -287,6 +291,36 @@ def stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
 
 # -- stratagem launch --mpi ------------------------------------------------------------------------
 
+class RankReports:
+    """Where the ranks of one ``--mpi`` job report their failures (:mod:`stratagem.core.failures`): one
+    file per rank (``rank-{rank}.json``: each rank puts its own rank in the path, since mpiexec gives
+    them all one environment), so that the launcher names the rank that failed first, not mpiexec.
+    ``tasks``: the job's tasks in rank order."""
+
+    def __init__(self, tasks: Sequence[TaskId]):
+        self.tasks = list(tasks)
+        self.directory = tempfile.mkdtemp(prefix="stratagem-mpi-failures-")
+
+    def env(self) -> dict[str, str]:
+        return {FAILURE_FILE_ENV: os.path.join(self.directory, f"rank-{RANK_FIELD}.json")}
+
+    def report(self, task: TaskId) -> dict | None:
+        if task not in self.tasks:
+            return None
+        return read_report(os.path.join(self.directory, f"rank-{self.tasks.index(task)}.json"))
+
+    def first_failure(self):
+        """The :class:`~stratagem.launch.failures.Blame` of the rank that failed first, or None when no
+        rank reported a failure (one killed outright reports nothing; its peers name it)."""
+        failed = [SimpleNamespace(task=task, ended_at=None) for task in self.tasks if self.report(task) is not None]
+        if not failed:
+            return None
+        return first_failure(failed, self, in_job=lambda task: task in self.tasks, voters=self.tasks)
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
 def _rank_reader(tasks: list[TaskId], stream: TextIO, sink, color_of):
     """A PipeReader that turns Open MPI's ``[1,R]<stdout>: `` tags into ``[worker:R] `` prefixes."""
     prefixes = [task_prefix(t, color_of(i), stream) for i, t in enumerate(tasks)]
@@ -339,6 +373,8 @@ def launch_mpi(command: Sequence[str], workers: int = 1, ps: int = 0, chief: boo
     base_env.update(STRATAGEM_NUM_PS=str(ps), STRATAGEM_TRANSPORT=transport or "mpi", PYTHONUNBUFFERED="1",
                     STRATAGEM_SECRET=job_secret(secret, base_env))
     cluster = ClusterResolver.from_mpi(0, n, num_ps=ps).cluster
+    reports = RankReports(cluster.tasks())
+    base_env.update(reports.env())
     job_task = TaskId("mpiexec", 0)
     started = time.monotonic()
     for attempt in range(LAUNCHER_RETRIES + 1):
@@ -369,12 +405,20 @@ def launch_mpi(command: Sequence[str], workers: int = 1, ps: int = 0, chief: boo
         err.write("stratagem launch: mpiexec failed to start (an intermittent failure of Open MPI's "
                   "launcher, before any rank ran); starting the job again\n")
     code = running[0].process.returncode
-    reason = outcome.reason
+    reason, failed_task = outcome.reason, outcome.failed_task
     if outcome.exit_code == EXIT_OK:
         reason = f"all {n} MPI ranks finished successfully"
     elif outcome.failed_task is not None:
         how = f"was killed by {describe_signal(-code)}" if code < 0 else f"exited with code {code}"
         reason = f"the MPI job failed: mpiexec {how} (the exit status of a failed rank; its output is above)"
-    result = LaunchResult.of(outcome, cluster, running, started, reason=reason)
+        blame = reports.first_failure()
+        if blame is not None:      # the rank that failed first, as the local launcher names a task
+            failed_task = blame.task
+            own = reports.report(blame.task)
+            what = (f"failed ({own['error'][:300]})" if own is not None
+                    else f"stopped responding or died ({blame.seen.short} lost it: {(blame.error or '')[:300]})")
+            reason = f"{blame.task.short} {what}; {reason}"
+    reports.close()
+    result = LaunchResult.of(outcome, cluster, running, started, reason=reason, failed_task=failed_task)
     err.write(result.summary() + "\n")
     return result

@@ -304,7 +304,7 @@ def first_failure(tasks: list[RunningTask], restarts: Restarts | None = None,
     def may_blame(task: TaskId) -> bool:   # a task of this job that did not finish cleanly, nor is restarted
         return task in known and known[task].poll() != 0 and (restarts is None or not restarts.covers(task))
 
-    blame = failures.first_failure(failed, reports, in_job=may_blame)
+    blame = failures.first_failure(failed, reports, in_job=may_blame, voters=[t.task for t in tasks])
     code = known[blame.task].poll()
     own = reports.report(blame.task) if reports is not None and code is None else None
     if code is not None:
@@ -395,4 +395,11 @@ def run_to_end(tasks: list[RunningTask], pump: OutputPump, trap: SignalTrap, *, 
                         reports=reports)
     stop(tasks, pump, trap, grace)
     pump.drain(DRAIN_SECONDS, POLL_INTERVAL)
+    if outcome.failed_task is not None and reports is not None:
+        # Judged again with the reports written while the job was being stopped: when a link is cut,
+        # the cut-off task may fail first naming a peer, and its peers' reports naming it come a few
+        # tenths of a second later (see failures.first_failure: the most named of a circle of blame).
+        again = first_failure(tasks, restarts, reports)
+        if again is not None:
+            outcome = again
     return outcome

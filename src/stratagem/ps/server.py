@@ -79,7 +79,7 @@ from stratagem.core.cluster import TaskId
 from stratagem.core.errors import (
     CommunicationError,
     ConfigurationError,
-    StratagemError,
+    JobFailedError,
     TransportClosed,
     TransportTimeout,
 )
@@ -165,8 +165,9 @@ class ParameterServer:
 
     # -- the loop ----------------------------------------------------------------------------------
     def serve(self) -> dict:
-        """Answer requests until the job ends; return :meth:`stats`. Raises ``StratagemError`` if the
-        chief vanished without saying goodbye or a replica left with an error."""
+        """Answer requests until the job ends; return :meth:`stats`. Raises ``JobFailedError`` (a
+        ``StratagemError``) naming the task to blame if the chief vanished without saying goodbye or a
+        replica left with an error."""
         self._serving = True
         next_check = 0.0
         # The timeline records the time idle until each request as a wait on its sender: a worker
@@ -201,7 +202,10 @@ class ParameterServer:
             self.replies.wait_all(self.linger)
         failure = self._failure()
         if failure:
-            raise StratagemError(f"{self.task}: {failure}")
+            # JobFailedError carries the task to blame to the launcher (core/failures.py), which would
+            # otherwise name this ps task: the replica that failed first, or the chief that vanished.
+            culprit = TaskId.parse(self.failed[0]) if self.failed is not None else self.cluster.chief
+            raise JobFailedError(culprit, f"{self.task}: {failure}")
         return self.stats()
 
     def handle(self, message: Message) -> None:

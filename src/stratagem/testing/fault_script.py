@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 import stratagem
+from stratagem.core.cluster import ClusterResolver
 
 parser = argparse.ArgumentParser()
 parser.add_argument("strategy")
@@ -31,8 +32,7 @@ parser.add_argument("--compute", default="", metavar="TASK:SECONDS:KIND")
 args = parser.parse_args()
 parts = args.compute.split(":") if args.compute else ["", "", "0", ""]    # worker:1:6:numpy
 compute_task, compute_seconds, compute_kind = ":".join(parts[:2]), float(parts[2]), parts[3]
-config_task = json.loads(os.environ["STRATAGEM_CONFIG"])["task"]
-me = f"{config_task['type']}:{config_task['index']}"
+me = ClusterResolver.from_env().task.short      # STRATAGEM_CONFIG, or the MPI rank under --mpi
 print(f"pid {os.getpid()}", flush=True)
 
 

@@ -23,6 +23,11 @@ Link faults run the job on emulated hosts (:mod:`stratagem.launch.hosts`: one ta
 - ``link_cut``: cut for good.
 
 ``link_for`` changes how long the slowed or short-cut link lasts (a test's short cut).
+
+Over ``transport="mpi"`` the job is one ``mpiexec`` (``stratagem launch --mpi``: every rank in one
+private network namespace, ULFM where the Open MPI has it); the launcher supervises mpiexec alone, so
+its ``returncodes`` hold ``mpiexec:0`` and the culprit it names is ``mpiexec:0``, never a rank. Link
+faults do not apply to it.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from stratagem.core.cluster import TaskId
 from stratagem.core.errors import ConfigurationError
 from stratagem.launch.hosts import EmulatedHosts, HostsSpec, parse_rate, plan_cluster
 from stratagem.launch.launcher import launch
+from stratagem.launch.mpi import launch_mpi
 from stratagem.testing.strategy_contract import clean_env
 
 FAULTS = ("sigkill", "sigstop_short", "sigstop_long", "exception", "exit")
@@ -53,6 +59,8 @@ SLOWDOWN = 100
 #: The tasks of each strategy's job: the chief (worker:0: mirrored's rank 0, in_graph's client,
 #: parameter_server's coordinator, between_graph's chief) and the others.
 JOBS = {"mirrored": (3, 0), "in_graph": (3, 0), "between_graph": (3, 1), "parameter_server": (3, 1)}
+#: Words of a line that says a task was left out of the job (see ``FaultOutcome.says_left_out``).
+_LEFT_OUT = ("are gone", "finished without this task", "leaving out")
 _LINE = re.compile(r"^\[(\w+:\d+)\] (.*)$")
 _TASK = re.compile(r"/job:(\w+)/task:(\d+)|\b(worker|ps|chief):(\d+)\b")
 
@@ -87,6 +95,19 @@ class FaultOutcome:
     @property
     def ok(self) -> bool:
         return self.exit_code == 0
+
+    def says_left_out(self) -> bool:
+        """Whether the job's output says the culprit was left out: a line (of any task, the culprit's
+        own included) that names it and says it was gone (the ps's "replica(s) worker:1 are gone", the
+        culprit's "the job had finished without this task")."""
+        job, _, index = self.culprit.partition(":")
+        names = (self.culprit, f"/job:{job}/task:{index}")
+        for line in self.output.splitlines():
+            match = _LINE.match(line)
+            text = match.group(2) if match else line      # the text, not the task that printed it
+            if any(name in text for name in names) and any(word in text for word in _LEFT_OUT):
+                return True
+        return False
 
 
 class _Watch(io.TextIOBase):
@@ -147,6 +168,8 @@ def run_fault(strategy: str, transport: str, culprit: str | None, fault: str | N
     if fault is not None and fault not in FAULTS and fault not in LINK_FAULTS:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS + tuple(LINK_FAULTS))}")
     workers, ps = JOBS[strategy.partition(":")[0]]
+    if transport == "mpi" and fault in LINK_FAULTS:
+        raise ValueError("link faults need emulated hosts, which an MPI job (one private namespace) has not")
     network = None
     if fault in LINK_FAULTS:
         spec = HostsSpec.parse(workers + ps, link=link)
@@ -201,8 +224,12 @@ def run_fault(strategy: str, transport: str, culprit: str | None, fault: str | N
     try:
         if fault in LINK_FAULTS:
             network = EmulatedHosts(spec).start()    # here, in the thread that outlives the job
-        result = launch(command, workers=workers, ps=ps, transport=transport, env=env, timeout=limit,
-                        output=watch, error_output=watch, grace=grace, ps_grace=10.0, hosts=network)
+        if transport == "mpi":      # one mpiexec job (stratagem launch --mpi), in a private network namespace
+            result = launch_mpi(command, workers=workers, ps=ps, transport="mpi", env=env, timeout=limit,
+                                output=watch, error_output=watch, grace=grace)
+        else:
+            result = launch(command, workers=workers, ps=ps, transport=transport, env=env, timeout=limit,
+                            output=watch, error_output=watch, grace=grace, ps_grace=10.0, hosts=network)
     finally:
         for timer in timers:
             timer.cancel()

@@ -42,12 +42,15 @@ _LATE_LOOK = 0.05
 
 
 class ReplicaError(StratagemError):
-    """A step function raised on a remote replica; ``replica``, ``task``, ``error_type`` (the exception's
-    class name there) and ``remote_traceback`` say where and what."""
+    """A step function raised on a remote replica, or the replica failed otherwise while it handled the
+    step (an error no check of the request explains); ``replica``, ``task``, ``error_type`` (the
+    exception's class name there) and ``remote_traceback`` say where and what. ``culprit`` is ``task``:
+    the launcher names that task as the one that failed (:mod:`stratagem.core.failures`)."""
 
     def __init__(self, message: str, *, replica: str, task, error_type: str, remote_traceback: str = ""):
         super().__init__(message)
         self.replica, self.task, self.error_type, self.remote_traceback = replica, task, error_type, remote_traceback
+        self.culprit = task
 
 
 @dataclass(eq=False)
@@ -298,8 +301,12 @@ class Client:
         if where != "step":
             replica.functions.clear()   # it may not hold what the client thinks it sent: send again
             what = "send the step's result back" if where == "reply" else "run the step"
-            detail = "" if kind in _EXPLAINED else f"\n\nremote traceback:\n{traceback}"
-            return ConfigurationError(f"{replica.label} could not {what}: {kind}: {message}{detail}")
+            if kind in _EXPLAINED:      # the request (the script, the step's arguments) is at fault
+                return ConfigurationError(f"{replica.label} could not {what}: {kind}: {message}")
+            # The replica failed: an exception its signal handler raised meanwhile, MemoryError...
+            return ReplicaError(f"{replica.label} could not {what}: {kind}: {message}\n\nremote traceback:\n"
+                                f"{traceback}", replica=replica.label, task=replica.task, error_type=kind,
+                                remote_traceback=traceback)
         return ReplicaError(f"the step function failed on {replica.label}: {kind}: {message}\n\nremote "
                             f"traceback:\n{traceback}", replica=replica.label, task=replica.task, error_type=kind,
                             remote_traceback=traceback)

@@ -93,6 +93,7 @@ from stratagem.core.errors import (
     ConfigurationError,
     PeerLostError,
     ProtocolError,
+    StratagemError,
     TransportClosed,
     TransportTimeout,
 )
@@ -105,6 +106,10 @@ from stratagem.transports.zmq.acceptor import ZmqAcceptor
 from stratagem.transports.zmq.malloc import keep_message_memory
 
 log = logging.getLogger(__name__)
+#: What handling a peer's bad frame raises (its decoding, the acceptor's checks, our own errors).
+#: Anything else -- an exception a signal handler raised in this thread, which reads for a waiting
+#: recv(), or MemoryError -- is the program's, not the peer's: it goes on up, not taken for a bad frame.
+_BAD_FRAME = (StratagemError, ValueError, TypeError, KeyError, IndexError, AttributeError)
 
 _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
                    | zmq.EVENT_MONITOR_STOPPED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -631,7 +636,7 @@ class ZmqTransport(Transport):
         routing_id = parts[0].bytes
         try:
             self._acceptor.on_message(routing_id, parts[1:], parts[0])
-        except Exception as exc:  # a bad frame must never take the server down
+        except _BAD_FRAME as exc:  # a bad frame must never take the server down
             self._acceptor.reject(routing_id, f"error while handling a frame: {type(exc).__name__}: {exc}")
             log.debug("frame handler error", exc_info=True)
 
