@@ -81,8 +81,8 @@ def push_grads(client, grads, *, versions=None, weight: float = 1.0, pull: bool 
     for i in shards:
         request = PushRequest(weight=weight, pull=pull, version=None if versions is None else versions.get(i, 0),
                               skip=skip.get(i, ()))
-        for name, grad in zip(*grads.get(i, ([], []))):
-            request.add(name, grad)
+        names, arrays = grads.get(i, ([], []))
+        request.names, request.dense = list(names), list(arrays)   # arrays: the payloads when compressed
         for name, indices, values in zip(*rows.get(i, ([], [], []))):
             request.add_rows(name, indices, values)
         request.compression = compression.get(i)
