@@ -7,7 +7,8 @@ cluster's ``ps`` tasks:
   until the job ends, then exits the process cleanly (``SystemExit(0)``; ``exit_after_serving=False``
   returns instead, with the counters in ``strategy.served``). So every task can run the same script.
 - A variable created in ``scope()`` is placed (:mod:`stratagem.ps.placement`) and gets a
-  :class:`RemoteStore`: the task keeps a local copy (the *cache*, the array ``var.value`` returns,
+  :class:`~stratagem.strategies.ps.remote.RemoteStore` (kept in the task's
+  :class:`~stratagem.strategies.ps.remote.RemoteVariables`): the task keeps a local copy (the *cache*, the array ``var.value`` returns,
   refreshed in place so ``torch.from_numpy(var.value)`` views stay valid; a received array becomes the
   copy instead when nobody holds the old one), pulled from the shards when it is read after an
   update, and ``assign`` writes go to the shards. A variable created from a cupy array keeps its copy
