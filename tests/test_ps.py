@@ -487,10 +487,10 @@ def test_large_replies_come_in_parts_each_handed_over_as_it_arrives(service, mon
     request = PushRequest(pull=True)
     request.add("p1", np.ones(4, np.float32))
     request.add("p3", np.ones(4, np.float32))
-    seen = [(index, part.meta["names"], [b[0] for b in part.buffers], ack and ack.status)
-            for index, part, ack in client.push({0: request})]              # each part as it arrives
-    assert seen == [(0, ["p0", "p1"], [0.0, 0.0], None), (0, ["p2", "p3"], [2.0, 2.0], None),
-                    (0, ["p4"], [4.0], "applied")]   # p1 and p3 updated; only the last part has the status
+    seen = [(index, part.meta["names"], [b[0] for b in part.buffers], last, part.meta.get("status"))
+            for index, part, last in client.push({0: request})]              # each part as it arrives
+    assert seen == [(0, ["p0", "p1"], [0.0, 0.0], False, None), (0, ["p2", "p3"], [2.0, 2.0], False, None),
+                    (0, ["p4"], [4.0], True, "applied")]   # p1 and p3 updated; only the last part has the status
     assert svc.servers[0].step == 1 and client.acks[0]["applied"] == 1
 
 

@@ -94,9 +94,9 @@ def _joined(answers):
     from stratagem.core.transport import Message
 
     parts: dict = {}
-    for index, message, ack in answers:
+    for index, message, last in answers:
         parts.setdefault(index, []).append(message)
-        if ack is not None:
+        if last:
             got = parts.pop(index)
             meta = {k: v for k, v in got[-1].meta.items() if k not in ("part", "parts")}
             meta["names"] = [n for m in got for n in m.meta.get("names") or []]

@@ -16,10 +16,10 @@ See :mod:`stratagem.ps.server` for an example.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import Counter, defaultdict
+from functools import partial
 from typing import Callable, Iterator, Mapping, Sequence
 
 from stratagem.core import job_state
@@ -86,17 +86,37 @@ class PSClient:
         """:meth:`call`, yielding each reply as it arrives instead: ``(shard index, message, last)``
         for each part of a reply that comes in parts (``last`` on the last one, which alone has the
         status), so the caller uses the values while other shards, or the next part, are still on the
-        wire. Refusals are raised as ``RemoteError`` once every reply has arrived."""
+        wire. Refusals are raised as ``RemoteError`` once every reply has arrived. A generator:
+        nothing is sent until it is iterated, and the call ends when it is exhausted.
+
+        Every request is started before any is finished, so the shards start working together (a
+        blocking send per shard made the last shard wait for the others' bytes); then the transport
+        is done with their arrays before any reply is yielded, so a reply is never copied into memory
+        that a request still reads (a gradient may be a view of a variable).
+        """
         timeout = self.timeout if timeout is None else timeout
         recorder = _timeline.RECORDER
         started = recorder.now() if recorder is not None else 0
         with self._lock:
             ids: dict[int, int] = {}
-            for index, message in requests.items():
-                self._next_id += 1
-                ids[index] = self._next_id
-                message.meta["id"] = self._next_id
-            self._send_all(requests, timeout)
+            handles: list = []
+            index = None
+            try:
+                for index, message in requests.items():
+                    self._next_id += 1
+                    ids[index] = message.meta["id"] = self._next_id
+                    # A shard not reached yet (this task just started) may be gone with a finished job.
+                    handles.append((index, job_state.wait_for_peer(
+                        partial(self.transport.send_async, self.shards[index], REQUEST_TAG, message),
+                        timeout, task=self.transport.task, what=f"parameter-server shard {self.shards[index]}")))
+                for index, handle in handles:
+                    handle.wait(timeout)
+            except (PeerLostError, TransportTimeout) as exc:
+                self._settle(handles, timeout)   # the caller may change its arrays once we raise
+                raise self._unreachable(index, exc) from None
+            except BaseException:
+                self._settle(handles, timeout)
+                raise
             received = yield from self._gather(ids, timeout)
         if recorder is not None:
             self._record(recorder, started, requests, received)
@@ -109,44 +129,21 @@ class PSClient:
             "bytes_received": received,
             "peers": [str(self.shards[index]) for index in requests]})
 
-    def _send_all(self, requests: Mapping[int, Message], timeout: float | None) -> None:
-        """Start every request, then wait until the transport is done with their arrays.
+    @staticmethod
+    def _settle(handles: list, timeout: float | None) -> None:
+        """Wait for the sends of a failing call (best effort)."""
+        for _, handle in handles:
+            try:
+                handle.wait(timeout)
+            except CommunicationError:
+                pass
 
-        Not one by one: every shard's request is on its way before any is finished, so the shards
-        start working together (a blocking send per shard made the last shard wait for the others'
-        bytes). Waiting before any reply is absorbed means a reply is never copied into memory that
-        a request still reads (a gradient may be a view of a variable).
-        """
-        handles = []
-        try:
-            for index, message in requests.items():
-                with self._naming(index):
-                    # A shard not reached yet (this task just started) may be gone with a finished job.
-                    handles.append((index, job_state.wait_for_peer(
-                        lambda seconds: self.transport.send_async(self.shards[index], REQUEST_TAG, message,
-                                                                  timeout=seconds),
-                        timeout, task=self.transport.task, what=f"parameter-server shard {self.shards[index]}")))
-            for index, handle in handles:
-                with self._naming(index):
-                    handle.wait(timeout)
-            handles = []
-        finally:
-            for _, handle in handles:  # failing: the caller may change its arrays once we raise
-                try:
-                    handle.wait(timeout)
-                except CommunicationError:
-                    pass
-
-    @contextlib.contextmanager
-    def _naming(self, index: int):
-        """Errors sending to shard ``index`` name the shard and the pieces it holds."""
-        try:
-            yield
-        except PeerLostError as exc:
-            raise self._lost(index, exc) from None
-        except TransportTimeout as exc:
-            raise TransportTimeout(f"parameter-server shard {self.shards[index]}{self._holding(index)} "
-                                   f"cannot be reached: {exc}") from None
+    def _unreachable(self, index: int, exc: Exception) -> Exception:
+        """An error sending to shard ``index``, naming the shard and the pieces it holds."""
+        if isinstance(exc, PeerLostError):
+            return self._lost(index, exc)
+        return TransportTimeout(f"parameter-server shard {self.shards[index]}{self._holding(index)} "
+                                f"cannot be reached: {exc}")
 
     def _gather(self, ids: dict[int, int], timeout: float | None):
         """Yield ``(index, message, last)`` for each successful reply (part) as it arrives; then raise
@@ -190,6 +187,8 @@ class PSClient:
                 last = reply.meta.get("part", 0) + 1 >= reply.meta.get("parts", 1)
                 if last:
                     done.add(index)
+                    if "status" in reply.meta:    # a push's acknowledgement
+                        self.acks[index][reply.meta["status"]] += 1
                 yield index, reply, last
                 if recorder is not None:
                     waiting_since = recorder.now()   # using the values was not waiting
@@ -256,21 +255,16 @@ class PSClient:
         each reply's buffers are those rows, in that order."""
         return self.call({i: Message({"op": "pull_rows", "names": list(n)}, list(r)) for i, (n, r) in rows.items()})
 
-    def push(self, requests: Mapping[int, PushRequest]) -> Iterator[tuple[int, Message, PushReply | None]]:
-        """Send each shard its :class:`~stratagem.ps.messages.PushRequest`; yield ``(shard, message,
-        acknowledgement)`` as the answers arrive: the acknowledgement (a
-        :class:`~stratagem.ps.messages.PushReply`) with the last part of a shard's answer, ``None``
-        with the earlier parts (the values of a ``pull``). A generator: nothing is sent until it is
-        iterated, and the call ends when it is exhausted. Counts the acknowledgements in ``acks``."""
-        for index, message, last in self.exchange({i: r.to_message() for i, r in requests.items()}):
-            reply = PushReply.from_meta(message.meta) if last else None
-            if reply is not None:
-                self.acks[index][reply.status or "?"] += 1
-            yield index, message, reply
+    def push(self, requests: Mapping[int, PushRequest]) -> Iterator[tuple[int, Message, bool]]:
+        """Send each shard its :class:`~stratagem.ps.messages.PushRequest`: :meth:`exchange`, whose
+        last part of each shard's answer is the acknowledgement
+        (:meth:`PushReply.from_meta <stratagem.ps.messages.PushReply.from_meta>`), the earlier ones
+        the values of a ``pull``. Counts the acknowledgements in ``acks``."""
+        return self.exchange({index: request.to_message() for index, request in requests.items()})
 
     def push_all(self, requests: Mapping[int, PushRequest]) -> dict[int, PushReply]:
         """:meth:`push`, to the end: each shard's acknowledgement (the values sent back left unused)."""
-        return {index: reply for index, _, reply in self.push(requests) if reply is not None}
+        return {index: PushReply.from_meta(message.meta) for index, message, last in self.push(requests) if last}
 
     def idle(self, tasks: Sequence[str], idle: bool) -> None:
         """Tell every shard that pushers ``tasks`` have nothing to run (``idle``), or have again."""

@@ -271,13 +271,13 @@ class RemoteVariables:
         arrive. Returns each shard's acknowledgement."""
         acks: dict[int, PushReply] = {}
         try:
-            for index, message, ack in self.client.push(requests):
+            for index, message, last in self.client.push(requests):
                 if pull:
                     self.absorb_one(index, message)
-                elif ack is not None:
+                elif last:
                     self.note(index, message.meta)
-                if ack is not None:
-                    acks[index] = ack
+                if last:
+                    acks[index] = PushReply.from_meta(message.meta)
         except BaseException:
             self.mark_stale()   # some parts of the replies may be copied in already: read afresh
             raise
