@@ -162,6 +162,8 @@ def test_a_partitioned_variable_reassembles_exactly(tmp_path):
             small = stratagem.Variable(np.arange(3.0), name="small")
             opt = stratagem.optimizers.SGD(learning_rate=1.0)
         pieces = [(p.name, p.ps, p.lo, p.hi) for p in strategy.pieces("emb")]
+        with pytest.raises(ConfigurationError, match="has no variable 'embedding' on the ps tasks"):
+            strategy.pieces("embedding")
         stats = strategy.ps_stats()
         got = emb.numpy()
         grad = np.ones_like(value)
