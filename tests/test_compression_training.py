@@ -23,6 +23,9 @@ from stratagem.ps.server import ParameterServer
 from stratagem.testing.strategy_contract import LIMIT, clean_env, names, report, run_tasks
 from stratagem.transports.local import LocalFabric, LocalTransport
 
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from ps_harness import push_grads  # noqa: E402
+
 SCRIPT = Path(__file__).parent / "scripts" / "compressed_train.py"
 #: The script's loss starts near 33 (zero weights); uncompressed it ends near 1e-5.
 TARGET_LOSS = 1e-3
@@ -112,7 +115,7 @@ def test_a_ps_task_applies_decompressed_pushes_and_they_are_smaller(shard):
     grad = np.random.default_rng(0).normal(size=(200, 50)).astype(np.float32)
     wire, payload = compress_pieces(topk, {"w": topk.init_state(grad.shape, grad.dtype)}, ["w"], [grad])
     before = worker.traffic.snapshot()
-    client.push({0: (["w"], payload)}, compression={0: wire})
+    push_grads(client, {0: (["w"], payload)}, compression={0: wire})
     sent = (worker.traffic.snapshot() - before).sent_bytes()
     assert sent < grad.nbytes * 0.03           # 100 of 10,000 entries, 8 bytes each, plus the metadata
     value = client.pull()[0].buffers[0]
@@ -129,7 +132,7 @@ def test_a_ps_task_refuses_compressed_pushes_it_cannot_decompress(shard):
     wire, payload = compress_pieces(topk, {"w": topk.init_state(grad.shape, grad.dtype)}, ["w"], [grad])
     with pytest.raises(RemoteError, match="the push is compressed with 'topk' but /job:ps/task:0 was started "
                                           "without compression: start every task"):
-        client.push({0: (["w"], payload)}, compression={0: wire})
+        push_grads(client, {0: (["w"], payload)}, compression={0: wire})
 
 
 def test_a_ps_task_refuses_a_payload_that_does_not_fit_and_serves_on(shard):
@@ -139,10 +142,10 @@ def test_a_ps_task_refuses_a_payload_that_does_not_fit_and_serves_on(shard):
     wire, payload = compress_pieces(topk, {"w": topk.init_state(grad.shape, grad.dtype)}, ["w"], [grad])
     with pytest.raises(RemoteError, match=r"piece 'w': compressor 'topk': payload array 1 is \(99,\) float32, "
                                           r"expected \(100,\) float32"):
-        client.push({0: (["w"], [payload[0], payload[1][:-1]])}, compression={0: wire})
+        push_grads(client, {0: (["w"], [payload[0], payload[1][:-1]])}, compression={0: wire})
     with pytest.raises(RemoteError, match="bad compression entry"):
-        client.push({0: (["w"], payload)}, compression={0: {"name": "topk", "pieces": [["k", 2]]}})
-    assert client.push({0: (["w"], payload)}, compression={0: wire})[0].meta["status"] == "applied"
+        push_grads(client, {0: (["w"], payload)}, compression={0: {"name": "topk", "pieces": [["k", 2]]}})
+    assert push_grads(client, {0: (["w"], payload)}, compression={0: wire})[0].meta["status"] == "applied"
 
 
 def test_parameter_server_workers_push_compressed_with_their_own_error_feedback():

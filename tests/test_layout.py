@@ -105,3 +105,22 @@ def test_no_module_imports_a_private_name_of_another_package():
                 reach_ins += [f"{rel}:{node.lineno}: {node.module}.{alias.name}" for alias in node.names
                               if alias.name.startswith("_") and not alias.name.startswith("__") and other != package]
     assert not reach_ins, reach_ins
+
+
+def test_the_parameter_server_modules_touch_no_other_objects_private_names():
+    """strategies/ps/ and ps/ reach other objects through their public names only (``self._x`` and
+    ``super()._x`` are their own): the helpers get narrow collaborators instead of the strategy's state."""
+    reach_ins = []
+    for rel, tree in _sources():
+        if rel.parts[0] != "ps" and rel.parts[:2] != ("strategies", "ps"):
+            continue
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                continue
+            reach_ins.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not reach_ins, reach_ins

@@ -40,13 +40,14 @@ from stratagem.ps.placement import (
     replica_device_setter,
 )
 from stratagem.ps.client import PSClient
+from stratagem.ps.messages import PushRequest
 from stratagem.ps.protocol import RemoteError, ShardLostError
 from stratagem.ps.server import ParameterServer
 from stratagem.core.transport import SendHandle
 from stratagem.transports.local import LocalFabric, LocalTransport
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from ps_harness import cluster_spec, ok, run_cluster  # noqa: E402
+from ps_harness import cluster_spec, ok, run_cluster, push_grads  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -160,7 +161,9 @@ def test_a_partitioned_variable_reassembles_exactly(tmp_path):
             emb = stratagem.Variable(value, name="emb")
             small = stratagem.Variable(np.arange(3.0), name="small")
             opt = stratagem.optimizers.SGD(learning_rate=1.0)
-        pieces = [(p.name, p.ps, p.lo, p.hi) for p in strategy._pieces["emb"]]
+        pieces = [(p.name, p.ps, p.lo, p.hi) for p in strategy.pieces("emb")]
+        with pytest.raises(ConfigurationError, match="has no variable 'embedding' on the ps tasks"):
+            strategy.pieces("embedding")
         stats = strategy.ps_stats()
         got = emb.numpy()
         grad = np.ones_like(value)
@@ -268,7 +271,7 @@ def test_requests_are_batched_per_shard_and_sent_to_all_shards_before_any_reply(
         return reply
     client.transport.recv = spy_recv
     grads = {i: ([f"a{i}", f"b{i}"], [np.ones(4, np.float32), np.ones(2, np.float32)]) for i in range(3)}
-    client.push(grads)
+    push_grads(client, grads)
     sends = [e for e in events if e[0] == "send"]
     assert sorted(sends) == [("send", 0, 2), ("send", 1, 2), ("send", 2, 2)]   # one message per shard
     assert [e[0] for e in events[:3]] == ["send"] * 3                          # all sent before any reply
@@ -286,7 +289,7 @@ def test_server_side_optimizer_with_slots_matches_a_local_one(service):
     rng = np.random.default_rng(3)
     for _ in range(5):
         g = rng.standard_normal(8).astype(np.float32)
-        svc.clients[0].push({0: (["w/part_0"], [g[:4]]), 1: (["w/part_1"], [g[4:]])})
+        push_grads(svc.clients[0], {0: (["w/part_0"], [g[:4]]), 1: (["w/part_1"], [g[4:]])})
         opt.apply_gradients([(g, local)])
     got = np.concatenate([r.buffers[0] for _, r in sorted(svc.clients[0].pull().items())])
     np.testing.assert_array_equal(got, local.numpy())                   # bit for bit
@@ -300,7 +303,7 @@ def test_async_pushes_from_many_workers_exact_accounting(service):
 
     def worker(client, n):
         for _ in range(n):
-            client.push({0: (["w0"], [np.ones(4, np.float32)]), 1: (["w1"], [np.ones(4, np.float32)])}, pull=True)
+            push_grads(client, {0: (["w0"], [np.ones(4, np.float32)]), 1: (["w1"], [np.ones(4, np.float32)])}, pull=True)
     threads = [threading.Thread(target=worker, args=(c, 20 + 5 * i)) for i, c in enumerate(svc.clients)]
     for t in threads:
         t.start()
@@ -322,7 +325,7 @@ def test_sync_aggregates_weighted_means_and_drops_stale_gradients(service):
     results = {}
 
     def push(index, value, weight, version):
-        reply = svc.clients[index].push({0: (["w0"], [np.full(4, value, np.float32)])}, versions={0: version},
+        reply = push_grads(svc.clients[index], {0: (["w0"], [np.full(4, value, np.float32)])}, versions={0: version},
                                         weight=weight, pull=True)
         results[index] = reply[0].meta["status"], reply[0].meta["step"], reply[0].buffers[0].tolist()
 
@@ -345,7 +348,7 @@ def test_sync_round_completes_when_a_pusher_leaves(service):
     svc = service(ps=1, workers=2)
     svc.init({"mode": "sync", "replicas_to_aggregate": 2, "total_replicas": 2, "staleness": None}, optimizer=SGD1)
     results = {}
-    t = threading.Thread(target=lambda: results.setdefault(0, svc.clients[0].push(
+    t = threading.Thread(target=lambda: results.setdefault(0, push_grads(svc.clients[0], 
         {0: (["w0"], [np.ones(4, np.float32)])}, versions={0: 0})[0].meta["status"]))
     t.start()
     time.sleep(0.1)
@@ -360,14 +363,14 @@ def test_bounded_staleness_holds_the_fast_worker(service):
              optimizer=SGD1)
     fast, slow = svc.clients
     grads = {0: (["w0"], [np.ones(4, np.float32)]), 1: (["w1"], [np.ones(4, np.float32)])}
-    assert fast.push(grads)[0].meta["clock"] == 1            # 1 ahead of the slow worker: allowed
+    assert push_grads(fast, grads)[0].meta["clock"] == 1            # 1 ahead of the slow worker: allowed
     done = threading.Event()
     replies = {}
-    t = threading.Thread(target=lambda: (replies.setdefault("r", fast.push(grads)), done.set()))
+    t = threading.Thread(target=lambda: (replies.setdefault("r", push_grads(fast, grads)), done.set()))
     t.start()
     assert not done.wait(0.3)                                # 2 ahead: held
-    assert fast.acks[1]["applied"] == 1                      # (the other shard does not hold)
-    slow.push(grads)
+    assert fast.acks[1]["applied"] == 2                      # the other shard does not hold: its ack is in
+    push_grads(slow, grads)
     assert done.wait(5)
     meta = replies["r"][0].meta
     assert (meta["clock"], meta["min_clock"]) == (2, 1)
@@ -379,14 +382,14 @@ def test_stop_releases_waiters_and_refuses_further_pushes(service):
     svc = service(ps=1, workers=2)
     svc.init({"mode": "sync", "replicas_to_aggregate": 2, "total_replicas": 2, "staleness": None}, optimizer=SGD1)
     got = {}
-    t = threading.Thread(target=lambda: got.setdefault("r", svc.clients[0].push(
+    t = threading.Thread(target=lambda: got.setdefault("r", push_grads(svc.clients[0], 
         {0: (["w0"], [np.ones(4, np.float32)])}, versions={0: 0})[0].meta))
     t.start()
     time.sleep(0.1)
     svc.clients[1].stop()
     t.join(5)
     assert got["r"]["status"] == "stopped" and got["r"]["stop"] is True
-    assert svc.clients[1].push({0: (["w0"], [np.ones(4, np.float32)])}, versions={0: 0})[0].meta["status"] == "stopped"
+    assert push_grads(svc.clients[1], {0: (["w0"], [np.ones(4, np.float32)])}, versions={0: 0})[0].meta["status"] == "stopped"
     stats = svc.clients[0].stats()[0]
     assert (stats["updates"], stats["stopped"], stats.get("applied", 0)) == (0, 2, 0)
 
@@ -395,17 +398,17 @@ def test_servers_answer_errors_and_keep_serving(service):
     svc = service(ps=1, workers=2)
     client = svc.clients[0]
     with pytest.raises(RemoteError, match="no variables yet: the chief must create them first"):
-        client.push({0: (["w0"], [np.ones(4, np.float32)])})
+        push_grads(client, {0: (["w0"], [np.ones(4, np.float32)])})
     svc.init(ASYNC)
     with pytest.raises(RemoteError, match="has no optimizer: send the optimizer's config first"):
-        client.push({0: (["w0"], [np.ones(4, np.float32)])})
+        push_grads(client, {0: (["w0"], [np.ones(4, np.float32)])})
     client.set_optimizer(SGD1)
     with pytest.raises(RemoteError, match=r"uses optimizer .*Adam.* but the job's is .*SGD"):
         svc.clients[1].set_optimizer(stratagem.optimizers.Adam().get_config())
     with pytest.raises(RemoteError, match="holds no piece 'nope'; it holds 'w0'"):
         client.pull({0: ["nope"]})
     with pytest.raises(RemoteError, match=r"the gradient of piece 'w0' has shape \(3,\), expected \(4,\)"):
-        client.push({0: (["w0"], [np.ones(3, np.float32)])})
+        push_grads(client, {0: (["w0"], [np.ones(3, np.float32)])})
     with pytest.raises(RemoteError, match=r"piece 'w0' exists on /job:ps/task:0 as shape \(4,\), float32, "
                                           r"/job:worker/task:1 declares it as shape \(5,\)"):
         svc.clients[1].init({0: [spec("w0", np.zeros(5, np.float32))]}, {0: [np.zeros(5, np.float32)]},
@@ -414,7 +417,7 @@ def test_servers_answer_errors_and_keep_serving(service):
         svc.clients[1].init({}, {}, {**ASYNC, "mode": "sync", "pushers": []})
     with pytest.raises(RemoteError, match="unknown operation 'explode'"):
         client.broadcast({"op": "explode"})
-    assert client.push({0: (["w0"], [np.ones(4, np.float32)])})[0].meta["status"] == "applied"
+    assert push_grads(client, {0: (["w0"], [np.ones(4, np.float32)])})[0].meta["status"] == "applied"
 
 
 def test_a_lost_shard_is_named_within_the_timeout(service):
@@ -425,7 +428,7 @@ def test_a_lost_shard_is_named_within_the_timeout(service):
     svc.servers[1].transport.abort()                          # the shard dies (no goodbye)
     began = time.monotonic()
     with pytest.raises(ShardLostError) as info:
-        client.push({0: (["w0"], [np.ones(4, np.float32)]), 1: (["w1"], [np.ones(4, np.float32)])})
+        push_grads(client, {0: (["w0"], [np.ones(4, np.float32)]), 1: (["w1"], [np.ones(4, np.float32)])})
     assert time.monotonic() - began < 5
     assert isinstance(info.value, PeerLostError) and info.value.task == TaskId("ps", 1)
     assert "parameter-server shard /job:ps/task:1 (holding w1) is gone" in str(info.value)
@@ -483,12 +486,13 @@ def test_large_replies_come_in_parts_each_handed_over_as_it_arrives(service, mon
     reply = client.pull()[0]
     assert reply.meta["names"] == names and "part" not in reply.meta
     assert [b.tolist() for b in reply.buffers] == [[float(i)] * 4 for i in range(5)]
-    seen = []
-    grads = {0: (["p1", "p3"], [np.ones(4, np.float32)] * 2)}
-    replies = client.push(grads, pull=True, on_reply=lambda i, r: seen.append((r.meta["names"], "status" in r.meta)))
-    assert seen == [(["p0", "p1"], False), (["p2", "p3"], False), (["p4"], True)]   # only the last has the status
-    assert replies[0].meta["status"] == "applied" and replies[0].meta["names"] == names
-    assert [b[0] for b in replies[0].buffers] == [0.0, 0.0, 2.0, 2.0, 4.0]          # p1 and p3 updated
+    request = PushRequest(pull=True)
+    request.add("p1", np.ones(4, np.float32))
+    request.add("p3", np.ones(4, np.float32))
+    seen = [(index, part.meta["names"], [b[0] for b in part.buffers], last, part.meta.get("status"))
+            for index, part, last in client.push({0: request})]              # each part as it arrives
+    assert seen == [(0, ["p0", "p1"], [0.0, 0.0], False, None), (0, ["p2", "p3"], [2.0, 2.0], False, None),
+                    (0, ["p4"], [4.0], True, "applied")]   # p1 and p3 updated; only the last part has the status
     assert svc.servers[0].step == 1 and client.acks[0]["applied"] == 1
 
 
@@ -528,7 +532,7 @@ def test_a_reply_still_being_sent_keeps_its_version(service):
     sends = _unfinished_replies(server)
 
     def push():
-        return client.push({0: (["w0"], [np.ones(4, np.float32)])}, pull=True)[0].buffers[0][0]
+        return push_grads(client, {0: (["w0"], [np.ones(4, np.float32)])}, pull=True)[0].buffers[0][0]
 
     assert push() == -1.0
     first = sends[-1][1][0]
@@ -555,7 +559,7 @@ def test_an_update_over_the_received_gradient_leaves_sent_versions_alone(service
     sends = _unfinished_replies(server)
     arrays = []
     for step in range(1, 5):
-        got = client.push({0: (["w0"], [np.full(4, 0.5, np.float32)])}, pull=True)[0].buffers[0]
+        got = push_grads(client, {0: (["w0"], [np.full(4, 0.5, np.float32)])}, pull=True)[0].buffers[0]
         assert got.tolist() == [-0.5 * step] * 4
         arrays.append(server.values["w0"])
     assert [a.tolist() for _, (a,) in sends] == [[-0.5 * step] * 4 for step in range(1, 5)]

@@ -34,7 +34,7 @@ from stratagem.core.transport import SendHandle
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import embedding_model as model  # noqa: E402
-from ps_harness import ok, run_cluster  # noqa: E402
+from ps_harness import ok, run_cluster, push_grads  # noqa: E402
 from test_parameter_server import Cluster  # noqa: E402
 from test_ps import ASYNC, SGD1, Service  # noqa: E402
 
@@ -152,17 +152,17 @@ def test_bad_row_requests_get_errors_that_say_the_fix_and_the_server_keeps_servi
     ]
     for rows, message in bad_pushes:
         with pytest.raises(RemoteError, match=message):
-            client.push(good, rows=rows)
+            push_grads(client, good, rows=rows)
     with pytest.raises(RemoteError, match=r"2 array\(s\) \(a row gradient is 2: rows, values\), got 1"):
         client.call({0: stratagem.core.transport.Message({"op": "push", "rows": ["t"]}, [np.array([1])])})
     with pytest.raises(RemoteError, match="skip must be a list of piece names"):
-        client.push(good, pull=True, skip={0: [3]})
+        push_grads(client, good, pull=True, skip={0: [3]})
     # nothing was applied, and the server still serves
     stats = client.stats()[0]
     assert stats["updates"] == 0 and stats["step"] == 0
     reply = client.pull_rows({0: (["t"], [np.array([9, 0, 9])])})[0]
     assert reply.buffers[0].tolist() == [[18.0, 19.0], [0.0, 1.0], [18.0, 19.0]]
-    client.push(good, rows={0: (["t"], [np.array([3, 1, 3])], [np.ones((3, 2), np.float32)])})  # repeats sum
+    push_grads(client, good, rows={0: (["t"], [np.array([3, 1, 3])], [np.ones((3, 2), np.float32)])})  # repeats sum
     assert client.pull()[0].buffers[0][[1, 3]].tolist() == [[1.0, 2.0], [4.0, 5.0]]
 
 
@@ -182,14 +182,14 @@ def test_a_row_update_never_writes_into_an_array_a_reply_still_sends(service):
     svc.init(ASYNC, table_values(), SGD1)
     client, server = svc.clients[0], svc.servers[0]
     rows = {0: (["t"], [np.array([2])], [np.ones((1, 2), np.float32)])}
-    client.push({0: ([], [])}, rows=rows)
+    push_grads(client, {0: ([], [])}, rows=rows)
     current = server.values["t"]
-    client.push({0: ([], [])}, rows=rows)
+    push_grads(client, {0: ([], [])}, rows=rows)
     assert server.values["t"] is current                 # nothing reads it: updated in place
     reply = Pending()
     server.replies.sent(reply, [current])                # (the server thread waits for a request)
     sent = current.copy()
-    client.push({0: ([], [])}, rows=rows)
+    push_grads(client, {0: ([], [])}, rows=rows)
     assert server.values["t"] is not current             # a new version...
     np.testing.assert_array_equal(current, sent)         # ...and what the reply sends is untouched
     assert server.values["t"][2].tolist() == [4.0 - 3, 5.0 - 3] and server.values["t"][3].tolist() == [6.0, 7.0]
@@ -199,9 +199,9 @@ def test_a_row_update_never_writes_into_an_array_a_reply_still_sends(service):
 def test_push_replies_leave_out_the_pieces_named_in_skip(service):
     svc = service(ps=1)
     svc.init(ASYNC, table_values(), SGD1)
-    reply = svc.clients[0].push({0: (["b"], [np.ones(3, np.float32)])}, pull=True, skip={0: ["t"]})[0]
+    reply = push_grads(svc.clients[0], {0: (["b"], [np.ones(3, np.float32)])}, pull=True, skip={0: ["t"]})[0]
     assert reply.meta["names"] == ["b"] and reply.buffers[0].tolist() == [-1.0] * 3
-    reply = svc.clients[0].push({0: ([], [])}, pull=True)[0]
+    reply = push_grads(svc.clients[0], {0: ([], [])}, pull=True)[0]
     assert reply.meta["names"] == ["t", "b"]
 
 
@@ -229,7 +229,7 @@ def test_gather_returns_exactly_the_rows_and_moves_rows_not_the_table():
         stats = strategy.ps_stats()
         return (got, moved.sent_bytes(), moved.received_bytes(), pulls,
                 {i: s["pulls"] for i, s in stats.items()}, {i: s["row_pulls"] for i, s in stats.items()},
-                first_piece_only, [(p.ps, p.lo, p.hi) for p in strategy._pieces["table"]], cached)
+                first_piece_only, [(p.ps, p.lo, p.hi) for p in strategy.pieces("table")], cached)
 
     got, sent, received, pulls_before, pulls, row_pulls, first, pieces, cached = ok(
         run_cluster(2, 1, body, partition_bytes=10_000))["worker:0"]

@@ -25,6 +25,8 @@ import numpy as np
 import stratagem
 from stratagem.training import checkpoint
 from stratagem.core.cluster import ClusterResolver
+from stratagem.ps.client import PSClient
+from stratagem.ps.messages import PushRequest
 from stratagem.ps.protocol import RemoteError
 
 out, ckpt, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -79,8 +81,9 @@ if strategy.is_evaluator:
     record["assign"] = refusal(lambda: w.assign(np.ones(4, np.float32)))
     record["dataset"] = refusal(lambda: next(iter(strategy.distribute_dataset([np.zeros(2)]))))
     # Straight to the shard, past the strategy: the server itself refuses a push from a non-replica.
-    record["raw_push"] = refusal(lambda: strategy._client.push({0: (["w"], [np.ones(4, np.float32)])},
-                                                               versions={0: strategy.refresh()}))
+    raw = PushRequest(version=strategy.refresh())
+    raw.add("w", np.ones(4, np.float32))
+    record["raw_push"] = refusal(lambda: PSClient(strategy.transport, timeout=10).push_all({0: raw}))
     while strategy.refresh() < steps and time.monotonic() < DEADLINE:
         time.sleep(0.05)
     record.update(step=strategy.global_step, w=w.numpy().tolist())

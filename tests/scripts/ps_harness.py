@@ -65,3 +65,39 @@ def ok(results_errors):
         task, exc = sorted(errors.items())[0]
         raise AssertionError(f"{len(errors)} task(s) failed; {task}: {type(exc).__name__}: {exc}") from exc
     return results
+
+
+def push_grads(client, grads, *, versions=None, weight: float = 1.0, pull: bool = False, rows=None, skip=None,
+         compression=None, all_shards: bool = True) -> dict:
+    """Push ``{shard: (piece names, gradients)}`` with ``client`` (a ``PSClient``), as a test writes it:
+    ``rows`` ``{shard: (names, [rows], [values])}``, ``skip`` ``{shard: [names]}``, ``compression``
+    ``{shard: metadata}`` with the gradients already the payloads. Returns ``{shard: reply}``, each the
+    whole answer (parts joined) as a wire message; every shard gets a push unless ``all_shards`` is off."""
+    from stratagem.ps.messages import PushRequest
+
+    rows, skip, compression = rows or {}, skip or {}, compression or {}
+    shards = range(client.num_shards) if all_shards else sorted(set(grads) | set(rows))
+    requests = {}
+    for i in shards:
+        request = PushRequest(weight=weight, pull=pull, version=None if versions is None else versions.get(i, 0),
+                              skip=skip.get(i, ()))
+        names, arrays = grads.get(i, ([], []))
+        request.names, request.dense = list(names), list(arrays)   # arrays: the payloads when compressed
+        for name, indices, values in zip(*rows.get(i, ([], [], []))):
+            request.add_rows(name, indices, values)
+        request.compression = compression.get(i)
+        requests[i] = request
+    return {index: message for index, message in _joined(client.push(requests))}
+
+
+def _joined(answers):
+    from stratagem.core.transport import Message
+
+    parts: dict = {}
+    for index, message, last in answers:
+        parts.setdefault(index, []).append(message)
+        if last:
+            got = parts.pop(index)
+            meta = {k: v for k, v in got[-1].meta.items() if k not in ("part", "parts")}
+            meta["names"] = [n for m in got for n in m.meta.get("names") or []]
+            yield index, Message(meta, [b for m in got for b in m.buffers], got[-1].src)

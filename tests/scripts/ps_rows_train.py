@@ -33,7 +33,7 @@ stats = strategy.ps_stats()
 np.savez(os.path.join(out, "worker_0.npz"), table=table.numpy(), w=w.numpy())
 with open(os.path.join(out, "worker_0.json"), "w") as f:
     json.dump({"sent_per_step": traffic.sent_bytes() / steps, "received_per_step": traffic.received_bytes() / steps,
-               "table_bytes": int(table.value.nbytes), "pieces": [p.ps for p in strategy._pieces["table"]],
+               "table_bytes": int(table.value.nbytes), "pieces": [p.ps for p in strategy.pieces("table")],
                "stats": {str(i): {k: s[k] for k in ("pulls", "row_pulls", "updates", "applied")}
                          for i, s in stats.items()}}, f)
 strategy.shutdown()

@@ -39,5 +39,5 @@ for _ in range(steps):
     seen.append(step)
 with open(os.path.join(out, f"{strategy.task.job}_{strategy.task.index}.json"), "w") as f:
     json.dump({"seen": seen, "wrong": wrong,
-               "pieces": {v.name: [p.name for p in strategy._pieces[v.name]] for v in variables}}, f)
+               "pieces": {v.name: [p.name for p in strategy.pieces(v.name)] for v in variables}}, f)
 strategy.shutdown()

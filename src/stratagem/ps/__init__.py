@@ -4,7 +4,8 @@ The service is split by job:
 
 - :mod:`.placement` decides which ps task holds each variable (round-robin, greedy by bytes, or
   explicit ``stratagem.device("/job:ps/task:1")``) and partitions large ones;
-- :mod:`.protocol` is the protocol: operations, piece descriptions, errors;
+- :mod:`.protocol` is the protocol: operations, piece descriptions, errors; :mod:`.messages` the
+  push and its acknowledgement as typed objects, built and read in one place;
 - :mod:`.server` is what a ps task runs: :class:`~stratagem.ps.server.ParameterServer` (server-side
   optimizer per shard, a global step, versions; it takes the pushes and acknowledges them), with the
   bookkeeping of the ``sync`` and ``bounded`` consistency modes in :mod:`.consistency`, row updates in

@@ -16,15 +16,16 @@ See :mod:`stratagem.ps.server` for an example.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import Counter, defaultdict
-from typing import Callable, Mapping, Sequence
+from functools import partial
+from typing import Callable, Iterator, Mapping, Sequence
 
 from stratagem.core import job_state
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import CommunicationError, PeerLostError, TransportTimeout
+from stratagem.ps.messages import PushReply, PushRequest
 from stratagem.ps.protocol import REPLY_TAG, REQUEST_TAG, RemoteError, ShardLostError
 from stratagem.core.transport import Message, Transport
 from stratagem.core import timeline as _timeline
@@ -63,92 +64,103 @@ class PSClient:
         return len(self.shards)
 
     # -- the round trip ----------------------------------------------------------------------------
-    def call(self, requests: Mapping[int, Message], *, timeout: float | None = None,
-             on_reply: Callable[[int, Message], None] | None = None) -> dict[int, Message]:
+    def call(self, requests: Mapping[int, Message], *, timeout: float | None = None) -> dict[int, Message]:
         """Send ``requests`` (``{shard index: Message}``), all first, then wait for every reply.
 
-        Returns ``{shard index: reply}``; ``on_reply(index, reply)``, if given, is called with each
-        successful reply as it arrives (so its data can be used while other shards still answer), and
-        with each part of a reply that comes in parts (see :mod:`~stratagem.ps.protocol`): only
-        the last part has the reply's status. The reply returned holds every part's names and
-        buffers. A refused request raises ``RemoteError`` with the server's message (after every
-        reply has arrived, so the next call starts clean).
+        Returns ``{shard index: reply}``; a reply that comes in parts (see
+        :mod:`~stratagem.ps.protocol`) is returned whole: the last part's status with every part's
+        names and buffers. A refused request raises ``RemoteError`` with the server's message (after
+        every reply has arrived, so the next call starts clean).
+        """
+        replies: dict[int, Message] = {}
+        parts: dict[int, list[Message]] = {}
+        for index, message, last in self.exchange(requests, timeout=timeout):
+            if not last:
+                parts.setdefault(index, []).append(message)
+            else:
+                replies[index] = _joined(parts.pop(index) + [message]) if index in parts else message
+        return replies
+
+    def exchange(self, requests: Mapping[int, Message], *, timeout: float | None = None
+                 ) -> Iterator[tuple[int, Message, bool]]:
+        """:meth:`call`, yielding each reply as it arrives instead: ``(shard index, message, last)``
+        for each part of a reply that comes in parts (``last`` on the last one, which alone has the
+        status), so the caller uses the values while other shards, or the next part, are still on the
+        wire. Refusals are raised as ``RemoteError`` once every reply has arrived. A generator:
+        nothing is sent until it is iterated, and the call ends when it is exhausted.
+
+        Every request is started before any is finished, so the shards start working together (a
+        blocking send per shard made the last shard wait for the others' bytes); then the transport
+        is done with their arrays before any reply is yielded, so a reply is never copied into memory
+        that a request still reads (a gradient may be a view of a variable).
         """
         timeout = self.timeout if timeout is None else timeout
         recorder = _timeline.RECORDER
         started = recorder.now() if recorder is not None else 0
         with self._lock:
             ids: dict[int, int] = {}
-            for index, message in requests.items():
-                self._next_id += 1
-                ids[index] = self._next_id
-                message.meta["id"] = self._next_id
-            self._send_all(requests, timeout)
-            replies = self._gather(ids, timeout, on_reply)
+            handles: list = []
+            index = None
+            try:
+                for index, message in requests.items():
+                    self._next_id += 1
+                    ids[index] = message.meta["id"] = self._next_id
+                    # A shard not reached yet (this task just started) may be gone with a finished job.
+                    handles.append((index, job_state.wait_for_peer(
+                        partial(self.transport.send_async, self.shards[index], REQUEST_TAG, message),
+                        timeout, task=self.transport.task, what=f"parameter-server shard {self.shards[index]}")))
+                for index, handle in handles:
+                    handle.wait(timeout)
+            except (PeerLostError, TransportTimeout) as exc:
+                self._settle(handles, timeout)   # the caller may change its arrays once we raise
+                raise self._unreachable(index, exc) from None
+            except BaseException:
+                self._settle(handles, timeout)
+                raise
+            received = yield from self._gather(ids, timeout)
         if recorder is not None:
-            self._record(recorder, started, requests, replies)
-        return replies
+            self._record(recorder, started, requests, received)
 
-    def _record(self, recorder, started: int, requests: Mapping[int, Message], replies: dict) -> None:
+    def _record(self, recorder, started: int, requests: Mapping[int, Message], received: int) -> None:
         """One round on the timeline, named by its operation (push, pull...), with the bytes and shards."""
         op = next((str(m.meta.get("op")) for m in requests.values()), "call")
         recorder.add("ps", "set_optimizer" if op == "optimizer" else op, started, recorder.now(), {
             "bytes_sent": sum(m.nbytes for m in requests.values()),
-            "bytes_received": sum(r.nbytes for r in replies.values()),
+            "bytes_received": received,
             "peers": [str(self.shards[index]) for index in requests]})
 
-    def _send_all(self, requests: Mapping[int, Message], timeout: float | None) -> None:
-        """Start every request, then wait until the transport is done with their arrays.
+    @staticmethod
+    def _settle(handles: list, timeout: float | None) -> None:
+        """Wait for the sends of a failing call (best effort)."""
+        for _, handle in handles:
+            try:
+                handle.wait(timeout)
+            except CommunicationError:
+                pass
 
-        Not one by one: every shard's request is on its way before any is finished, so the shards
-        start working together (a blocking send per shard made the last shard wait for the others'
-        bytes). Waiting before any reply is absorbed means a reply is never copied into memory that
-        a request still reads (a gradient may be a view of a variable).
-        """
-        handles = []
-        try:
-            for index, message in requests.items():
-                with self._naming(index):
-                    # A shard not reached yet (this task just started) may be gone with a finished job.
-                    handles.append((index, job_state.wait_for_peer(
-                        lambda seconds: self.transport.send_async(self.shards[index], REQUEST_TAG, message,
-                                                                  timeout=seconds),
-                        timeout, task=self.transport.task, what=f"parameter-server shard {self.shards[index]}")))
-            for index, handle in handles:
-                with self._naming(index):
-                    handle.wait(timeout)
-            handles = []
-        finally:
-            for _, handle in handles:  # failing: the caller may change its arrays once we raise
-                try:
-                    handle.wait(timeout)
-                except CommunicationError:
-                    pass
+    def _unreachable(self, index: int, exc: Exception) -> Exception:
+        """An error sending to shard ``index``, naming the shard and the pieces it holds."""
+        if isinstance(exc, PeerLostError):
+            return self._lost(index, exc)
+        return TransportTimeout(f"parameter-server shard {self.shards[index]}{self._holding(index)} "
+                                f"cannot be reached: {exc}")
 
-    @contextlib.contextmanager
-    def _naming(self, index: int):
-        """Errors sending to shard ``index`` name the shard and the pieces it holds."""
-        try:
-            yield
-        except PeerLostError as exc:
-            raise self._lost(index, exc) from None
-        except TransportTimeout as exc:
-            raise TransportTimeout(f"parameter-server shard {self.shards[index]}{self._holding(index)} "
-                                   f"cannot be reached: {exc}") from None
-
-    def _gather(self, ids: dict[int, int], timeout: float | None, on_reply=None) -> dict[int, Message]:
+    def _gather(self, ids: dict[int, int], timeout: float | None):
+        """Yield ``(index, message, last)`` for each successful reply (part) as it arrives; then raise
+        the refusals; return the bytes received."""
         by_task = {self.shards[index]: index for index in ids}
-        replies: dict[int, Message] = {}
-        parts: dict[int, list[Message]] = {}     # the earlier parts of replies that come in parts
+        done: set[int] = set()
+        errors: dict[int, str] = {}
+        received = 0
         deadline = None if timeout is None else time.monotonic() + timeout
         # The timeline charges the time until each reply to the shard it came from (the receives here
         # take any shard's reply, so the mailbox cannot name the peer waited on).
         recorder = _timeline.RECORDER
         waiting_since = recorder.now() if recorder is not None else 0
-        while len(replies) < len(ids):
+        while len(done) < len(ids):
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                waiting = [str(self.shards[i]) for i in ids if i not in replies]
+                waiting = [str(self.shards[i]) for i in ids if i not in done]
                 job_state.leave_if_finished(self.transport.task, f"no reply from {', '.join(waiting)}")
                 raise TransportTimeout(
                     f"{self.transport.task}: no reply from parameter-server shard(s) {', '.join(waiting)} "
@@ -158,7 +170,7 @@ class PSClient:
                 wait = WAIT_SLICE if remaining is None else min(WAIT_SLICE, remaining)
                 reply = self.transport.recv(None, REPLY_TAG, timeout=wait)
             except TransportTimeout:
-                self._check_lost(ids, replies)
+                self._check_lost(ids, done)
                 if self.interrupt is not None:
                     self.interrupt(False)
                 continue
@@ -167,28 +179,34 @@ class PSClient:
             index = by_task.get(reply.src)
             if index is None or reply.meta.get("id") != ids[index]:
                 continue  # the late reply to an earlier call that timed out
-            ok = "error" not in reply.meta
-            if ok and on_reply is not None:
-                on_reply(index, reply)
+            received += reply.nbytes
+            if "error" in reply.meta:
+                errors[index] = reply.meta["error"]
+                done.add(index)
+            else:
+                last = reply.meta.get("part", 0) + 1 >= reply.meta.get("parts", 1)
+                if last:
+                    done.add(index)
+                    if "status" in reply.meta:    # a push's acknowledgement
+                        self.acks[index][reply.meta["status"]] += 1
+                yield index, reply, last
                 if recorder is not None:
-                    waiting_since = recorder.now()   # copying the values in was not waiting
-            if ok and reply.meta.get("part", 0) + 1 < reply.meta.get("parts", 1):
-                parts.setdefault(index, []).append(reply)
-                continue
-            if ok and index in parts:
-                reply = _joined(parts.pop(index) + [reply])
-            replies[index] = reply
-            self._check_lost(ids, replies)
-        errors = [(i, r) for i, r in sorted(replies.items()) if "error" in r.meta]
+                    waiting_since = recorder.now()   # using the values was not waiting
+            self._check_lost(ids, done)
         if errors:
-            raise RemoteError("; ".join(f"{self.shards[i]}: {r.meta['error']}" for i, r in errors))
-        return replies
+            raise RemoteError("; ".join(f"{self.shards[i]}: {errors[i]}" for i in sorted(errors)))
+        return received
 
-    def _check_lost(self, ids, replies) -> None:
+    def _check_lost(self, ids, done) -> None:
         lost = self.transport.lost_peers()
         for index in ids:
-            if index not in replies and self.shards[index] in lost:
+            if index not in done and self.shards[index] in lost:
                 raise self._lost(index, PeerLostError(self.shards[index], lost[self.shards[index]]))
+
+    def check_shards(self) -> None:
+        """Raise :class:`~stratagem.ps.protocol.ShardLostError` if a shard is known to be gone (outside a
+        call: a worker waiting for its next step, the coordinator's ``join()``)."""
+        self._check_lost(range(self.num_shards), ())
 
     def _holding(self, index: int) -> str:
         pieces = self.pieces.get(index)
@@ -237,42 +255,20 @@ class PSClient:
         each reply's buffers are those rows, in that order."""
         return self.call({i: Message({"op": "pull_rows", "names": list(n)}, list(r)) for i, (n, r) in rows.items()})
 
-    def push(self, grads: Mapping[int, tuple[list, list]], *, versions: Mapping[int, int] | None = None,
-             weight: float = 1.0, pull: bool = False, all_shards: bool = True,
-             on_reply: Callable[[int, Message], None] | None = None,
-             rows: Mapping[int, tuple[list, list, list]] | None = None,
-             skip: Mapping[int, list] | None = None,
-             compression: Mapping[int, dict] | None = None) -> dict[int, Message]:
-        """Push ``{shard: (piece names, gradients)}``; with ``all_shards`` every shard gets a push (empty
-        where there are no gradients), so every shard counts the step. ``pull`` asks each shard to
-        return its values with the acknowledgement, except the pieces ``skip`` names
-        (``{shard: [piece names]}``). ``rows`` adds row gradients, ``{shard: (piece names, [int64
-        rows counted from each piece's first row], [their gradient rows])}``. ``compression``
-        (``{shard: metadata}``, :mod:`stratagem.ps.compressed`) says a shard's gradients are compressed
-        payloads. Counts the acknowledgements in ``acks``."""
-        rows = rows or {}
-        shards = range(self.num_shards) if all_shards else sorted(set(grads) | set(rows))
-        requests = {}
-        for i in shards:
-            names, arrays = grads.get(i, ([], []))
-            meta = {"op": "push", "names": list(names), "weight": float(weight), "pull": pull}
-            arrays = list(arrays)
-            if i in rows:
-                row_names, indices, values = rows[i]
-                meta["rows"] = list(row_names)
-                for index, value in zip(indices, values):
-                    arrays += [index, value]
-            if skip and skip.get(i):
-                meta["skip"] = list(skip[i])
-            if compression and i in compression:
-                meta["compression"] = compression[i]
-            if versions is not None:
-                meta["version"] = int(versions.get(i, 0))
-            requests[i] = Message(meta, arrays)
-        replies = self.call(requests, on_reply=on_reply)
-        for i, reply in replies.items():
-            self.acks[i][reply.meta.get("status", "?")] += 1
-        return replies
+    def push(self, requests: Mapping[int, PushRequest]) -> Iterator[tuple[int, Message, bool]]:
+        """Send each shard its :class:`~stratagem.ps.messages.PushRequest`: :meth:`exchange`, whose
+        last part of each shard's answer is the acknowledgement
+        (:meth:`PushReply.from_meta <stratagem.ps.messages.PushReply.from_meta>`), the earlier ones
+        the values of a ``pull``. Counts the acknowledgements in ``acks``."""
+        return self.exchange({index: request.to_message() for index, request in requests.items()})
+
+    def push_all(self, requests: Mapping[int, PushRequest]) -> dict[int, PushReply]:
+        """:meth:`push`, to the end: each shard's acknowledgement (the values sent back left unused)."""
+        return {index: PushReply.from_meta(message.meta) for index, message, last in self.push(requests) if last}
+
+    def idle(self, tasks: Sequence[str], idle: bool) -> None:
+        """Tell every shard that pushers ``tasks`` have nothing to run (``idle``), or have again."""
+        self.broadcast({"op": "idle", "tasks": list(tasks), "idle": idle})
 
     def assign(self, values: Mapping[int, tuple[list, list]]) -> None:
         self.call({i: Message({"op": "assign", "names": list(n)}, list(a)) for i, (n, a) in values.items()})

@@ -15,7 +15,7 @@ piece from the received rows and runs the ordinary dense update: only rows on th
 update's cost on the server, the dense update's result.
 
 An exact row update writes into the piece's array in place, unless a reply still sends that array
-(then into a copy: see :func:`apply_row_gradient`). A ``sync`` round sums row gradients as rows
+(then into a copy: see :func:`row_update`). A ``sync`` round sums row gradients as rows
 (:func:`add_rows`, :func:`row_sum`), the dense weighted mean bit for bit.
 
 Splitting sorted rows over the pieces of a partitioned table (rows 0-4 on one shard, 5-9 on another)::
@@ -33,11 +33,11 @@ import numpy as np
 
 from stratagem.core.errors import ProtocolError
 from stratagem.ps.protocol import RequestRefused
-from stratagem.training.sparse import IndexedSlices, densify
+from stratagem.training.sparse import IndexedSlices
 from stratagem.training.variables import to_module
 
 __all__ = ["RowRequestError", "split_rows", "fetch_rows", "split_gradient", "check_rows", "check_real",
-           "read_rows", "row_gradients", "apply_row_gradient", "add_rows", "row_sum"]
+           "read_rows", "row_gradients", "row_update", "add_rows", "row_sum"]
 
 
 class RowRequestError(RequestRefused):
@@ -149,12 +149,11 @@ def row_gradient(name: str, shape: tuple, indices, values) -> IndexedSlices:
     return IndexedSlices(values, indices, shape).merged()
 
 
-def apply_row_gradient(optimizer, name: str, grad: IndexedSlices, replace, update_dense) -> None:
-    """Apply the row gradient ``grad`` of piece ``name``.
-
-    ``replace(name, write)`` gives the piece a new version (the server's double buffering:
-    ``write(old, target)``, ``target`` being ``old`` unless a reply still reads it);
-    ``update_dense(name, grad)`` is the ordinary dense update.
+def row_update(optimizer, name: str, grad: IndexedSlices):
+    """How an exact rule (``optimizer.sparse_exact``) applies the row gradient ``grad`` of piece
+    ``name``: a ``write(old, target)`` for the server's double buffering (``target`` is ``old`` unless
+    a reply still reads it). A rule that is not exact gets the densified gradient instead: the
+    ordinary dense update (the server decides; this module calls nothing of it).
 
     With an exact rule the rows are updated where the piece's value is. In place when no reply
     reads it, which is the steady state of a table read only through ``gather`` (row replies are
@@ -164,17 +163,11 @@ def apply_row_gradient(optimizer, name: str, grad: IndexedSlices, replace, updat
     hold the whole server (every other request) on one slow reader, which the double buffering is
     there to avoid.
     """
-    if not optimizer.sparse_exact:
-        update_dense(name, densify(grad))
-        return
-    if not len(grad.indices):
-        return  # a zero gradient leaves an exact rule's values and slots as they are
-
     def write(old, target):
         if target is not old:
             np.copyto(target, old)
         optimizer.update_rows(name, target, grad.indices, grad.values)
-    replace(name, write)
+    return write
 
 
 def add_rows(total, grad: IndexedSlices, scale, dtype):

@@ -49,6 +49,7 @@ Serving two pieces over the in-process transport (the client side is
     >>> import numpy as np
     >>> from stratagem.core.cluster import ClusterSpec
     >>> from stratagem.ps.client import PSClient
+    >>> from stratagem.ps.messages import PushRequest
     >>> from stratagem.transports.local import LocalFabric, LocalTransport
     >>> cluster, fabric = ClusterSpec({"worker": ["local:0"], "ps": ["local:1"]}), LocalFabric()
     >>> ps = LocalTransport(cluster, "ps:0", fabric=fabric); ps.start()
@@ -59,7 +60,8 @@ Serving two pieces over the in-process transport (the client side is
     >>> specs = [{"name": "w", "var": "w", "shape": [2], "dtype": "float32", "part": 0, "parts": 1, "lo": 0, "hi": 2}]
     >>> _ = client.init({0: specs}, {0: [np.ones(2, np.float32)]}, {"mode": "async", "pushers": ["worker:0"]})
     >>> client.set_optimizer({"name": "SGD", "learning_rate": 0.5})
-    >>> client.push({0: (["w"], [np.ones(2, np.float32)])})[0].meta["status"]
+    >>> request = PushRequest(); request.add("w", np.ones(2, np.float32))
+    >>> client.push_all({0: request})[0].status
     'applied'
     >>> client.pull()[0].buffers[0], server.step
     (array([0.5, 0.5], dtype=float32), 1)
@@ -84,11 +86,12 @@ from stratagem.core.errors import (
     TransportTimeout,
 )
 from stratagem.training.optimizers.rules import from_config
-from stratagem.training.sparse import IndexedSlices
+from stratagem.training.sparse import IndexedSlices, densify
 from stratagem.ps.compressed import expand_pieces
 from stratagem.ps.buffers import ReplyBuffers, takes_over
 from stratagem.ps.consistency import StalenessGate, SyncRound
-from stratagem.ps.rows import apply_row_gradient, check_real, read_rows, row_gradients
+from stratagem.ps.messages import PushRequest
+from stratagem.ps.rows import check_real, read_rows, row_gradients, row_update
 from stratagem.ps.protocol import (
     APPLIED,
     DROPPED,
@@ -508,8 +511,9 @@ class ParameterServer:
             raise RequestRefused(f"{self.task} has no variables yet: the chief must create them first")
         if self.optimizer is None:
             raise RequestRefused(f"{self.task} has no optimizer: send the optimizer's config first")
-        names, buffers = self._gradients(meta, buffers)
-        pull = self._wanted(meta)            # None: no values back; else the pieces to leave out
+        request = PushRequest.parse(meta, buffers)
+        names, buffers = self._gradients(request)
+        pull = request.skip if request.pull else None   # None: no values back; else the pieces to leave out
         self._idle.discard(who)
         self.counters["pushes"] += 1
         self.by_replica[who]["pushes"] += 1
@@ -517,12 +521,12 @@ class ParameterServer:
             return self._count(who, STOPPED, pull)
         mode = self.config["mode"]
         if mode == "sync":
-            version = meta.get("version")
+            version = request.version
             if not isinstance(version, int) or version < self.step:
                 return self._count(who, DROPPED, pull)
             if version > self.step:
                 raise RequestRefused(f"push for step {version}, but {self.task} is at step {self.step}")
-            weight = float(meta.get("weight", 1.0))
+            weight = request.weight
             self._round.add(who, names, buffers, weight, (src, request_id, pull))
             self._maybe_finish_round()
             return None  # answered when the round completes
@@ -539,39 +543,29 @@ class ParameterServer:
             return None
         return self._count(who, APPLIED, pull)
 
-    def _gradients(self, meta: dict, buffers: list) -> tuple[list[str], list]:
-        """A push's pieces and gradients, checked: first the dense ones (``names``, one array each),
-        then the row gradients (``rows``, two arrays each: int64 rows counted from the piece's first
-        row, and their gradient), as :class:`~stratagem.training.sparse.IndexedSlices`. Compressed
-        dense gradients (``compression``) are decompressed first (:mod:`stratagem.ps.compressed`)."""
-        names = self._names(meta.get("names") or [])
-        rows = self._names(meta.get("rows") or [])
-        if meta.get("compression") is not None:
-            buffers = expand_pieces(self.compressor, self.task, meta["compression"], [self.specs[n] for n in names],
-                                    buffers)
-        if len(buffers) < len(names):
-            raise RequestRefused(f"push: {len(names)} name(s) but {len(buffers)} gradient(s)")
-        for name, grad in zip(names, buffers):
+    def _gradients(self, request: PushRequest) -> tuple[list[str], list]:
+        """A push's pieces and gradients, checked: first the dense ones, then the row gradients as
+        :class:`~stratagem.training.sparse.IndexedSlices`. Compressed dense gradients are decompressed
+        first (:mod:`stratagem.ps.compressed`)."""
+        names = self._names(request.names)
+        rows = self._names(request.row_names)
+        dense = request.dense
+        if request.compression is not None:
+            dense = expand_pieces(self.compressor, self.task, request.compression, [self.specs[n] for n in names],
+                                  dense)
+        if len(dense) != len(names):
+            raise RequestRefused(f"push: {len(names)} name(s) but {len(dense)} gradient(s)")
+        for name, grad in zip(names, dense):
             self._check_value(self.specs[name], grad, "the gradient")
             check_real(name, grad)
-        sparse = row_gradients(rows, [piece_shape(self.specs[n]) for n in rows], buffers[len(names):])
-        return names + rows, list(buffers[:len(names)]) + sparse
-
-    def _wanted(self, meta: dict) -> frozenset | None:
-        """What a push's reply carries: ``None``, no values (``pull`` false); else the pieces *not* to
-        send (``skip``: the tables the requester reads only by rows)."""
-        if not meta.get("pull"):
-            return None
-        skip = meta.get("skip") or []
-        if not isinstance(skip, list) or not all(isinstance(n, str) for n in skip):
-            raise RequestRefused(f"push: skip must be a list of piece names, got {skip!r}")
-        return frozenset(skip)
+        sparse = row_gradients(rows, [piece_shape(self.specs[n]) for n in rows], request.row_buffers)
+        return names + rows, list(dense) + sparse
 
     def _reply_pieces(self, want: frozenset | None) -> list[str]:
         return [] if want is None else [n for n in self.specs if n not in want]
 
     def _count(self, who: str, status: str, pull: frozenset | None, extra: dict | None = None):
-        """Count an acknowledgement; its reply. ``pull``: what the reply carries (:meth:`_wanted`)."""
+        """Count an acknowledgement; its reply. ``pull``: what the reply carries (``None``: no values; else the pieces to leave out)."""
         self.counters[status] += 1
         self.by_replica[who][status] += 1
         names = self._reply_pieces(pull) if status != STOPPED else []
@@ -590,10 +584,13 @@ class ParameterServer:
             recorder.add("optimizer", "optimizer", started, recorder.now(), {"pieces": len(names)})
 
     def _update(self, name: str, grad) -> None:
-        if isinstance(grad, IndexedSlices):   # rows: see ps_rows (exact rules in place, others densified)
-            apply_row_gradient(self.optimizer, name, grad, self._replace, self._update)
-            return
         optimizer = self.optimizer
+        if isinstance(grad, IndexedSlices):   # rows (ps/rows.py): exact rules on the rows, others densified
+            if optimizer.sparse_exact:
+                if len(grad.indices):         # a zero gradient leaves an exact rule's values as they are
+                    self._replace(name, row_update(optimizer, name, grad))
+                return
+            grad = densify(grad)
         if takes_over(grad, self.values[name], optimizer):
             # The new values are written over the received gradient, which becomes the piece's
             # array: the old one is only read (a reply may still be sending it), no spare is written

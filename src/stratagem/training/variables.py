@@ -376,11 +376,13 @@ class Variable:
         """Where the value lives (:class:`LocalStore` unless the strategy replaced it)."""
         return self._store
 
-    def _set_store(self, store: VariableStore) -> None:
+    def set_store(self, store: VariableStore) -> None:
         """For strategies (in ``on_variable``): keep the value in ``store`` from now on."""
         if not isinstance(store, VariableStore):
             raise ConfigurationError(f"a variable's store must be a VariableStore, not {type(store).__name__}")
         self._store = store
+
+    _set_store = set_store   # the name strategies used before it was public
 
     # -- reading ---------------------------------------------------------------------------------------
     @property

@@ -7,7 +7,8 @@ cluster's ``ps`` tasks:
   until the job ends, then exits the process cleanly (``SystemExit(0)``; ``exit_after_serving=False``
   returns instead, with the counters in ``strategy.served``). So every task can run the same script.
 - A variable created in ``scope()`` is placed (:mod:`stratagem.ps.placement`) and gets a
-  :class:`RemoteStore`: the task keeps a local copy (the *cache*, the array ``var.value`` returns,
+  :class:`~stratagem.strategies.ps.remote.RemoteStore` (kept in the task's
+  :class:`~stratagem.strategies.ps.remote.RemoteVariables`): the task keeps a local copy (the *cache*, the array ``var.value`` returns,
   refreshed in place so ``torch.from_numpy(var.value)`` views stay valid; a received array becomes the
   copy instead when nobody holds the old one), pulled from the shards when it is read after an
   update, and ``assign`` writes go to the shards. A variable created from a cupy array keeps its copy
@@ -62,16 +63,11 @@ from stratagem.core.errors import ConfigurationError, ProtocolError, TransportTi
 from stratagem.ps.placement import Placer
 from stratagem.ps.client import PSClient
 from stratagem.ps.protocol import check_mode, describe_spec, piece_spec, same_spec, task_key
-from stratagem.ps.rows import fetch_rows, split_gradient
 from stratagem.ps.server import ParameterServer
-from stratagem.training.sparse import IndexedSlices
-from stratagem.compression.base import FLOAT_DTYPES
-from stratagem.ps.compressed import compress_pieces
 from stratagem.strategies.base import Strategy, global_batches
 from stratagem.strategies import compressing
 from stratagem.strategies.checkpoints import DEFAULT_MAX_TO_KEEP
-from stratagem.strategies.ps.cache import adoptable, write_into
-from stratagem.training.variables import VariableStore, array_module, to_module
+from stratagem.strategies.ps.remote import RemoteVariables
 from stratagem.core.wire import dtype_name
 from stratagem.core import timeline as _timeline
 
@@ -79,31 +75,6 @@ from stratagem.core import timeline as _timeline
 DEFAULT_PARTITION_BYTES = 16 << 20
 #: Seconds between polls while a task waits for the chief to initialise the variables.
 READY_POLL = 0.1
-
-
-class RemoteStore(VariableStore):
-    """A variable whose value lives on the ps tasks; ``cache`` is this task's copy of it.
-
-    ``read()`` refreshes the cache from the shards if an update happened since the last pull, then
-    returns it (the same buffer every time, updated in place). ``gather(rows)`` returns a new array of
-    those rows, pulled from the shards that hold them (not the whole table). ``write()`` sends the
-    value to the shards. Writing into the returned array changes only this task's copy.
-    """
-
-    live = False
-
-    def __init__(self, owner: "PSStrategyBase", name: str, cache):
-        self._owner, self.name, self.cache = owner, name, cache
-
-    def read(self):
-        self._owner._read(self.name)
-        return self.cache
-
-    def gather(self, indices):
-        return self._owner._gather(self.name, indices)
-
-    def write(self, array) -> None:
-        self._owner._assign(self.name, array)
 
 
 class PSStrategyBase(Strategy):
@@ -173,8 +144,7 @@ class PSStrategyBase(Strategy):
         self.consistency = check_mode(self.config["mode"], self.config["replicas_to_aggregate"],
                                       self.config["total_replicas"], self.config["staleness"], len(pushers))
         self._timeout = self.config["timeout"] or self.transport.timeout
-        self._stop = False
-        self._global_step = 0
+        self._remote: RemoteVariables | None = None
         if self.task.job == "ps":
             return
         # Pieces within what the transport delivers whole: a larger buffer costs a copy at each end.
@@ -185,17 +155,9 @@ class PSStrategyBase(Strategy):
         # Reach every shard now: a ps task that is down fails the job here, naming it, and a shard
         # that dies later is seen as lost (its connection drops) instead of silently unreachable.
         self._client.hello()
-        self._pieces: dict[str, list] = {}           # variable name -> its pieces
-        self._where: dict[str, tuple] = {}           # piece name -> (variable name, piece)
-        self._initialized: set[str] = set()          # variables the shards hold and we pulled
-        self._versions: dict[int, int] = {}          # shard index -> its step at our last pull/push
-        # Staleness. ``_stale``: the shards may have changed since this task last read from every one
-        # of them (a sync push then asks for the current step first). ``_current``: the variables
-        # whose caches hold the values of the last exchange. ``_sparse_read``: the variables read by
-        # rows since their last dense read, which pulls and push replies leave out.
-        self._stale = False
-        self._current: set[str] = set()
-        self._sparse_read: set[str] = set()
+        #: This task's variables on the shards: pieces, caches, staleness, the global step.
+        self._remote = RemoteVariables(self._client, self._optimizers, closed=lambda: self.closed,
+                                       read_only=self.is_evaluator, who=str(self.task))
         self._optimizer_sent = None
         self._exit_error: str | None = None
         #: Statuses of the last push, per shard (``"applied"``, ``"dropped"``, ``"stopped"``).
@@ -234,33 +196,20 @@ class PSStrategyBase(Strategy):
         except ProtocolError as exc:
             raise ConfigurationError(f"variable {variable.name!r} cannot live on a ps task: {exc}") from None
         super().on_variable(variable)
-        pieces = self._place(variable)
-        self._pieces[variable.name] = pieces
-        for piece in pieces:
-            self._where[piece.name] = (variable.name, piece)
-            self._client.pieces.setdefault(piece.ps, []).append(piece.name)
-        variable._set_store(RemoteStore(self, variable.name, variable.store.read()))
+        variable.set_store(self._remote.add(variable, self._place(variable)))
 
     def _place(self, variable) -> list:
         """The pieces of a new variable and their shards (the placement policy's choice)."""
         return self._placer.place(variable.name, variable.shape, variable.dtype)
 
-    def _cache(self, name: str):
-        return self._variables[name].store.cache
-
-    def _piece_value(self, piece, array):
-        if piece.parts == 1:
-            return array
-        return array[piece.lo:piece.hi]
-
-    def _specs_and_values(self, variables) -> tuple[dict, dict]:
-        specs, values = {}, {}
-        for var in variables:
-            cache = self._cache(var.name)
-            for piece in self._pieces[var.name]:
-                specs.setdefault(piece.ps, []).append(piece_spec(piece, var.shape, var.dtype))
-                values.setdefault(piece.ps, []).append(to_module(self._piece_value(piece, cache), np))
-        return specs, values
+    def pieces(self, name: str) -> list:
+        """The pieces variable ``name`` is stored as (:class:`~stratagem.ps.placement.Piece`: its shard
+        ``ps``, its rows ``lo:hi`` of ``parts``), on a task that declared it."""
+        self._check_worker("hold variables")
+        try:
+            return list(self._remote.pieces[name])
+        except KeyError:
+            raise ConfigurationError(f"{self.task} has no variable {name!r} on the ps tasks") from None
 
     def on_scope_end(self, created: list, *, first: bool) -> None:
         if self.task.job == "ps" or not (created or first):
@@ -269,18 +218,19 @@ class PSStrategyBase(Strategy):
             self._initialize(created, first)
         else:
             self._wait_for(created)
-        self._initialized.update(v.name for v in created)
-        self._pull_all()
+        self._remote.initialized.update(v.name for v in created)
+        self._remote.pull_all()
+        self._step = self._remote.global_step
 
     def _initialize(self, created: list, first: bool) -> None:
         """On the chief: declare the variables (existing values on the shards are kept), restore the
         latest checkpoint of ``checkpoint_dir`` if there is one, and mark the shards ready."""
-        specs, values = self._specs_and_values(created)
+        specs, values = self._remote.specs_and_values(created)
         replies = self._client.init(specs, values, self._server_config())
         self._check_declared(replies, created)
         directory = self.config["checkpoint_dir"]
         if first and directory and checkpoint.latest_checkpoint(directory) is not None:
-            self._initialized.update(v.name for v in created)
+            self._remote.initialized.update(v.name for v in created)
             self._load_checkpoint(directory)
         self._client.ready()
 
@@ -289,7 +239,7 @@ class PSStrategyBase(Strategy):
 
     def _wait_for(self, created: list) -> None:
         """Until the chief has declared (and readied) ``created`` on the shards; then check their specs."""
-        wanted = {piece.name: (var, piece) for var in created for piece in self._pieces[var.name]}
+        wanted = {piece.name: (var, piece) for var in created for piece in self._remote.pieces[var.name]}
         deadline = time.monotonic() + self._timeout
         while True:
             catalogs = self._client.catalog()
@@ -323,112 +273,6 @@ class PSStrategyBase(Strategy):
             raise ConfigurationError(f"{self.task} runs mode={self.consistency['mode']!r} but the chief "
                                      f"mode={config.get('mode')!r}; start every task with the same options")
 
-    # -- reading and writing ----------------------------------------------------------------------
-    def _mark_stale(self) -> None:
-        """The variables may have changed on the shards (an update this task did not see the result of)."""
-        self._stale = True
-        self._current.clear()
-
-    def _fresh(self, name: str) -> bool:
-        """True when the cache of ``name`` holds the shards' values as far as this task knows."""
-        if self.is_evaluator:
-            return False  # it pushes nothing, so it never learns of updates: it reads afresh every time
-        return name in self._current
-
-    def _read(self, name: str) -> None:
-        """A dense read of ``name`` (``var.value``): refresh its cache if needed."""
-        self._sparse_read.discard(name)
-        self._refresh(name)
-
-    def _refresh(self, name: str) -> None:
-        if not self._closed and name in self._initialized and not self._fresh(name):
-            self._pull_dense()
-
-    def _pull_all(self) -> None:
-        """Pull every piece of every variable (after initialisation, a restore)."""
-        self._absorb(self._client.pull())
-        self._current = set(self._initialized)
-
-    def _pull_dense(self) -> None:
-        """One batched pull (one request per shard, all shards at once) of every variable that is not
-        sparse-read: what a dense read of any of them refreshes."""
-        dense = [name for name in self._variables if name in self._initialized and name not in self._sparse_read]
-        if not self._sparse_read:
-            replies = self._client.pull()
-        else:
-            names: dict[int, list] = {i: [] for i in range(self._client.num_shards)}  # every shard: its step
-            for name in dense:
-                for piece in self._pieces[name]:
-                    names[piece.ps].append(piece.name)
-            replies = self._client.pull(names)
-        self._absorb(replies)
-        self._current = set(dense)
-
-    def _gather(self, name: str, rows):
-        """Rows ``rows`` (checked int64) of variable ``name``, a new array: from the cache when it is
-        fresh, else pulled from the shards holding them (:func:`~stratagem.ps.rows.fetch_rows`).
-        Makes ``name`` sparse-read."""
-        var = self._variables[name]
-        self._sparse_read.add(name)
-        cache = var.store.cache
-        xp = array_module(cache)
-        if self._closed or name not in self._initialized or self._fresh(name) or not len(rows):
-            return cache[rows if xp is np else xp.asarray(rows)]
-        out, replies = fetch_rows(self._client, self._pieces[name], rows, var.shape, var.dtype)
-        for index, reply in replies.items():
-            self._note(index, reply.meta)
-        if len(replies) == self._client.num_shards:
-            self._stale = False          # every shard told its step
-        return to_module(out, xp)        # on the GPU for a cupy variable, as var.value is
-
-    def _absorb(self, replies: dict) -> None:
-        """Copy the values in ``replies`` into the caches; record versions, the global step, stop."""
-        for index, reply in replies.items():
-            self._absorb_one(index, reply)
-        self._stale = False
-
-    def _absorb_one(self, index: int, reply) -> None:
-        meta = reply.meta
-        for name, value in zip(meta.get("names") or [], reply.buffers):
-            found = self._where.get(name)
-            if found is None or found[0] not in self._initialized:
-                continue
-            var_name, piece = found
-            store = self._variables[var_name].store
-            if piece.parts == 1 and adoptable(value, store):
-                store.cache = value   # no copy: the received buffer becomes this task's copy
-            else:
-                write_into(self._piece_value(piece, store.cache), value)
-        self._note(index, meta)
-
-    def _note(self, index: int, meta: dict) -> None:
-        if "step" in meta:
-            self._versions[index] = int(meta["step"])
-            if index == 0:
-                self._global_step = self._step = int(meta["step"])
-                for optimizer in self._optimizers:    # the updates the shards applied: also on a
-                    optimizer.iterations = self._global_step   # coordinator, whose steps run elsewhere
-        if meta.get("stop"):
-            self._stop = True
-
-    def _assign(self, name: str, array) -> None:
-        var = self._variables[name]
-        cache = var.store.cache
-        if self.is_evaluator and name in self._initialized:
-            raise ConfigurationError(
-                f"{self.task} is an evaluator: it reads the variables on the ps tasks but does not write them "
-                f"(assign to {name!r} on a training task)"
-            )
-        write_into(cache, array)
-        if name not in self._initialized:
-            return  # before the chief declared it: this is (part of) the initial value
-        by_shard: dict[int, tuple[list, list]] = {}
-        for piece in self._pieces[name]:
-            names, arrays = by_shard.setdefault(piece.ps, ([], []))
-            names.append(piece.name)
-            arrays.append(to_module(self._piece_value(piece, cache), np))
-        self._client.assign(by_shard)
-
     # -- the sync point ----------------------------------------------------------------------------
     def on_apply_gradients(self, optimizer, pairs: list):
         """Push the gradients to the shards; the servers apply them (by the mode)."""
@@ -438,69 +282,23 @@ class PSStrategyBase(Strategy):
         if self._optimizer_sent is not optimizer:
             self._client.set_optimizer(optimizer.get_config())
             self._optimizer_sent = optimizer
+        remote = self._remote
+        if remote.stale and self.consistency["mode"] == "sync":
+            remote.refresh()   # the step did not read the variables since they changed: it works on the current step
+        pull = bool(self.config["pull_with_push"])
         recorder = _timeline.RECORDER
         started = recorder.now() if recorder is not None else 0
-        by_shard: dict[int, tuple[list, list]] = {}
-        rows: dict[int, tuple[list, list, list]] = {}
-        for grad, var in pairs:
-            pieces = self._pieces.get(var.name)
-            if pieces is None or self._variables.get(var.name) is not var:
-                raise ConfigurationError(f"variable {var.name!r} does not belong to this strategy")
-            if isinstance(grad, IndexedSlices):     # merged by the optimizer: sorted, unique rows
-                for piece, local, values in split_gradient(grad, pieces):
-                    names, indices, arrays = rows.setdefault(piece.ps, ([], [], []))
-                    names.append(piece.name)
-                    indices.append(local)
-                    arrays.append(values)
-                continue
-            grad = to_module(grad, np)
-            for piece in pieces:
-                names, arrays = by_shard.setdefault(piece.ps, ([], []))
-                names.append(piece.name)
-                arrays.append(self._piece_value(piece, grad))
-        compression = self._compress(by_shard) if self.compressor is not None else None
+        requests = remote.requests(pairs, weight=self._push_weight(), pull=pull, compressor=self.compressor,
+                                   states=self.compression_states)
         if recorder is not None:
-            recorder.add("pack", "pack", started, recorder.now(), {"shards": len(by_shard) + len(rows)})
-        if self._stale and self.consistency["mode"] == "sync":
-            # The step did not read the variables since they changed: it works on the current step.
-            for index, meta in self._client.hello().items():
-                self._note(index, meta)
-        pull = bool(self.config["pull_with_push"])
-        skip: dict[int, list] = {}
-        for name in self._sparse_read if pull else ():   # the replies leave out the tables read by rows
-            for piece in self._pieces[name]:
-                skip.setdefault(piece.ps, []).append(piece.name)
-        try:
-            replies = self._client.push(by_shard, versions=self._versions, weight=self._push_weight(), pull=pull,
-                                        on_reply=self._absorb_one if pull else None, rows=rows, skip=skip,
-                                        compression=compression)
-        except BaseException:
-            self._mark_stale()   # some parts of the replies may be copied in already: read afresh
-            raise
-        self.last_push = {i: r.meta.get("status") for i, r in replies.items()}
-        if pull:
-            self._stale = False      # every reply was copied in as it arrived
-            self._current = {n for n in self._initialized if n not in self._sparse_read}
-        else:
-            for index, reply in replies.items():
-                self._note(index, reply.meta)
-            self._mark_stale()
-        clock = replies[0].meta.get("clock") if 0 in replies else None
-        if clock is not None:
-            self.last_clock = (clock, replies[0].meta.get("min_clock"))
-        optimizer.iterations = self._global_step
+            recorder.add("pack", "pack", started, recorder.now(),
+                         {"shards": sum(1 for r in requests.values() if r.names or r.row_names)})
+        acks = remote.push(requests, pull=pull)
+        self.last_push = {i: ack.status for i, ack in acks.items()}
+        if 0 in acks and acks[0].clock is not None:
+            self.last_clock = (acks[0].clock, acks[0].min_clock)
+        self._step = optimizer.iterations = remote.global_step
         return self.last_push
-
-    def _compress(self, by_shard: dict) -> dict[int, dict]:
-        """Replace each shard's dense gradients in ``by_shard`` by their compressed payloads, in place;
-        return each shard's ``compression`` metadata. Each piece has its own error-feedback state."""
-        wire = {}
-        for index, (names, arrays) in by_shard.items():
-            states = {name: self.compression_states.get(name, grad.shape, grad.dtype)
-                      for name, grad in zip(names, arrays) if grad.dtype in FLOAT_DTYPES}
-            wire[index], payload = compress_pieces(self.compressor, states, names, arrays)
-            by_shard[index] = (names, payload)
-        return wire
 
     def reduce_gradients(self, grads_and_vars) -> list:
         """Refused: on parameter servers the gradients are reduced and applied on the ps tasks."""
@@ -519,25 +317,24 @@ class PSStrategyBase(Strategy):
     @property
     def global_step(self) -> int:
         """The job's step (updates applied on ``ps:0``) as of this task's last exchange with it."""
-        return self._global_step
+        return self._remote.global_step if self._remote is not None else 0
 
     def refresh(self) -> int:
         """Ask the shards for their status now (one small round trip); return the global step."""
         self._check_worker("ask the shards")
-        for index, meta in self._client.hello().items():
-            self._note(index, meta)
-        return self._global_step
+        self._step = self._remote.refresh()
+        return self._step
 
     def should_stop(self) -> bool:
         """True once the chief called :meth:`request_stop` (as of the last exchange with the shards)."""
-        return self._stop
+        return self._remote is not None and self._remote.stop
 
     def request_stop(self) -> None:
         """Ask every task to stop: their ``should_stop()`` turns true at their next exchange, and
         pushes waiting in a sync round or a staleness bound are released."""
         self._check_worker("request a stop")
         self._client.stop()
-        self._stop = True
+        self._remote.stop = True
 
     def ps_stats(self) -> dict[int, dict]:
         """Every shard's counters (:meth:`ParameterServer.stats`), by shard index."""
@@ -598,11 +395,13 @@ class PSStrategyBase(Strategy):
         self._check_worker("restore")
         if self.is_chief:
             self._load_checkpoint(path)
-        self._pull_all()
-        return self._global_step
+        self._remote.pull_all()
+        self._step = self._remote.global_step
+        return self._step
 
     def _load_checkpoint(self, path) -> None:
-        self._global_step = self._step = load_onto_shards(self._client, self._pieces, self._variables, path)
+        self._remote.global_step = self._step = load_onto_shards(self._client, self._remote.pieces,
+                                                                 self._variables, path)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -1,5 +1,5 @@
 """A worker's copies of the variables that live on the parameter servers (the caches of
-:class:`~stratagem.strategies.ps.base.RemoteStore`): how received values get into them.
+:class:`~stratagem.strategies.ps.remote.RemoteStore`): how received values get into them.
 
 A value is written into the cache in place, so that whatever holds the cache (``w = var.value``, a
 numpy view, a ``torch.from_numpy`` tensor) sees it; when nothing but the store holds the cache, the

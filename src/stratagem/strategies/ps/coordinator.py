@@ -33,7 +33,7 @@ from stratagem.core import remote_code, values
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import CommunicationError, ConfigurationError, PeerLostError, StratagemError, TransportTimeout
 from stratagem.training.optimizers.rules import Optimizer
-from stratagem.ps.protocol import ShardLostError
+from stratagem.ps.protocol import ShardLostError, task_key
 from stratagem.core.transport import Message
 from stratagem.training.variables import Variable
 
@@ -68,7 +68,8 @@ class RemoteValue:
     """
 
     def __init__(self, name: str):
-        self._name = name
+        #: The step function's name.
+        self.name = name
         self._event = threading.Event()
         self._value: Any = None
         self._error: BaseException | None = None
@@ -81,24 +82,26 @@ class RemoteValue:
     def fetch(self, timeout: float | None = None):
         """The function's return value; waits up to ``timeout`` seconds (forever when ``None``)."""
         if not self._event.wait(timeout):
-            raise TransportTimeout(f"step function {self._name} did not finish within {timeout:g} s")
+            raise TransportTimeout(f"step function {self.name} did not finish within {timeout:g} s")
         if self._error is not None:
             raise self._error
         return self._value
 
     get = fetch
 
-    def _set(self, value, worker) -> None:
+    def set_result(self, value, worker) -> None:
+        """For the coordinator: ``worker`` ran the function, which returned ``value``."""
         self._value, self.worker = value, worker
         self._event.set()
 
-    def _fail(self, error: BaseException, worker=None) -> None:
+    def set_error(self, error: BaseException, worker=None) -> None:
+        """For the coordinator: the function raised ``error`` on ``worker``, or did not run (``None``)."""
         self._error, self.worker = error, worker
         self._event.set()
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
-        return f"<RemoteValue of {self._name} ({state})>"
+        return f"<RemoteValue of {self.name} ({state})>"
 
 
 class PerWorkerDataset:
@@ -137,10 +140,22 @@ class _Closure:
 
 
 class Coordinator:
-    """Closures, dispatchers and results for one ``parameter_server`` strategy (its chief)."""
+    """Closures, dispatchers and results for one ``parameter_server`` strategy (its chief).
 
-    def __init__(self, strategy, workers: list[TaskId], *, functions: str = "auto"):
+    Args:
+        strategy: the strategy (its transport; what references to it, its variables and optimizers name).
+        workers: the tasks that run closures.
+        functions: how step functions travel (``FUNCTION_MODES``).
+        client: the strategy's :class:`~stratagem.ps.client.PSClient` (lost shards, idle workers).
+        variables: its :class:`~stratagem.strategies.ps.remote.RemoteVariables` (the results' references).
+        timeout: seconds a send may take, and how long closures wait for a worker to come back.
+        mode: the consistency mode (``sync`` and ``bounded`` shards are told which workers are idle).
+    """
+
+    def __init__(self, strategy, workers: list[TaskId], *, functions: str = "auto", client, variables,
+                 timeout: float, mode: str = "async"):
         self.strategy = strategy
+        self.client, self.variables, self.timeout, self.mode = client, variables, timeout, mode
         self.transport = strategy.transport
         self.workers = list(workers)
         self.functions = functions
@@ -198,14 +213,14 @@ class Coordinator:
                 if self._error is None:
                     self._cond.wait(POLL)
             self._raise_pending()
-            self.strategy._check_shards()
+            self.client.check_shards()
             alive = [w for w in self.workers if w not in self._dead]
             now = time.monotonic()
             if alive:
                 no_worker_since = None
             else:
                 no_worker_since = no_worker_since or now
-                if now - no_worker_since > self.strategy._timeout:
+                if now - no_worker_since > self.timeout:
                     raise self._no_worker_left()
             if deadline is not None and now > deadline:
                 raise TransportTimeout(f"join() did not finish within {timeout:g} s")
@@ -225,7 +240,7 @@ class Coordinator:
             pending, self._queue = list(self._queue), deque()
             self._cond.notify_all()
         for closure in pending:
-            closure.remote._fail(CancelledError(f"{closure.remote._name} was cancelled: the strategy shut down"))
+            closure.remote.set_error(CancelledError(f"{closure.remote.name} was cancelled: the strategy shut down"))
         for thread in self._threads:
             thread.join(POLL * 20)
         lost = self.transport.lost_peers()
@@ -245,7 +260,7 @@ class Coordinator:
             pending, self._queue = list(self._queue), deque()
             self._cond.notify_all()
         for closure in pending:
-            closure.remote._fail(CancelledError(f"{closure.remote._name} was cancelled: the job failed"))
+            closure.remote.set_error(CancelledError(f"{closure.remote.name} was cancelled: the job failed"))
         notice = Message({"op": "abort", "culprit": None if culprit is None else str(culprit),
                           "error": error[:2000]})
         lost = self.transport.lost_peers()
@@ -302,7 +317,7 @@ class Coordinator:
                 datasets[str(dataset.id)] = self._function_meta(dataset.fn, dataset.ref, blobs)
         fn_meta = self._function_meta(closure.fn, None if closure.pickled else remote_code.by_name(closure.fn), blobs)
         meta = {"op": "run", "id": closure.number, "fn": fn_meta, "values": skeleton, "datasets": datasets,
-                "variables": len(self.strategy._variables), "blobs": len(blobs)}
+                "variables": len(self.variables.variables), "blobs": len(blobs)}
         return Message(meta, blobs + arrays)
 
     def _function_meta(self, fn: Callable, ref: dict | None, blobs: list) -> dict:
@@ -347,7 +362,7 @@ class Coordinator:
                     self._cond.wait(POLL)
             if tell_idle:
                 tell_idle = False
-                self.strategy._worker_idle(worker, True)
+                self._tell_idle(worker, True)
 
     def _dispatch(self, worker: TaskId) -> None:
         while True:
@@ -355,7 +370,7 @@ class Coordinator:
             if closure is None:
                 return
             if was_idle:  # counted again by sync rounds and staleness bounds, before it can push
-                self.strategy._worker_idle(worker, False)
+                self._tell_idle(worker, False)
             outcome = self._run_on(worker, closure)
             with self._cond:
                 self._inflight -= 1
@@ -372,7 +387,7 @@ class Coordinator:
         try:
             if closure.message is None:
                 closure.message = self._encode(closure)
-            self.transport.send(worker, CLOSURE_TAG, closure.message, timeout=self.strategy._timeout)
+            self.transport.send(worker, CLOSURE_TAG, closure.message, timeout=self.timeout)
             reply = self._await(worker, closure.number, losses)
         except (PeerLostError, TransportTimeout) as exc:
             return self._lost(worker, exc, losses)
@@ -390,11 +405,11 @@ class Coordinator:
             self._failed(closure, self._error_from(meta, worker, closure), worker)
             return "done"
         try:
-            value = values.decode(meta["value"], list(reply.buffers), resolve=self.strategy._resolve_local)
+            value = values.decode(meta["value"], list(reply.buffers), resolve=self._resolve_result)
         except Exception as exc:  # noqa: BLE001
             self._failed(closure, exc, worker)
             return "done"
-        closure.remote._set(value, worker)
+        closure.remote.set_result(value, worker)
         return "done"
 
     def _await(self, worker: TaskId, number: int, losses: int) -> Message | None:
@@ -414,6 +429,21 @@ class Coordinator:
             if reply.meta.get("id") == number:
                 return reply
 
+    def _tell_idle(self, worker: TaskId, idle: bool) -> None:
+        """The coordinator has nothing for ``worker`` (``idle``), or has again: sync rounds and staleness
+        bounds skip idle workers."""
+        if self.mode != "async" and not self.strategy.closed:
+            try:
+                self.client.idle([task_key(worker)], idle)
+            except Exception:  # noqa: BLE001 - the next join()/push reports a real failure
+                pass
+
+    def _resolve_result(self, ref: dict):
+        """The variable a step's result names (``{"__var__": name}``)."""
+        if "__var__" in ref and ref["__var__"] in self.variables.variables:
+            return self.variables.variables[ref["__var__"]]
+        raise StratagemError(f"a step returned a reference {ref!r} the coordinator does not know")
+
     def _lost(self, worker: TaskId, exc: Exception, losses: int) -> str:
         """``worker`` is taken for lost (``losses``: its transport's count of its losses before)."""
         with self._cond:
@@ -428,7 +458,7 @@ class Coordinator:
             log.warning("%s was lost (%s); its closure runs on another worker", worker, exc)
         else:
             log.warning("%s was lost (%s); no other worker is left: its closure waits for a worker to come "
-                        "back (up to %g s, then join() fails)", worker, exc, self.strategy._timeout)
+                        "back (up to %g s, then join() fails)", worker, exc, self.timeout)
         return "retry"
 
     def _back(self, worker: TaskId) -> bool:
@@ -448,14 +478,14 @@ class Coordinator:
         return PeerLostError(
             lost[0] if lost else None,
             f"no worker left to run the pending closures: {named}; none came back within "
-            f"{self.strategy._timeout:g} s (restart the lost worker(s): a worker that comes back is used again; "
+            f"{self.timeout:g} s (restart the lost worker(s): a worker that comes back is used again; "
             f"the strategy's timeout= sets how long to wait)")
 
     def _error_from(self, meta: dict, worker: TaskId, closure: _Closure) -> BaseException:
         name = getattr(closure.fn, "__qualname__", repr(closure.fn))
         if meta.get("lost_task"):
             task = TaskId.parse(meta["lost_task"])
-            error = ShardLostError(task, self.strategy._client.pieces.get(task.index, []),
+            error = ShardLostError(task, self.client.pieces.get(task.index, []),
                                    f"seen by {worker} while it ran {name}")
             self.blamed = (task, error)
             return error
@@ -465,7 +495,7 @@ class Coordinator:
         return error
 
     def _failed(self, closure: _Closure, error: BaseException, worker) -> None:
-        closure.remote._fail(error, worker)
+        closure.remote.set_error(error, worker)
         with self._cond:
             if self._error is None:
                 self._error = error
@@ -474,7 +504,7 @@ class Coordinator:
                 pending = []
             self._cond.notify_all()
         for other in pending:
-            other.remote._fail(CancelledError(f"{other.remote._name} was cancelled: an earlier step failed: {error}"))
+            other.remote.set_error(CancelledError(f"{other.remote.name} was cancelled: an earlier step failed: {error}"))
 
     def _raise_pending(self) -> None:
         with self._cond:

@@ -73,21 +73,17 @@ import logging
 import time
 from typing import Any, Callable, Mapping
 
-import numpy as np
-
 from stratagem.core import endpoints
-from stratagem.core.errors import ConfigurationError, StratagemError, TransportTimeout
-from stratagem.core.job_state import JobFinished, leave_if_finished
-from stratagem.training.optimizers.rules import from_config
+from stratagem.core.errors import ConfigurationError
+from stratagem.core.job_state import JobFinished
 from stratagem.ps.client import PSClient
-from stratagem.ps.placement import Piece
+from stratagem.strategies.ps.adopt import Adoption
 from stratagem.strategies.ps.coordinator import FUNCTION_MODES, Coordinator, PerWorkerDataset, RemoteValue
-from stratagem.ps.protocol import ShardLostError, spec_dtype, task_key
+from stratagem.ps.protocol import task_key
 from stratagem.strategies.base import global_batches
 from stratagem.strategies.ps.base import READY_POLL, PSStrategyBase
 from stratagem.strategies.ps.stall import Stalled, StallWatch
 from stratagem.strategies.ps.worker import Worker
-from stratagem.training.variables import Variable, strategy_scope
 
 log = logging.getLogger(__name__)
 
@@ -105,13 +101,16 @@ class ParameterServerStrategy(PSStrategyBase):
 
     def __init__(self, transport=None, **kwargs):
         self._coordinator: Coordinator | None = None
-        self._adopting: dict[str, list] = {}
-        self._stall_watch: StallWatch | None = None     # a worker's (see _serve_closures)
+        self._adoption: Adoption | None = None
         super().__init__(transport, **kwargs)
         if self.task.job == "ps":
             return                                   # served (exit_after_serving=False)
+        self._adoption = Adoption(self, self._remote, timeout=self._timeout)
         if self.is_chief:
-            self._coordinator = Coordinator(self, self._worker_tasks(), functions=self.config["functions"])
+            self._remote.always_pull = True   # the workers update the variables: read them fresh every time
+            self._coordinator = Coordinator(self, self._worker_tasks(), functions=self.config["functions"],
+                                            client=self._client, variables=self._remote, timeout=self._timeout,
+                                            mode=self.consistency["mode"])
         elif not self.is_evaluator:          # an evaluator runs its own script, reading the variables
             self._serve_closures()
 
@@ -186,11 +185,11 @@ class ParameterServerStrategy(PSStrategyBase):
         watch = StallWatch(self.transport.peer_timeout / 2) if renewable else None
         if watch is not None:
             self._client.interrupt = watch.check
-        self._stall_watch = watch
         ran = 0
         try:
             while True:
-                worker = Worker(self, watch)
+                worker = Worker(self, self._worker_tasks(), client=self._client, variables=self._adoption,
+                                timeout=self._timeout, watch=watch)
                 try:
                     ran += worker.serve()
                     break
@@ -236,41 +235,11 @@ class ParameterServerStrategy(PSStrategyBase):
         self._transport = new
         self._client = PSClient(new, timeout=self._timeout, pieces=self._client.pieces, interrupt=watch.check)
         self._client.hello()
-        self._mark_stale()
-
-    def _adopt_variables(self, count: int) -> None:
-        """On a worker: make remote copies of the coordinator's variables (at least ``count``)."""
-        if len(self._variables) >= count:
-            return
-        deadline = time.monotonic() + self._timeout
-        while True:
-            catalogs = self._client.catalog()
-            groups: dict[str, list] = {}
-            for index, meta in sorted(catalogs.items()):
-                for spec in meta["vars"]:
-                    groups.setdefault(spec["var"], []).append((index, spec))
-            if all(meta["ready"] for meta in catalogs.values()) and len(groups) >= count:
-                break
-            if time.monotonic() > deadline:
-                raise TransportTimeout(f"{self.task}: the coordinator's variables did not appear on the ps "
-                                       f"tasks within {self._timeout:g} s")
-            time.sleep(READY_POLL)
-        for name in sorted(groups):
-            if name in self._variables:
-                continue
-            pieces = sorted(groups[name], key=lambda item: item[1]["part"])
-            spec = pieces[0][1]
-            dtype = spec_dtype(spec)
-            row = int(np.prod(spec["shape"][1:], dtype=np.int64)) * dtype.itemsize
-            self._adopting[name] = [Piece(s["name"], name, index, s["part"], s["parts"], s["lo"], s["hi"],
-                                          (s["hi"] - s["lo"]) * row) for index, s in pieces]
-            with strategy_scope(self):
-                Variable(np.zeros(tuple(spec["shape"]), dtype), name=name)
-            self._initialized.add(name)
-        self._mark_stale()
+        self._remote.client = self._client
+        self._remote.mark_stale()
 
     def _place(self, variable) -> list:
-        adopted = self._adopting.pop(variable.name, None)
+        adopted = self._adoption.take(variable.name) if self._adoption is not None else None
         if adopted is not None:
             return adopted
         if not self.is_chief and not self.is_evaluator:   # an evaluator declares them to read them
@@ -279,52 +248,6 @@ class ParameterServerStrategy(PSStrategyBase):
                 f"{self.task} serves the steps it sends"
             )
         return super()._place(variable)
-
-    def _variable_named(self, name: str):
-        if name not in self._variables:
-            self._adopt_variables(len(self._variables) + 1)
-        try:
-            return self._variables[name]
-        except KeyError:
-            raise StratagemError(f"{self.task} has no variable {name!r} (the coordinator did not create it)") from None
-
-    def _make_optimizer(self, config: dict):
-        with strategy_scope(self):
-            return from_config(config)
-
-    def _reference_for_result(self, obj):
-        if isinstance(obj, Variable) and obj.strategy is self:
-            return {"__var__": obj.name}
-        return None
-
-    def _resolve_local(self, ref: dict):
-        if "__var__" in ref and ref["__var__"] in self._variables:
-            return self._variables[ref["__var__"]]
-        raise StratagemError(f"a step returned a reference {ref!r} the coordinator does not know")
-
-    def _check_shards(self) -> None:
-        """Raise ``ShardLostError`` if a ps task is known to be gone."""
-        lost = self.transport.lost_peers()
-        for index, shard in enumerate(self._client.shards):
-            if shard in lost:
-                leave_if_finished(self.task, f"lost peer {shard}: {lost[shard]}")
-                if self._stall_watch is not None:
-                    self._stall_watch.check(losing=True)    # it dropped this worker after a stall
-                raise ShardLostError(shard, self._client.pieces.get(index, []), lost[shard])
-
-    def _worker_idle(self, worker, idle: bool) -> None:
-        """The coordinator has nothing for ``worker`` (``idle``), or has again: sync rounds and staleness
-        bounds skip idle workers."""
-        if self.consistency["mode"] != "async" and not self._closed:
-            try:
-                self._client.broadcast({"op": "idle", "tasks": [task_key(worker)], "idle": idle})
-            except Exception:  # noqa: BLE001 - the next join()/push reports a real failure
-                pass
-
-    def _fresh(self, name: str) -> bool:
-        if self._coordinator is not None:
-            return False            # the workers update the variables: the coordinator reads them fresh every time
-        return super()._fresh(name)
 
     def leave_with_error(self, error: str) -> None:
         if getattr(self, "_coordinator", None) is None or self._closed:

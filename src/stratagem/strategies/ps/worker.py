@@ -26,6 +26,7 @@ from stratagem.strategies.ps.coordinator import CLOSURE_TAG, POLL, RESULT_TAG
 from stratagem.ps.protocol import ShardLostError
 from stratagem.core.transport import Message
 from stratagem.core import timeline as _timeline
+from stratagem.training.variables import Variable
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +60,23 @@ class WorkerContext:
 
 
 class Worker:
-    """The serving loop of one worker task (see the module doc)."""
+    """The serving loop of one worker task (see the module doc).
 
-    def __init__(self, strategy, watch=None):
+    Args:
+        strategy: the worker's strategy (its transport; what a ``__strategy__`` reference names).
+        workers: the tasks that run closures, in order (this one among them).
+        client: the strategy's :class:`~stratagem.ps.client.PSClient` (asked for lost shards).
+        variables: the :class:`~stratagem.strategies.ps.adopt.Adoption` of the coordinator's variables.
+        timeout: seconds a send to the coordinator may take.
+        watch: a :class:`~stratagem.strategies.ps.stall.StallWatch`, asked between closures (None: none).
+    """
+
+    def __init__(self, strategy, workers: list, *, client, variables, timeout: float, watch=None):
         self.strategy = strategy
-        #: A :class:`~stratagem.strategies.ps.stall.StallWatch`, asked between closures (None: none).
+        self.client, self.variables, self.timeout = client, variables, timeout
         self.watch = watch
         self.transport = strategy.transport
         self.coordinator: TaskId = strategy.cluster.chief
-        workers = strategy._worker_tasks()
         self.context = WorkerContext(workers.index(self.transport.task), len(workers), self.transport.task.short)
         self.iterators: dict[int, object] = {}
         self.optimizers: dict[str, object] = {}
@@ -78,14 +87,14 @@ class Worker:
         # A restarted worker whose coordinator ended meanwhile learns that the job finished (not a timeout).
         job_state.wait_for_peer(
             lambda seconds: self.transport.send(self.coordinator, HELLO_TAG, Message({"ready": True}), timeout=seconds),
-            self.strategy._timeout, task=self.transport.task, what=f"the coordinator {self.coordinator}")
+            self.timeout, task=self.transport.task, what=f"the coordinator {self.coordinator}")
         while True:
             if self.watch is not None:
                 self.watch.check()     # stopped longer than the peers wait: come back as a new process
             try:
                 message = self.transport.recv(self.coordinator, CLOSURE_TAG, timeout=POLL)
             except TransportTimeout:
-                self.strategy._check_shards()
+                self.client.check_shards()
                 continue
             except PeerLostError as exc:
                 job_state.leave_if_finished(self.transport.task, str(exc))
@@ -99,7 +108,7 @@ class Worker:
             if message.meta.get("op") == "abort":
                 raise self._aborted(message.meta)
             reply, lost = self.run(message)
-            self.transport.send(self.coordinator, RESULT_TAG, reply, timeout=self.strategy._timeout)
+            self.transport.send(self.coordinator, RESULT_TAG, reply, timeout=self.timeout)
             self.ran += 1
             if lost is not None:
                 raise lost
@@ -131,20 +140,20 @@ class Worker:
             if type(blobs) is not int or not 0 <= blobs <= len(buffers):
                 raise ProtocolError(f"a closure says {blobs!r} of its {len(buffers)} buffers are functions")
             blobs, arrays = buffers[:blobs], buffers[blobs:]
-            self.strategy._adopt_variables(int(meta.get("variables") or 0))
+            self.variables.adopt(int(meta.get("variables") or 0))
             for dataset_id, ref in (meta.get("datasets") or {}).items():
                 if int(dataset_id) not in self.iterators:
                     dataset_fn = self._function(ref, blobs)
                     self.iterators[int(dataset_id)] = iter(dataset_fn(self.context))
             fn = self._function(meta["fn"], blobs)
             args, kwargs = values.decode_call(meta["values"], arrays, resolve=self._resolve)
-            self.strategy._mark_stale()          # a step reads the variables as they are now
+            self.variables.remote.mark_stale()   # a step reads the variables as they are now
             recorder = _timeline.RECORDER
             started = recorder.now() if recorder is not None else 0
             result = fn(*args, **kwargs)
             if recorder is not None:
                 recorder.add("step", "step", started, recorder.now(), {"closure": meta.get("id")})
-            skeleton, out = values.encode(result, reference=self.strategy._reference_for_result,
+            skeleton, out = values.encode(result, reference=self._reference,
                                           what="the step's result")
             return Message({**reply, "ok": True, "value": skeleton}, out), None
         except ShardLostError as exc:
@@ -186,15 +195,21 @@ class Worker:
     def _persistent_load(self, pid):
         return self._resolve(json.loads(pid))
 
+    def _reference(self, obj):
+        """How a step's result names one of the strategy's variables (sent by name, not by value)."""
+        if isinstance(obj, Variable) and obj.strategy is self.strategy:
+            return {"__var__": obj.name}
+        return None
+
     def _resolve(self, ref: dict):
         if not isinstance(ref, dict) or len(ref) != 1:
             raise StratagemError(f"unknown reference {ref!r}")
         if "__var__" in ref:
-            return self.strategy._variable_named(ref["__var__"])
+            return self.variables.variable(ref["__var__"])
         if "__opt__" in ref:
             config = ref["__opt__"]
             if config not in self.optimizers:
-                self.optimizers[config] = self.strategy._make_optimizer(json.loads(config))
+                self.optimizers[config] = self.variables.optimizer(json.loads(config))
             return self.optimizers[config]
         if "__iter__" in ref:
             iterator = self.iterators.get(int(ref["__iter__"]))
