@@ -106,9 +106,15 @@ log = logging.getLogger(__name__)
 _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
                    | zmq.EVENT_MONITOR_STOPPED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
-_BACKGROUND_GRACE = 0.02  # the background reader stays away this long after a recv() read
+# A waiting recv() blocks in a receive on the ROUTER and polls every socket only every _FULL_POLL, and
+# the background thread stays away while recv() calls read: each of its wake-ups and each full poll
+# costs system calls (two per socket: libzmq's fork check and a poll of the socket's command pipe) and
+# a thread switch, so on a slow link, where a 64 MiB all-reduce waits about a second on its messages,
+# 10 and 20 ms made 2-3 thousand system calls and 50 wake-ups per call. A new connection's handshake
+# is read at once either way (a full poll while one runs; _ensure_peer nudges the background thread).
+_BACKGROUND_GRACE = 0.1   # the background reader stays away this long after a recv() read
 _LOSS_GRACE = 0.2         # seconds between a dropped connection and declaring the peer lost
-_FULL_POLL = 0.01         # a reading recv() polls every socket at least this often
+_FULL_POLL = 0.05         # a reading recv() polls every socket at least this often
 _MAX_TTL_MS = 6_553_500   # ZMTP carries the heartbeat TTL in deciseconds, in 16 bits
 # pyzmq's constants are enums, whose arithmetic costs more than the call it is for: plain ints here.
 _EVENTS, _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE)
@@ -438,6 +444,7 @@ class ZmqTransport(Transport):
         if new:
             self._new_monitors.put(peer)
             self._poke(b"watch")
+            self._reading.nudge()  # its handshake answers are read at once, not after the grace
         return peer
 
     def _connect(self, task: TaskId, address: str) -> _Peer:
@@ -503,7 +510,7 @@ class ZmqTransport(Transport):
             self._polled_at = now
             self._pump(0.0)
         else:
-            self._receive_one(min(slice_, _FULL_POLL))
+            self._receive_one(min(slice_, self._polled_at + _FULL_POLL - now))
 
     def _receive_one(self, timeout: float) -> None:
         """Wait up to ``timeout`` for one message on the ROUTER and handle it (reader lock held).
