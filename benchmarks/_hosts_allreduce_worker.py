@@ -5,10 +5,12 @@
 BACKEND: ``stratagem`` (``stratagem.communicator()``, transport from ``STRATAGEM_TRANSPORT``;
 ``stratagem-out``: the same into one result array kept across calls), ``ring``
 (the plain TCP ring of ``plain_tcp_ring.py``), ``gloo`` (``torch.distributed``; rank and world from
-``STRATAGEM_CONFIG``, rendezvous at rank 0's address) or ``mpi4py`` (``MPI.COMM_WORLD.Allreduce``, under
-``mpiexec``) or ``pyzmq`` (the plain pyzmq ring of ``plain_pyzmq_ring.py``). Each call is preceded by the backend's own barrier and timed on its own; the result of the
-first call is checked. Every rank prints one JSON line: its times, and the CPU seconds (all threads) and
-wall seconds of the timed calls (and the user and system parts of the CPU, from ``getrusage``).
+``STRATAGEM_CONFIG``, rendezvous at rank 0's address), ``mpi4py`` (``MPI.COMM_WORLD.Allreduce``, under
+``mpiexec``) or ``pyzmq`` (the plain pyzmq ring of ``plain_pyzmq_ring.py``). Two warm-up calls come
+first (the first one's result checked, and held through the second, as a loop holds its last result);
+each timed call is preceded by the backend's own barrier and timed on its own. Every rank prints one
+JSON line: its times, and the CPU seconds (all threads) and wall seconds of the timed calls (and the
+user and system parts of the CPU and the page faults, from ``getrusage``).
 """
 import json, os, resource, sys, time
 
@@ -75,6 +77,8 @@ x = np.full(nbytes // 4, rank + 1, np.float32)
 barrier()
 result = call()
 assert result[0] == result[-1] == n * (n + 1) / 2, (result[0], result[-1])
+barrier()
+call()  # a second warm-up, the first result still held: as in a loop, whose last result lives on
 times = []
 usage = resource.getrusage(resource.RUSAGE_SELF)
 cpu, wall = time.process_time(), time.perf_counter()
