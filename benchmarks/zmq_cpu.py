@@ -5,6 +5,7 @@ ring (``plain_tcp_ring.py``) and the plain pyzmq ring (``plain_pyzmq_ring.py``).
     python3 benchmarks/zmq_cpu.py --np 2 4 --size 64M --iters 4 --rounds 2
     python3 benchmarks/zmq_cpu.py --np 4 --strace /tmp/sc      # + the system calls of every rank
     python3 benchmarks/zmq_cpu.py --np 4 --link 1gbit           # one emulated host per rank instead
+    python3 benchmarks/zmq_cpu.py --backends stratagem,before --before /tmp/base/src   # before/after
 
 On one machine's loopback the wall time says little on a loaded box, but each rank's CPU time (user +
 system, all threads, ``getrusage``) per call moves much less with the load: it is what 4 or 8 tasks on
@@ -36,17 +37,20 @@ from stratagem.launch.launcher import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_hosts_allreduce_worker.py")
-BACKENDS = ("stratagem", "ring", "pyzmq")
+BACKENDS = ("stratagem", "ring", "pyzmq")   # also: stratagem-out (into a kept out=), before, before-out
 
 
 def run(backend: str, n: int, nbytes: int, iters: int, strace_dir: str | None, timeout: float,
-        link: str | None = None) -> list[dict]:
+        link: str | None = None, before: str | None = None) -> list[dict]:
     out, err = io.StringIO(), io.StringIO()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATAGEM_", "TF_CONFIG"))}
     env.update(STRATAGEM_TRANSPORT="zmq", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    name = backend
+    if backend.startswith("before"):  # before, before-out: stratagem(-out) from the --before checkout
+        backend, env["PYTHONPATH"] = "stratagem" + backend[len("before"):], before
     cmd = [sys.executable, WORKER, backend, str(nbytes), str(iters)]
     if strace_dir:
-        prefix = os.path.join(strace_dir, f"{backend}-{n}")
+        prefix = os.path.join(strace_dir, f"{name}-{n}")
         cmd = ["/bin/sh", "-c", f'exec strace -f -c -o "{prefix}-$$" "$@"', "sh", *cmd]
     hosts = HostsSpec.parse(n, link=link) if link else None
     result = launch(cmd, workers=n, hosts=hosts, env=env, output=out, error_output=err, timeout=timeout)
@@ -79,10 +83,14 @@ def main(argv=None) -> int:
     parser.add_argument("--backends", default=",".join(BACKENDS), help=f"subset of {','.join(BACKENDS)}")
     parser.add_argument("--strace", metavar="DIR", help="run every rank under strace -f -c, its files in DIR")
     parser.add_argument("--link", help="run each rank on an emulated host with a link of this rate (e.g. 1gbit)")
+    parser.add_argument("--before", metavar="SRC", help="contenders 'before' and 'before-out' (with --backends): "
+                        "stratagem imported from this source directory (another checkout's src/)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per job")
     args = parser.parse_args(argv)
     nbytes = parse_size(args.size)
     backends = [b for b in args.backends.split(",") if b]
+    if any(b.startswith("before") for b in backends) and not args.before:
+        raise SystemExit("the before contenders need --before SRC")
     if args.strace:
         if shutil.which("strace") is None:
             raise SystemExit("--strace needs strace on the PATH")
@@ -94,7 +102,7 @@ def main(argv=None) -> int:
             for backend in (backends if r % 2 == 0 else backends[::-1]):
                 loads.append(os.getloadavg()[0])
                 print(f"np={n} {backend} round {r + 1} (load {loads[-1]:.1f})", file=sys.stderr, flush=True)
-                rows = run(backend, n, nbytes, args.iters, args.strace, args.timeout, args.link)
+                rows = run(backend, n, nbytes, args.iters, args.strace, args.timeout, args.link, args.before)
                 entry = results.setdefault((n, backend), collections.defaultdict(list))
                 entry["times"] += [max(row["times"][i] for row in rows) for i in range(args.iters)]
                 for key in ("user", "sys", "cpu", "minflt", "nvcsw", "nivcsw"):
