@@ -10,7 +10,7 @@ still in their handshake: it decodes messages, runs the handshake (``core/handsh
 data into the mailbox. A ``recv`` that has to wait takes the reader lock itself, so a message reaches
 the thread that wants it without a hand-off between threads; it then waits in a receive on the
 ROUTER alone (a message already there costs no system call; a poll of every socket costs ZeroMQ two
-per socket), and polls every socket at least every 10 ms. A background thread reads when no
+per socket), and polls every socket at least every 50 ms. A background thread reads when no
 ``recv`` does. User threads send on the DEALERs of peers that completed the handshake, one lock per
 peer. Large buffers are handed to ZeroMQ by reference (``copy=False``) and ``send`` waits on
 ZeroMQ's tracker until the memory is released, so the caller may reuse its arrays as soon as
