@@ -2,14 +2,17 @@
 
     python3 _hosts_allreduce_worker.py BACKEND NBYTES ITERS
 
-BACKEND: ``stratagem`` (``stratagem.communicator()``, transport from ``STRATAGEM_TRANSPORT``), ``ring``
+BACKEND: ``stratagem`` (``stratagem.communicator()``, transport from ``STRATAGEM_TRANSPORT``;
+``stratagem-out``: the same into one result array kept across calls), ``ring``
 (the plain TCP ring of ``plain_tcp_ring.py``), ``gloo`` (``torch.distributed``; rank and world from
-``STRATAGEM_CONFIG``, rendezvous at rank 0's address) or ``mpi4py`` (``MPI.COMM_WORLD.Allreduce``, under
-``mpiexec``). Each call is preceded by the backend's own barrier and timed on its own; the result of the
-first call is checked. Every rank prints one JSON line: its times, and the CPU seconds (all threads) and
-wall seconds of the timed calls.
+``STRATAGEM_CONFIG``, rendezvous at rank 0's address), ``mpi4py`` (``MPI.COMM_WORLD.Allreduce``, under
+``mpiexec``) or ``pyzmq`` (the plain pyzmq ring of ``plain_pyzmq_ring.py``). Two warm-up calls come
+first (the first one's result checked, and held through the second, as a loop holds its last result);
+each timed call is preceded by the backend's own barrier and timed on its own. Every rank prints one
+JSON line: its times, and the CPU seconds (all threads) and wall seconds of the timed calls (and the
+user and system parts of the CPU and the page faults, from ``getrusage``).
 """
-import json, os, sys, time
+import json, os, resource, sys, time
 
 import numpy as np
 
@@ -28,11 +31,14 @@ else:
     config = json.loads(os.environ["STRATAGEM_CONFIG"])
     addresses, rank = config["cluster"]["worker"], config["task"]["index"]
     n = len(addresses)
-    if backend == "stratagem":
+    if backend in ("stratagem", "stratagem-out"):
         import stratagem
 
         comm = stratagem.communicator(timeout=120)
         call = lambda: comm.allreduce(x)  # noqa: E731
+        if backend == "stratagem-out":  # into a result array kept across calls, as the pyzmq ring does
+            result_array = np.empty(nbytes // 4, np.float32)
+            call = lambda: comm.allreduce(x, out=result_array)  # noqa: E731
         barrier = comm.barrier
     elif backend == "ring":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +47,13 @@ else:
         left, right = connect(addresses, rank)
         call = lambda: allreduce(x, left, right, rank, n)  # noqa: E731
         barrier = lambda: allreduce(np.zeros(n, np.float32), left, right, rank, n)  # noqa: E731
+    elif backend == "pyzmq":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import plain_pyzmq_ring as pyzmq_ring  # binds and connects its ring as it is imported
+
+        out = np.empty(nbytes // 4, np.float32)
+        call = lambda: pyzmq_ring.allreduce(x, out)  # noqa: E731
+        barrier = pyzmq_ring.barrier
     elif backend == "gloo":
         import datetime
 
@@ -64,7 +77,10 @@ x = np.full(nbytes // 4, rank + 1, np.float32)
 barrier()
 result = call()
 assert result[0] == result[-1] == n * (n + 1) / 2, (result[0], result[-1])
+barrier()
+call()  # a second warm-up, the first result still held: as in a loop, whose last result lives on
 times = []
+usage = resource.getrusage(resource.RUSAGE_SELF)
 cpu, wall = time.process_time(), time.perf_counter()
 for _ in range(iters):
     barrier()
@@ -72,7 +88,10 @@ for _ in range(iters):
     call()
     times.append(time.perf_counter() - started)
 cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-print(json.dumps({"rank": rank, "times": times, "cpu": cpu, "wall": wall}), flush=True)
+after = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"rank": rank, "times": times, "cpu": cpu, "wall": wall, "user": after.ru_utime - usage.ru_utime,
+                  "sys": after.ru_stime - usage.ru_stime, "minflt": after.ru_minflt - usage.ru_minflt,
+                  "nvcsw": after.ru_nvcsw - usage.ru_nvcsw, "nivcsw": after.ru_nivcsw - usage.ru_nivcsw}), flush=True)
 barrier()
 if backend == "gloo":
     dist.destroy_process_group()  # before the peers' sockets close under it (gloo aborts then)

@@ -5,6 +5,7 @@ torch.distributed/gloo and Open MPI over TCP, side by side in one run.
     python3 benchmarks/hosts_allreduce.py                                # 2, 4, 8 hosts, 1gbit, 64M
     python3 benchmarks/hosts_allreduce.py --hosts 8 --link 500mbit --rounds 3 --json out.json
     python3 benchmarks/hosts_allreduce.py --link 1gbit --link-for 8=500mbit   # a lower rate for 8 hosts
+    python3 benchmarks/hosts_allreduce.py --before /tmp/base/src   # + stratagem from another checkout
 
 Each world size is a set of emulated hosts (:mod:`stratagem.launch.hosts`: one network namespace per
 host, links shaped with tc in both directions), one task per host. Every contender runs as its own job on
@@ -69,10 +70,14 @@ def _rows(text: str) -> list[dict]:
     return rows
 
 
-def run_launched(backend: str, spec: HostsSpec, nbytes: int, iters: int, transport: str, timeout: float) -> list[dict]:
-    """stratagem, ring or gloo: one job under ``launch(hosts=spec)``; every rank's JSON row."""
+def run_launched(backend: str, spec: HostsSpec, nbytes: int, iters: int, transport: str, timeout: float,
+                 before: str | None = None) -> list[dict]:
+    """stratagem, ring or gloo: one job under ``launch(hosts=spec)``; every rank's JSON row. ``before``:
+    the ``before`` contender, stratagem imported from that source directory."""
     out, err = io.StringIO(), io.StringIO()
     env = {**_env(), "STRATAGEM_TRANSPORT": transport}
+    if backend == "before":
+        backend, env["PYTHONPATH"] = "stratagem", before
     result = launch([sys.executable, WORKER, backend, str(nbytes), str(iters)], workers=spec.count, hosts=spec,
                     env=env, output=out, error_output=err, timeout=timeout)
     if result.interrupted_by is not None:
@@ -163,9 +168,13 @@ def main(argv=None) -> int:
     parser.add_argument("--transport", default="zmq", help="stratagem's transport (default zmq)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per job")
     parser.add_argument("--json", metavar="PATH", help="every time, CPU figure and the environment")
+    parser.add_argument("--before", metavar="SRC", help="one more contender, 'before': stratagem imported "
+                        "from this source directory (another checkout's src/), for before/after in one run")
     args = parser.parse_args(argv)
     nbytes = parse_size(args.size)
     backends = [b for b in args.backends.split(",") if b]
+    if args.before:
+        backends.insert(1, "before")
     rates = {int(k): v for k, _, v in (item.partition("=") for item in args.link_for)}
     results: dict = {}
     loads = []
@@ -178,7 +187,8 @@ def main(argv=None) -> int:
                 loads.append(os.getloadavg()[0])
                 try:
                     rows = (run_mpi(spec, nbytes, args.iters, args.timeout) if backend == "mpi4py" else
-                            run_launched(backend, spec, nbytes, args.iters, args.transport, args.timeout))
+                            run_launched(backend, spec, nbytes, args.iters, args.transport, args.timeout,
+                                         args.before))
                     got = summarize(rows, n, nbytes)
                 except (RuntimeError, OSError) as exc:
                     log(f"  failed: {exc}")
@@ -191,7 +201,7 @@ def main(argv=None) -> int:
     print(f"\nall-reduce {human_bytes(nbytes)} float32 sum, one task per emulated host; load average "
           f"{min(loads):.1f}-{max(loads):.1f} during the jobs; {args.rounds} rounds x {args.iters} calls")
     print(f"{'hosts':>5} {'link':>8} {'backend':<10} {'median s':>9} {'busbw MB/s':>11} {'x link':>7} "
-          f"{'x ring':>7} {'CPU s/call':>11} {'CPU frac':>9}")
+          f"{'x ring':>7} {'CPU s/call':>11} {'CPU mean':>9} {'CPU frac':>9}")
     table = []
     for n in args.hosts:
         link = HostsSpec.parse(n, link=rates.get(n, args.link)).link
@@ -210,7 +220,8 @@ def main(argv=None) -> int:
                    **entry}
             table.append(row)
             print(f"{n:>5} {row['link']:>8} {backend:<10} {median:>9.3f} {busbw / 1e6:>11.1f} {row['x_link']:>7.2f} "
-                  f"{(row['x_ring'] or 0):>7.2f} {row['cpu_per_call_s_max']:>11.3f} {row['cpu_fraction_max']:>9.2f}")
+                  f"{(row['x_ring'] or 0):>7.2f} {row['cpu_per_call_s_max']:>11.3f} "
+                  f"{statistics.mean(entry['cpu_per_call_s']):>9.3f} {row['cpu_fraction_max']:>9.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": table, "bytes": nbytes, "loadavg_during": loads,

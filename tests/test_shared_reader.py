@@ -103,3 +103,25 @@ def test_a_crashing_background_reader_is_reported_never_silent(source, caplog):
         assert crashed.wait(10)
     reader.stop()
     assert "crasher: the background reader crashed" in caplog.text and "broken frame" in caplog.text
+
+
+def test_a_nudge_ends_the_background_readers_stay_away(source):
+    # After a recv() read, the background thread stays away for its grace (long, so that its wake-ups
+    # cost nothing while recv() calls read); something that needs reading with no recv() waiting (a
+    # new connection's handshake) nudges it, and it reads at once instead of after the grace.
+    reader = SharedReader("nudged", source.pump, source.wake, lambda: None, grace=60.0)
+    reader.start()
+    try:
+        while not reader.for_waiter(0.01):                # a recv() read: the grace starts
+            pass
+        time.sleep(0.2)   # a background read that began before it ends (BACKGROUND_POLL); then it stays away
+        os.write(source.w, b"\1")
+        time.sleep(0.3)
+        assert source.readers == []                       # staying away (no recv() reads either)
+        reader.nudge()
+        wait_for(lambda: source.readers, timeout=5.0)     # well within the 60 s grace
+        assert source.readers == ["nudged"]
+    finally:
+        reader.stop(timeout=5.0)
+    # stop() ends even a stay-away at once (its join waits 5 s of the 60 s grace)
+    assert "nudged" not in [t.name for t in threading.enumerate()]

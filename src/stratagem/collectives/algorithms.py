@@ -485,7 +485,9 @@ def allreduce(session: CollectiveSession, x, op: str = "sum", algorithm: str = "
 
     Returns a new array of ``x``'s shape, in ``x``'s dtype (float64 for ``mean`` of integers/bools),
     or writes into ``out`` (checked by :func:`check_out`; ``out=x`` reduces in place) and returns it.
-    Reusing ``out`` across calls saves allocating (and page-faulting) a result every call.
+    Reusing ``out`` across calls saves allocating (and page-faulting) a result every call; without
+    ``out``, a large result reuses the memory of an earlier one the caller dropped
+    (:mod:`stratagem.collectives.results`).
     """
     x = as_array(x)
     plan = _allreduce_plan(session, x, op, algorithm)
@@ -496,7 +498,10 @@ def allreduce(session: CollectiveSession, x, op: str = "sum", algorithm: str = "
     if algo == "ring" or algo == "direct" or algo == "pairwise":
         # Out of place: the algorithm writes every element of ``work`` itself, so no copy of x first
         # (and with out=x, src and work are the same memory: the classic in-place ring).
-        work = xp.empty(x.size, dtype=dtype) if out is None else out.reshape(-1)
+        if out is not None:
+            work = out.reshape(-1)
+        else:  # a large result in memory a former result left (see collectives/results.py)
+            work = session.results.empty(x.size, dtype) if xp is np else xp.empty(x.size, dtype=dtype)
         src = work if out is x else _flat_view(x, dtype)
         if algo == "direct" and out is x and session.rank:
             src = src.copy()  # the others' operands come first: our own must survive them

@@ -18,6 +18,7 @@ from typing import Sequence
 import msgpack
 import numpy as np
 
+from stratagem.collectives.results import ResultMemory
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import CollectiveMismatchError, CommunicationError, PeerLostError, TransportTimeout
 from stratagem.core.transport import Message, SendHandle, Transport
@@ -108,6 +109,8 @@ class CollectiveSession:
         #: Per-call work that depends only on the call's arguments, kept by the algorithms
         #: (``collectives.algorithms._allreduce_plan``).
         self.plans: dict = {}
+        #: Memory for large all-reduce results, used again once the caller dropped them.
+        self.results = ResultMemory()
         self.generation = generation
         #: Each member's loss count when this generation began (elastic sessions only).
         self.losses = {} if generation is None else {m: transport.peer_losses(m) for m in self.members}

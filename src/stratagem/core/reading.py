@@ -54,6 +54,7 @@ class SharedReader:
         self._grace = grace
         self._user_read_at = 0.0
         self._background_reading = False
+        self._nudged = threading.Event()  # ends the background thread's stay-away early (nudge())
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -65,6 +66,7 @@ class SharedReader:
         """No more reading: wake the background thread and wait up to ``timeout`` for it to end.
         (Whoever closes the transport then takes :attr:`lock`, so no recv() is reading either.)"""
         self.stopping = True
+        self._nudged.set()
         self._wake()
         if self._thread is not None:
             self._thread.join(timeout=timeout)
@@ -89,6 +91,12 @@ class SharedReader:
                 self._after_read()
         return True
 
+    def nudge(self) -> None:
+        """Something needs reading soon even if no ``recv()`` asks for it (a connection being set up):
+        the background thread stops staying away (its ``grace``) and reads at its next turn."""
+        self._user_read_at = 0.0
+        self._nudged.set()
+
     def read_now(self) -> bool:
         """Read what is there without waiting, if no other thread is reading; whether it did."""
         if self.stopping or not self.lock.acquire(blocking=False):
@@ -106,7 +114,8 @@ class SharedReader:
             while not self.stopping:
                 quiet = time.monotonic() - self._user_read_at
                 if quiet < self._grace:
-                    time.sleep(self._grace - quiet)
+                    self._nudged.wait(self._grace - quiet)
+                    self._nudged.clear()
                     continue
                 if not self.lock.acquire(timeout=BACKGROUND_POLL):
                     continue

@@ -11,7 +11,7 @@ still in their handshake: it decodes messages, runs both sides of the handshake
 to wait takes the reader lock itself, so a message reaches the thread that wants it without a
 hand-off between threads; it then waits in a receive on the
 ROUTER alone (a message already there costs no system call; a poll of every socket costs ZeroMQ two
-per socket), and polls every socket at least every 10 ms. A background thread reads when no
+per socket), and polls every socket at least every 50 ms. A background thread reads when no
 ``recv`` does. User threads send on the DEALERs of peers that completed the handshake, one lock per
 peer. Large buffers are handed to ZeroMQ by reference (``copy=False``) and ``send`` waits on
 ZeroMQ's tracker until the memory is released, so the caller may reuse its arrays as soon as
@@ -114,9 +114,15 @@ _BAD_FRAME = (StratagemError, ValueError, TypeError, KeyError, IndexError, Attri
 _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
                    | zmq.EVENT_MONITOR_STOPPED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
-_BACKGROUND_GRACE = 0.02  # the background reader stays away this long after a recv() read
+# A waiting recv() blocks in a receive on the ROUTER and polls every socket only every _FULL_POLL, and
+# the background thread stays away while recv() calls read: each of its wake-ups and each full poll
+# costs system calls (two per socket: libzmq's fork check and a poll of the socket's command pipe) and
+# a thread switch, so on a slow link, where a 64 MiB all-reduce waits about a second on its messages,
+# 10 and 20 ms made 2-3 thousand system calls and 50 wake-ups per call. A new connection's handshake
+# is read at once either way (a full poll while one runs; _ensure_peer nudges the background thread).
+_BACKGROUND_GRACE = 0.1   # the background reader stays away this long after a recv() read
 _LOSS_GRACE = 0.2         # seconds between a dropped connection and declaring the peer lost
-_FULL_POLL = 0.01         # a reading recv() polls every socket at least this often
+_FULL_POLL = 0.05         # a reading recv() polls every socket at least this often
 _MAX_TTL_MS = 6_553_500   # ZMTP carries the heartbeat TTL in deciseconds, in 16 bits
 # pyzmq's constants are enums, whose arithmetic costs more than the call it is for: plain ints here.
 _EVENTS, _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE)
@@ -447,6 +453,7 @@ class ZmqTransport(Transport):
         if new:
             self._new_monitors.put(peer)
             self._poke(b"watch")
+            self._reading.nudge()  # its handshake answers are read at once, not after the grace
         return peer
 
     def _connect(self, task: TaskId, address: str) -> _Peer:
@@ -512,7 +519,7 @@ class ZmqTransport(Transport):
             self._polled_at = now
             self._pump(0.0)
         else:
-            self._receive_one(min(slice_, _FULL_POLL))
+            self._receive_one(min(slice_, self._polled_at + _FULL_POLL - now))
 
     def _receive_one(self, timeout: float) -> None:
         """Wait up to ``timeout`` for one message on the ROUTER and handle it (reader lock held).
