@@ -217,10 +217,12 @@ class Communicator:
         array([1, 5])
         >>> for c in comms: c.close()
         """
-        given, (x, back) = x, _from_torch(x)
-        tensor_out = out
-        if out is not None:
-            out = x if out is given else _torch_out(out)     # out=x: in place, one view of one tensor
+        back, given_out = _identity, out
+        tensor = _torch_tensor_type() if "torch" in sys.modules else None   # on every step's path
+        if tensor is not None and (isinstance(x, tensor) or isinstance(out, tensor)):
+            given, (x, back) = x, _from_torch(x)
+            if out is not None:
+                out = x if out is given else _torch_out(out)     # out=x: in place, one view of one tensor
         x = coll.as_array(x)
         if "allreduce" in self._native or type(x) is not np.ndarray:
             # A native implementation is handed checked arguments, and a device array's out is not
@@ -230,7 +232,7 @@ class Communicator:
         if out is None:
             return _with_kind(self._call("allreduce", x, op=op, algorithm=algorithm), back)
         self._call("allreduce", x, op=op, algorithm=algorithm, out=out)
-        return tensor_out
+        return given_out
 
     def broadcast(self, x, root: int = 0, algorithm: str = "auto"):
         """The root's ``x`` on every rank, as a new array.
@@ -400,8 +402,7 @@ class Communicator:
         if collective != "barrier":
             sized = x if x is not None else result       # a broadcast's non-roots pass no input
             nbytes = _ring_bytes(collective, int(getattr(sized, "nbytes", 0)), session.size)
-            self.transport.traffic.count_sent(None, nbytes)
-            self.transport.traffic.count_received(None, nbytes)
+            self.transport.traffic.count_exchanged(None, nbytes, nbytes)
         return result
 
     def _check_usable(self) -> None:
