@@ -147,6 +147,7 @@ class Communicator:
             chunk_bytes=int(chunk_bytes), small_bytes=int(small_bytes),
         )
         self._native = _natives(transport)
+        self._checked: dict[tuple, np.dtype] = {}   # (dtype, op, algorithm) -> result dtype, checked
         self._lock = threading.Lock()  # one collective at a time: interleaved calls would mismatch
         self._close_lock = threading.Lock()
         self._closed = False
@@ -227,8 +228,16 @@ class Communicator:
         if "allreduce" in self._native or type(x) is not np.ndarray:
             # A native implementation is handed checked arguments, and a device array's out is not
             # passed on (the result is copied into it); otherwise core's allreduce checks them itself,
-            # the same way (once per call: this is on every training step's path).
-            coll.check_allreduce(x, op, algorithm, out)
+            # the same way (once per call: this is on every training step's path, so what depends
+            # only on dtype, op and algorithm is checked once for each, and out on every call).
+            key = (x.dtype, op, algorithm) if type(op) is str and type(algorithm) is str else None
+            dtype = self._checked.get(key)
+            if dtype is None:
+                dtype = coll.check_allreduce(x, op, algorithm, None)
+                if key is not None:
+                    self._checked[key] = dtype
+            if out is not None:
+                coll.check_out(out, x, dtype, "allreduce")
         if out is None:
             return _with_kind(self._call("allreduce", x, op=op, algorithm=algorithm), back)
         self._call("allreduce", x, op=op, algorithm=algorithm, out=out)
