@@ -337,7 +337,8 @@ def test_in_place_gives_the_bits_of_out_of_place(transport):
     bits of ``allreduce(x, out=buf)``: floats whose sum depends on the order of the additions, 3 ranks,
     small and 1.2 MB tensors, every algorithm (shm: its native arenas take the 1.2 MB ones)."""
     cls = _transport_class(transport)
-    comms = _build_world(cls, 3, transport_options={"native_allreduce_bytes": 1 << 20} if transport == "shm" else None)
+    comms = _build_world(cls, 3, transport_options={"native_allreduce_bytes": 1 << 20} if transport == "shm" else None,
+                         chunk_bytes=64 << 10)   # several chunks per segment
     try:
         algorithms = ["auto"] if transport == "shm" else ["auto", "ring", "recursive_doubling"]
         cases = [(n, algorithm) for n in (1001, 300_001) for algorithm in algorithms]

@@ -211,7 +211,8 @@ class ShmCollectives:
         """Steps 2-4. ``in_place``: ``src`` and ``work`` are the same memory (``out=x``). Nobody reads
         ``src`` but us (the others read our arena), and the segment we reduce is read before or as it
         is written, except by rank 2 on: the first reductions write our segment before our own
-        operand is added (rank order), so that one segment (not the whole input) is copied first."""
+        operand is added (rank order), so that rank copies its segment too into its arena (where
+        nobody reads it before step 4, which reads the result written over it) and adds it from there."""
         n, me = session.size, session.rank
         bounds = coll.split_bounds(src.size, n)
         nbytes = src.size * dtype.itemsize
@@ -222,14 +223,17 @@ class ShmCollectives:
         parts: list = []
         try:
             lo, hi = bounds[me], bounds[me + 1]
-            views[me][:lo] = src[:lo]
-            views[me][hi:] = src[hi:]
+            late_in_place = in_place and me >= 2
+            if late_in_place:
+                views[me][:] = src
+            else:
+                views[me][:lo] = src[:lo]
+                views[me][hi:] = src[hi:]
             fence()
             arenas.mine.store(_IN, seq)
             self._wait(session, arenas, _IN, seq, "copy its input into shared memory")
-            result, own = work[lo:hi], src[lo:hi]
-            if in_place and me >= 2:
-                own = own.copy()
+            result = work[lo:hi]
+            own = views[me][lo:hi] if late_in_place else src[lo:hi]
             parts.extend(own if rank == me else views[rank][lo:hi] for rank in range(n))
             ufunc(parts[0], parts[1], out=result)
             for i in range(2, n):
