@@ -3,7 +3,9 @@ calling thread per call (``time.thread_time``, so a busy machine's preemptions d
 and of each layer of ``comm.allreduce``, in **one rank** (an MPI world of 1: MPI's own work is a local copy, so
 what is left is the Python and mpi4py cost that a 2-rank call pays on top of MPI's latency).
 
-    stratagem launch --mpi --worker 1 python3 benchmarks/small_call_cpu.py [SIZE] [CALLS]
+    stratagem launch --mpi --worker 1 python3 benchmarks/small_call_cpu.py [SIZE] [CALLS] [--communicator-only]
+
+``--communicator-only``: the last row alone (it runs on any revision, to compare trees with ``PYTHONPATH``).
 
 Each row is the minimum over 15 rounds of CALLS calls (default 5000) of the mean CPU time per call.
 """
@@ -17,8 +19,10 @@ import stratagem
 from stratagem.collectives import algorithms as coll
 from stratagem.bench.units import parse_size
 
-count = parse_size(sys.argv[1] if len(sys.argv) > 1 else "4K") // 4
-calls = int(sys.argv[2]) if len(sys.argv) > 2 else 5000
+only = "--communicator-only" in sys.argv
+args = [a for a in sys.argv[1:] if a != "--communicator-only"]
+count = parse_size(args[0] if args else "4K") // 4
+calls = int(args[1]) if len(args) > 1 else 5000
 comm = stratagem.communicator(transport="mpi")
 plain = MPI.COMM_WORLD
 x, out = np.ones(count, np.float32), np.empty(count, np.float32)
@@ -52,7 +56,7 @@ rows = [
     ("native run (agreement + data, guard, plan)", native_run),
     ("comm.allreduce(x, out=out)", lambda: comm.allreduce(x, op="sum", out=out)),
 ]
-for name, fn in rows:
+for name, fn in rows[-1:] if only else rows:
     fn()
     print(f"{name:46} {cpu_per_call(fn):6.2f} us CPU per call")
 comm.close()
