@@ -108,12 +108,13 @@ def _close_all(comms) -> None:
         thread.join(RUN_TIMEOUT)
 
 
-def _build_world(cls: type[Transport], size: int, **options) -> list[Communicator]:
+def _build_world(cls: type[Transport], size: int, transport_options: dict | None = None,
+                 **options) -> list[Communicator]:
     if cls.in_process:
         cluster = ClusterSpec({"worker": [f"local:{i + 1}" for i in range(size)]})
     else:
         cluster = local_cluster(size)
-    shared = {**cls.world_options(), **TRANSPORT_OPTIONS.get(cls.name, {})}
+    shared = {**cls.world_options(), **TRANSPORT_OPTIONS.get(cls.name, {}), **(transport_options or {})}
     transports = [cls(cluster, TaskId("worker", i), timeout=RECV_TIMEOUT, peer_timeout=5.0, **shared)
                   for i in range(size)]
     for transport in transports:
@@ -328,6 +329,41 @@ def test_allreduce_into_out_and_in_place(make_world, algorithm):
         assert is_out and is_in_place
         np.testing.assert_array_equal(out, expected)
         np.testing.assert_array_equal(in_place, expected)
+
+
+@pytest.mark.parametrize("transport", ["local", "zmq", "grpc", "shm"])
+def test_in_place_gives_the_bits_of_out_of_place(transport):
+    """``allreduce(x, out=x)`` (what Horovod and DDP do with gradients) gives, on every rank, the very
+    bits of ``allreduce(x, out=buf)``: floats whose sum depends on the order of the additions, 3 ranks,
+    small and 1.2 MB tensors, every algorithm (shm: its native arenas take the 1.2 MB ones)."""
+    cls = _transport_class(transport)
+    comms = _build_world(cls, 3, transport_options={"native_allreduce_bytes": 1 << 20} if transport == "shm" else None,
+                         chunk_bytes=64 << 10)   # several chunks per segment
+    try:
+        algorithms = ["auto"] if transport == "shm" else ["auto", "ring", "recursive_doubling"]
+        cases = [(n, algorithm) for n in (1001, 300_001) for algorithm in algorithms]
+        rng = np.random.default_rng(5)
+        inputs = {(n, rank): rng.standard_normal(n).astype(np.float32) for n in (1001, 300_001) for rank in range(3)}
+
+        def both(c):
+            pairs = []
+            for n, algorithm in cases:
+                out = c.allreduce(inputs[(n, c.rank)], algorithm=algorithm, out=np.empty(n, np.float32))
+                x = inputs[(n, c.rank)].copy()
+                assert c.allreduce(x, algorithm=algorithm, out=x) is x
+                pairs.append((out.tobytes(), x.tobytes()))
+            return pairs
+
+        results = run_ranks(comms, both)
+        for i, (n, algorithm) in enumerate(cases):
+            assert len({pair[0] for pair in (r[i] for r in results)}) == 1, (n, algorithm)   # every rank alike
+            for rank in range(3):
+                assert results[rank][i][1] == results[rank][i][0], (transport, n, algorithm, rank)
+        if transport == "shm":   # the native path ran: it books its traffic under no peer
+            assert all(c.transport.traffic.snapshot().sent_bytes() > c.transport.traffic.snapshot().sent_bytes(
+                native=False) for c in comms)
+    finally:
+        _close_all(comms)
 
 
 def test_a_bad_out_is_refused_before_anything_is_sent(make_local_world):

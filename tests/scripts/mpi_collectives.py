@@ -118,6 +118,10 @@ def test_allreduce() -> None:
     comm.allreduce(x, op="sum")
     check(np.array_equal(x, before), "allreduce modified its input")
     check(comm.allreduce(x, out=x) is x and close_enough(x, want, "sum"), "allreduce(out=x) in place")
+    noisy = np.random.default_rng(comm.rank).standard_normal(5000).astype(np.float32)  # order-dependent sums
+    by_out = comm.allreduce(noisy, out=np.empty_like(noisy))
+    check(comm.allreduce(noisy, out=noisy).tobytes() == by_out.tobytes(),
+          "allreduce(out=x) gives other bits than allreduce(out=buffer)")
     big = np.full((3 << 20) + 1, comm.rank + 1, np.float32)  # 12 MB, an odd length
     got = comm.allreduce(big, op="sum")
     check(bool((got == size * (size + 1) / 2).all()), "allreduce of 12 MB")

@@ -354,11 +354,10 @@ def _pairwise(call: CollectiveCall, work, src, bounds: Sequence[int], ufunc: np.
     size, rank = call.size, call.rank
     chunk = call.chunk_elems(work.dtype.itemsize)
     lo, hi = bounds[rank], bounds[rank + 1]
-    if src is work and rank:  # in place: our operand of our own segment must survive the others'
-        mine = src[lo:hi].copy()
-        own = lambda a, b: mine[a - lo:b - lo]  # noqa: E731
-    else:
-        own = lambda a, b: src[a:b]  # noqa: E731
+    # In place, from rank 2 on, the first combinations write our own segment before our operand is
+    # added (rank order): each chunk of it is copied aside just before it is combined, into one spare
+    # chunk (ranks 0 and 1 read it before or as it is written, element by element).
+    spare = _array_module(work).empty(min(chunk, hi - lo), work.dtype) if src is work and rank >= 2 else None
     scatter: list[SendHandle] = []
     gather: list[SendHandle] = []
     try:
@@ -367,7 +366,11 @@ def _pairwise(call: CollectiveCall, work, src, bounds: Sequence[int], ufunc: np.
             for a, b in _chunks(bounds[j], bounds[j + 1], chunk):
                 scatter.append(call.send_async(j, src[a:b]))
         for a, b in _chunks(lo, hi, chunk):
-            operand = lambda r: own(a, b) if r == rank else call.recv(r, b - a, work.dtype)  # noqa: E731
+            mine = src[a:b]
+            if spare is not None:
+                mine = spare[:b - a]
+                mine[...] = src[a:b]
+            operand = lambda r: mine if r == rank else call.recv(r, b - a, work.dtype)  # noqa: E731
             ufunc(operand(0), operand(1), out=work[a:b])  # x0 op x1 straight into work, then the others
             for r in range(2, size):
                 ufunc(work[a:b], operand(r), out=work[a:b])

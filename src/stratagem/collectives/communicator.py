@@ -147,6 +147,7 @@ class Communicator:
             chunk_bytes=int(chunk_bytes), small_bytes=int(small_bytes),
         )
         self._native = _natives(transport)
+        self._checked: dict[tuple, np.dtype] = {}   # (dtype, op, algorithm) -> result dtype, checked
         self._lock = threading.Lock()  # one collective at a time: interleaved calls would mismatch
         self._close_lock = threading.Lock()
         self._closed = False
@@ -217,20 +218,30 @@ class Communicator:
         array([1, 5])
         >>> for c in comms: c.close()
         """
-        given, (x, back) = x, _from_torch(x)
-        tensor_out = out
-        if out is not None:
-            out = x if out is given else _torch_out(out)     # out=x: in place, one view of one tensor
+        back, given_out = _identity, out
+        tensor = _torch_tensor_type() if "torch" in sys.modules else None   # on every step's path
+        if tensor is not None and (isinstance(x, tensor) or isinstance(out, tensor)):
+            given, (x, back) = x, _from_torch(x)
+            if out is not None:
+                out = x if out is given else _torch_out(out)     # out=x: in place, one view of one tensor
         x = coll.as_array(x)
         if "allreduce" in self._native or type(x) is not np.ndarray:
             # A native implementation is handed checked arguments, and a device array's out is not
             # passed on (the result is copied into it); otherwise core's allreduce checks them itself,
-            # the same way (once per call: this is on every training step's path).
-            coll.check_allreduce(x, op, algorithm, out)
+            # the same way (once per call: this is on every training step's path, so what depends
+            # only on dtype, op and algorithm is checked once for each, and out on every call).
+            key = (x.dtype, op, algorithm) if type(op) is str and type(algorithm) is str else None
+            dtype = self._checked.get(key)
+            if dtype is None:
+                dtype = coll.check_allreduce(x, op, algorithm, None)
+                if key is not None:
+                    self._checked[key] = dtype
+            if out is not None:
+                coll.check_out(out, x, dtype, "allreduce")
         if out is None:
             return _with_kind(self._call("allreduce", x, op=op, algorithm=algorithm), back)
         self._call("allreduce", x, op=op, algorithm=algorithm, out=out)
-        return tensor_out
+        return given_out
 
     def broadcast(self, x, root: int = 0, algorithm: str = "auto"):
         """The root's ``x`` on every rank, as a new array.
@@ -400,8 +411,7 @@ class Communicator:
         if collective != "barrier":
             sized = x if x is not None else result       # a broadcast's non-roots pass no input
             nbytes = _ring_bytes(collective, int(getattr(sized, "nbytes", 0)), session.size)
-            self.transport.traffic.count_sent(None, nbytes)
-            self.transport.traffic.count_received(None, nbytes)
+            self.transport.traffic.count_exchanged(None, nbytes, nbytes)
         return result
 
     def _check_usable(self) -> None:

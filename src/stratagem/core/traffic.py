@@ -98,6 +98,18 @@ class Traffic:
         """One message of ``nbytes`` payload bytes delivered from ``peer``."""
         self._add(peer, _RECEIVED_BYTES, nbytes)
 
+    def count_exchanged(self, peer: TaskId | None, sent: int, received: int) -> None:
+        """One message of ``sent`` bytes handed over and one of ``received`` bytes delivered (a native
+        collective's booking): :meth:`count_sent` and :meth:`count_received` under one lock."""
+        with self._lock:
+            counts = self._peers.get(peer)
+            if counts is None:
+                counts = self._peers[peer] = [0, 0, 0, 0]
+            counts[_SENT_BYTES] += sent
+            counts[_SENT_BYTES + 1] += 1
+            counts[_RECEIVED_BYTES] += received
+            counts[_RECEIVED_BYTES + 1] += 1
+
     def snapshot(self) -> TrafficSnapshot:
         with self._lock:
             return TrafficSnapshot({peer: tuple(counts) for peer, counts in self._peers.items()})

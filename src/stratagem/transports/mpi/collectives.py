@@ -101,9 +101,9 @@ def _flat(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 class _SessionComm:
     """A session's MPI communicator, the guard of its blocking calls, the agreement's buffers, and
-    what repeated calls need (their plans and hashes), so that a repeated call costs little Python."""
+    the guard's ``with``, so that a repeated call costs little Python."""
 
-    __slots__ = ("comm", "peers", "guard", "mine", "agreed", "agree_args", "prepared", "guarded")
+    __slots__ = ("comm", "peers", "guard", "mine", "agreed", "agree_args", "guarded")
 
     def __init__(self, comm, peers, guards: set, MPI):
         self.comm = comm
@@ -112,7 +112,6 @@ class _SessionComm:
         self.mine = np.zeros(3, np.int64)
         self.agreed = np.zeros(3, np.int64)
         self.agree_args = ([self.mine, MPI.INT64_T], [self.agreed, MPI.INT64_T], MPI.MAX)
-        self.prepared: dict = {}
         self.guarded: "_Guarded | None" = None  # made by MpiCollectives._progress, reused
 
 
@@ -179,6 +178,9 @@ class MpiCollectives:
                            16: MPI.C_DOUBLE_COMPLEX}
         self._key_types = {2: MPI.INT16_T, 4: MPI.INT32_T, 8: MPI.INT64_T}
         self._last: tuple | None = None   # (session, _SessionComm) of the latest call
+        #: What a reduction needs, by (collective, op, dtype, shape): asked by ``accepts`` and by the
+        #: call itself, on every step, so a repeated call costs one dict lookup for each.
+        self._prepared: dict[tuple, tuple] = {}
 
     def table(self) -> dict:
         return {"allreduce": NativeCollective(self.allreduce, self.accepts_allreduce),
@@ -190,13 +192,11 @@ class MpiCollectives:
     def accepts_allreduce(self, session: CollectiveSession, x, op: str = "sum", algorithm: str = "auto",
                           out=None) -> bool:
         x = np.asarray(x)      # checked by the communicator already (this is on every step's path)
-        return self._plan(op, coll.working_dtype(op, x.dtype), x.size) is not None
+        return self._prepared_for("allreduce", op, x)[1] is not None
 
     def accepts_reduce_scatter(self, session: CollectiveSession, x, op: str = "sum") -> bool:
-        x = np.asarray(x)
-        coll.check_dtype(x.dtype, "reduce_scatter")
-        coll.check_op(op, x.dtype, "reduce_scatter")
-        return self._plan(op, coll.working_dtype(op, x.dtype), x.size) is not None
+        x = np.asarray(x)      # checked by the communicator already
+        return self._prepared_for("reduce_scatter", op, x)[1] is not None
 
     def accepts_allgather(self, session: CollectiveSession, x) -> bool:
         x = np.asarray(x)
@@ -332,25 +332,24 @@ class MpiCollectives:
         """A reduction's call: ``(session comm, working dtype, plan or None, call, x flat in the
         working dtype, whether it holds a NaN that the plan's keyed min/max must hand to core)``."""
         sc = self._comm(session)
-        key = (collective, op, x.dtype, x.shape)
-        prepared = sc.prepared.get(key)
-        if prepared is None:
-            prepared = self._prepare(sc, key, x)
-        dtype, plan, static, h = prepared
+        dtype, plan, static, h = self._prepared_for(collective, op, x)
         src = _flat(x, dtype)
         nan = plan is not None and plan.keyed and bool(np.isnan(src).any())
         return sc, dtype, plan, _Call(session.seq, static, h, session.name), src, nan
 
-    def _prepare(self, sc: _SessionComm, key: tuple, x) -> tuple:
-        """What a reduction of ``x`` (``key``: collective, op, dtype, shape) needs, kept for the calls
-        that repeat it."""
-        collective, op = key[0], key[1]
+    def _prepared_for(self, collective: str, op: str, x: np.ndarray) -> tuple:
+        """What a reduction of ``x`` needs: ``(working dtype, plan or None, fingerprint without its
+        sequence number, its hash)``, kept for the calls that repeat it."""
+        key = (collective, op, x.dtype, x.shape)
+        prepared = self._prepared.get(key)
+        if prepared is not None:
+            return prepared
         dtype = coll.working_dtype(op, x.dtype)
         static = fingerprint(collective, op=op, dtype=dtype_name(x.dtype), shape=x.shape)
         prepared = (dtype, self._plan(op, dtype, x.size), static, self._hash(static))
-        if len(sc.prepared) >= 256:  # a program cycling through many shapes: keep the newest
-            sc.prepared.clear()
-        sc.prepared[key] = prepared
+        if len(self._prepared) >= 256:  # a program cycling through many shapes: keep the newest
+            self._prepared.clear()
+        self._prepared[key] = prepared
         return prepared
 
     @staticmethod

@@ -129,15 +129,13 @@ class ShmCollectives:
         fp = fingerprint("allreduce", op=op, dtype=dtype_name(x.dtype), shape=x.shape, algo="shm")
         src = x.reshape(-1) if x.dtype == dtype and x.flags.c_contiguous else x.astype(dtype).reshape(-1)
         work = np.empty(x.size, dtype=dtype) if out is None else out.reshape(-1)
-        if out is x:
-            src = src.copy()  # in place: our own input must survive until the others have read it
         arenas = self._arenas.get(session)
         if arenas is None:
             arenas = self._arenas[session] = _Arenas()
         with arenas.lock, session.current(fp) as call:
             try:
                 self._agree(session, call, arenas, nbytes)
-                self._run(session, call.fp["seq"], arenas, src, work, coll.OPS[op], dtype)
+                self._run(session, call.fp["seq"], arenas, src, work, coll.OPS[op], dtype, out is x)
             except BaseException:
                 # The communicator is broken now (peers may be mid-call): its arenas go at once.
                 self._arenas.pop(session, None)
@@ -208,7 +206,13 @@ class ShmCollectives:
             os.close(fd)
 
     # -- steps 2-4: through the arenas ---------------------------------------------------------------
-    def _run(self, session: CollectiveSession, seq: int, arenas: _Arenas, src, work, ufunc, dtype) -> None:
+    def _run(self, session: CollectiveSession, seq: int, arenas: _Arenas, src, work, ufunc, dtype,
+             in_place: bool = False) -> None:
+        """Steps 2-4. ``in_place``: ``src`` and ``work`` are the same memory (``out=x``). Nobody reads
+        ``src`` but us (the others read our arena), and the segment we reduce is read before or as it
+        is written, except by rank 2 on: the first reductions write our segment before our own
+        operand is added (rank order), so that rank copies its segment too into its arena (where
+        nobody reads it before step 4, which reads the result written over it) and adds it from there."""
         n, me = session.size, session.rank
         bounds = coll.split_bounds(src.size, n)
         nbytes = src.size * dtype.itemsize
@@ -219,13 +223,18 @@ class ShmCollectives:
         parts: list = []
         try:
             lo, hi = bounds[me], bounds[me + 1]
-            views[me][:lo] = src[:lo]
-            views[me][hi:] = src[hi:]
+            late_in_place = in_place and me >= 2
+            if late_in_place:
+                views[me][:] = src
+            else:
+                views[me][:lo] = src[:lo]
+                views[me][hi:] = src[hi:]
             fence()
             arenas.mine.store(_IN, seq)
             self._wait(session, arenas, _IN, seq, "copy its input into shared memory")
             result = work[lo:hi]
-            parts.extend(src[lo:hi] if rank == me else views[rank][lo:hi] for rank in range(n))
+            own = views[me][lo:hi] if late_in_place else src[lo:hi]
+            parts.extend(own if rank == me else views[rank][lo:hi] for rank in range(n))
             ufunc(parts[0], parts[1], out=result)
             for i in range(2, n):
                 ufunc(result, parts[i], out=result)
