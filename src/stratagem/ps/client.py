@@ -27,7 +27,6 @@ from stratagem.core.cluster import TaskId
 from stratagem.core.errors import CommunicationError, PeerLostError, TransportTimeout
 from stratagem.ps.protocol import REPLY_TAG, REQUEST_TAG, RemoteError, ShardLostError
 from stratagem.core.transport import Message, Transport
-from stratagem.core import timeline as _timeline
 
 #: Longest slice a waiting call blocks in the transport before checking for lost shards.
 WAIT_SLICE = 0.2
@@ -75,8 +74,7 @@ class PSClient:
         reply has arrived, so the next call starts clean).
         """
         timeout = self.timeout if timeout is None else timeout
-        recorder = _timeline.RECORDER
-        started = recorder.now() if recorder is not None else 0
+        started = self.transport.recorder.now()
         with self._lock:
             ids: dict[int, int] = {}
             for index, message in requests.items():
@@ -85,17 +83,16 @@ class PSClient:
                 message.meta["id"] = self._next_id
             self._send_all(requests, timeout)
             replies = self._gather(ids, timeout, on_reply)
-        if recorder is not None:
-            self._record(recorder, started, requests, replies)
+        op = next((str(m.meta.get("op")) for m in requests.values()), "call")
+        self.transport.recorder.record("ps", "set_optimizer" if op == "optimizer" else op, started,
+                                       self._describe, requests, replies)
         return replies
 
-    def _record(self, recorder, started: int, requests: Mapping[int, Message], replies: dict) -> None:
-        """One round on the timeline, named by its operation (push, pull...), with the bytes and shards."""
-        op = next((str(m.meta.get("op")) for m in requests.values()), "call")
-        recorder.add("ps", "set_optimizer" if op == "optimizer" else op, started, recorder.now(), {
-            "bytes_sent": sum(m.nbytes for m in requests.values()),
-            "bytes_received": sum(r.nbytes for r in replies.values()),
-            "peers": [str(self.shards[index]) for index in requests]})
+    def _describe(self, requests: Mapping[int, Message], replies: dict) -> dict:
+        """One round on the timeline (named by its operation: push, pull...): the bytes and shards."""
+        return {"bytes_sent": sum(m.nbytes for m in requests.values()),
+                "bytes_received": sum(r.nbytes for r in replies.values()),
+                "peers": [str(self.shards[index]) for index in requests]}
 
     def _send_all(self, requests: Mapping[int, Message], timeout: float | None) -> None:
         """Start every request, then wait until the transport is done with their arrays.
@@ -143,8 +140,8 @@ class PSClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         # The timeline charges the time until each reply to the shard it came from (the receives here
         # take any shard's reply, so the mailbox cannot name the peer waited on).
-        recorder = _timeline.RECORDER
-        waiting_since = recorder.now() if recorder is not None else 0
+        recorder = self.transport.recorder
+        waiting_since = recorder.now()
         while len(replies) < len(ids):
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -162,16 +159,14 @@ class PSClient:
                 if self.interrupt is not None:
                     self.interrupt(False)
                 continue
-            if recorder is not None:
-                waiting_since = recorder.wait_until_now(reply.src, REPLY_TAG, waiting_since)
+            waiting_since = recorder.wait_until_now(reply.src, REPLY_TAG, waiting_since)
             index = by_task.get(reply.src)
             if index is None or reply.meta.get("id") != ids[index]:
                 continue  # the late reply to an earlier call that timed out
             ok = "error" not in reply.meta
             if ok and on_reply is not None:
                 on_reply(index, reply)
-                if recorder is not None:
-                    waiting_since = recorder.now()   # copying the values in was not waiting
+                waiting_since = recorder.now()   # copying the values in was not waiting
             if ok and reply.meta.get("part", 0) + 1 < reply.meta.get("parts", 1):
                 parts.setdefault(index, []).append(reply)
                 continue

@@ -73,7 +73,6 @@ from stratagem.strategies.checkpoints import DEFAULT_MAX_TO_KEEP
 from stratagem.strategies.ps.cache import adoptable, write_into
 from stratagem.training.variables import VariableStore, array_module, to_module
 from stratagem.core.wire import dtype_name
-from stratagem.core import timeline as _timeline
 
 #: Default size above which a variable is partitioned across the ps tasks.
 DEFAULT_PARTITION_BYTES = 16 << 20
@@ -438,8 +437,7 @@ class PSStrategyBase(Strategy):
         if self._optimizer_sent is not optimizer:
             self._client.set_optimizer(optimizer.get_config())
             self._optimizer_sent = optimizer
-        recorder = _timeline.RECORDER
-        started = recorder.now() if recorder is not None else 0
+        started = self.recorder.now()
         by_shard: dict[int, tuple[list, list]] = {}
         rows: dict[int, tuple[list, list, list]] = {}
         for grad, var in pairs:
@@ -459,8 +457,7 @@ class PSStrategyBase(Strategy):
                 names.append(piece.name)
                 arrays.append(self._piece_value(piece, grad))
         compression = self._compress(by_shard) if self.compressor is not None else None
-        if recorder is not None:
-            recorder.add("pack", "pack", started, recorder.now(), {"shards": len(by_shard) + len(rows)})
+        self.recorder.record("pack", "pack", started, _describe_pack, by_shard, rows)
         if self._stale and self.consistency["mode"] == "sync":
             # The step did not read the variables since they changed: it works on the current step.
             for index, meta in self._client.hello().items():
@@ -635,3 +632,8 @@ class PSStrategyBase(Strategy):
         request of the other replicas is refused with it), and exit non-zero."""
         self._exit_error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         self.shutdown()
+
+
+def _describe_pack(by_shard: dict, rows: dict) -> dict:
+    """A push's ``pack`` event on the timeline: the shards its requests go to."""
+    return {"shards": len(by_shard) + len(rows)}

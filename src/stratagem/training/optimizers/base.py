@@ -38,7 +38,6 @@ from stratagem.training.optimizers.chunks import chunkable, update_chunked
 from stratagem.training.optimizers.precision import compute_dtype, is_float_dtype
 from stratagem.training.sparse import IndexedSlices, densify, is_sparse
 from stratagem.training.variables import Variable, _detach, array_module, current_strategy, is_device_array, to_module
-from stratagem.core import timeline as _timeline
 
 __all__ = ["Optimizer", "from_config", "compute_dtype"]
 
@@ -181,12 +180,8 @@ class Optimizer(metaclass=_Registered):
         """
         pairs = self._normalise(grads_and_vars)
         if self.strategy is not None:
-            recorder = _timeline.RECORDER
-            if recorder is None:
+            with self.strategy.recorder.span("sync", "apply_gradients", {"gradients": len(pairs)}):
                 self.strategy.on_apply_gradients(self, pairs)
-            else:
-                with recorder.span("sync", "apply_gradients", {"gradients": len(pairs)}):
-                    self.strategy.on_apply_gradients(self, pairs)
         else:
             self.apply_dense(pairs)
         return self.iterations
