@@ -5,7 +5,8 @@ Adam and Adagrad, are in :mod:`stratagem.training.optimizers.rules`.
 An optimizer created inside ``strategy.scope()`` belongs to that strategy: ``apply_gradients`` hands
 the gradients to the strategy (``strategy.on_apply_gradients(self, pairs)``), which synchronises the
 replicas (all-reduce for ``mirrored``, a push for a parameter server) and then calls
-:meth:`Optimizer.apply_dense`, the local update. Outside any scope ``apply_gradients`` updates the
+:meth:`Optimizer.apply_dense`, the local update; the call is one ``sync`` event on the strategy's
+timeline recorder (``strategy.recorder``, which does nothing when the timeline is off). Outside any scope ``apply_gradients`` updates the
 variables at once.
 
 Precision: float32 and float64 variables are updated in their own dtype, in place. Variables of
