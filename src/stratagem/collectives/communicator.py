@@ -360,8 +360,7 @@ class Communicator:
                 result = self._core(collective, x, kwargs)
             else:
                 result = self._run_native(native, collective, x, kwargs)
-        self._recorder.record("collective", collective, started, self._describe,
-                              collective, x if x is not None else result, kwargs, native is not None)
+        self._recorder.record("collective", collective, started, self._describe, collective, x, result, kwargs, native)
         if result is None:
             return None
         if out is not None and restore is not _identity:
@@ -369,12 +368,12 @@ class Communicator:
             return out
         return restore(result)
 
-    def _describe(self, collective: str, array, kwargs: dict, native: bool) -> dict:
+    def _describe(self, collective: str, x, result, kwargs: dict, native) -> dict:
         """One collective on the timeline: its payload bytes, the other members, op and path."""
-        nbytes = int(getattr(array, "nbytes", 0))
+        nbytes = int(getattr(x if x is not None else result, "nbytes", 0))
         args = {"bytes": nbytes, "wire_bytes": _ring_bytes(collective, nbytes, self.size),
                 "peers": [str(m) for m in self._session.members if m != self.transport.task],
-                "communicator": self.name, "native": native}
+                "communicator": self.name, "native": native is not None}
         for key in ("op", "root", "algorithm"):
             if key in kwargs:
                 args[key] = kwargs[key]
