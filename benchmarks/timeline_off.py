@@ -15,7 +15,7 @@ ways of skipping the recording: the global that hot paths read and branched on (
 hooks are as large a share of it as they can be. With ``--against SRC`` the same child script runs
 with ``PYTHONPATH`` at this tree's ``src`` and at ``SRC`` in turn (``--rounds`` times each,
 alternating which goes first), so that the load of a shared machine falls on both alike; each
-child's figure is the best of 5 batches of ``--calls`` calls.
+child's figure is the best of 15 batches of ``--calls`` calls.
 
 Both time the CPU the process used (``process_time_ns``), not the wall clock: on a loaded machine the
 time a process waits for a core swings the wall-clock figures by several times, which would drown
@@ -34,6 +34,8 @@ import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(HERE), "src")
+#: Batches of calls per child; its figure is the best batch's time per call.
+BATCHES = 15
 
 CHILD = r"""
 import time, numpy as np
@@ -47,7 +49,7 @@ x, out = np.ones(1024, np.float32), np.empty(1024, np.float32)
 for _ in range(2000):
     comm.allreduce(x, out=out)
 best = None
-for _ in range(5):
+for _ in range(BATCHES):
     start = time.process_time_ns()
     for _ in range(CALLS):
         comm.allreduce(x, out=out)
@@ -96,7 +98,8 @@ def hooks(n: int, repeat: int) -> dict:
 def calls(src: str, count: int) -> float:
     env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
     env.pop("STRATAGEM_TIMELINE", None)
-    done = subprocess.run([sys.executable, "-c", CHILD.replace("CALLS", str(count))], env=env,
+    child = CHILD.replace("CALLS", str(count)).replace("BATCHES", str(BATCHES))
+    done = subprocess.run([sys.executable, "-c", child], env=env,
                           capture_output=True, text=True, timeout=300)
     if done.returncode:
         raise RuntimeError(f"PYTHONPATH={src}: {done.stderr[-2000:]}")
@@ -121,7 +124,7 @@ def main(argv=None) -> int:
         order = list(trees.items()) if round_ % 2 == 0 else list(reversed(trees.items()))
         for name, src in order:
             figures[name].append(calls(src, args.calls))
-    print(f"\ncalls: Communicator.allreduce 4 KB, one-task local world, us per call (best of 5 x {args.calls} "
+    print(f"\ncalls: Communicator.allreduce 4 KB, one-task local world, us per call (best of {BATCHES} x {args.calls} "
           f"per child; {args.rounds} children each, alternating):")
     for name, values in figures.items():
         print(f"  {name:<10} {trees[name]:<32} min {min(values):6.3f}  median {statistics.median(values):6.3f}  "
