@@ -158,10 +158,10 @@ class Transport(abc.ABC):
     def __init__(self, cluster: ClusterSpec, task: TaskId | str, *, secret: bytes | str | None = None,
                  timeout: float = DEFAULT_TIMEOUT, peer_timeout: float | None = None,
                  limits: Limits | None = None, recorder: Recorder | NullRecorder | None = None):
-        #: This task's timeline recorder (see the class doc), :data:`~stratagem.core.timeline.OFF` if none.
         if recorder is not None and not isinstance(recorder, (Recorder, NullRecorder)):
             raise ConfigurationError(f"recorder must be a stratagem.core.timeline.Recorder (or timeline.OFF), "
                                      f"not {type(recorder).__name__}")
+        #: This task's timeline recorder (see the class doc), :data:`~stratagem.core.timeline.OFF` if none.
         self.recorder = OFF if recorder is None else recorder
         self.recorder.check()   # an unwritable STRATAGEM_TIMELINE fails now, not at exit
         self.cluster = ClusterSpec(cluster)

@@ -572,11 +572,12 @@ class ParameterServer:
 
     def _apply(self, names: list[str], grads: list) -> None:
         """One optimizer step over ``names`` (no names: the step still counts, as for every shard)."""
-        with self.transport.recorder.span("optimizer", "optimizer", {"pieces": len(names)}):
-            self.optimizer.iterations += 1
-            for name, grad in zip(names, grads):
-                self._update(name, grad)
-            self.step += 1
+        started = self.transport.recorder.now()
+        self.optimizer.iterations += 1
+        for name, grad in zip(names, grads):
+            self._update(name, grad)
+        self.step += 1
+        self.transport.recorder.record("optimizer", "optimizer", started, _describe_pieces, names)
 
     def _update(self, name: str, grad) -> None:
         if isinstance(grad, IndexedSlices):   # rows: see ps_rows (exact rules in place, others densified)
