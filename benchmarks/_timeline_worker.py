@@ -7,8 +7,9 @@ prints on the chief one line ``RESULT {json}`` with every timed step's seconds (
 
 MODE ``job`` (default): whether a timeline is recorded is up to the environment (STRATAGEM_TIMELINE).
 MODE ``steps``: the replicas record every other step (odd steps on, even steps off, the same on every
-replica), by setting the recorder the hot paths read: the two kinds of step then share the job, the
-load and the network, which a comparison between jobs on a busy machine cannot promise.
+replica), through a recorder handed to the transport (``transport_options``) that switches between a
+real recorder and ``timeline.OFF``: the two kinds of step then share the job, the load and the
+network, which a comparison between jobs on a busy machine cannot promise.
 """
 
 import json
@@ -18,11 +19,31 @@ import time
 
 import stratagem
 from stratagem.bench.models import build_model
+from stratagem.core import timeline
+
+
+class Alternating(timeline.NullRecorder):
+    """Records into ``recording`` while on, nothing while off (mode ``steps`` flips it every step): the
+    hot paths look the recorder's methods up at each call, so they follow the switch."""
+
+    def __init__(self, recording: timeline.Recorder):
+        self.recording = recording
+        self.use(False)
+
+    def use(self, on: bool) -> None:
+        source = self.recording if on else timeline.OFF
+        for method in ("now", "add", "record", "wait", "wait_until_now", "span"):
+            setattr(self, method, getattr(source, method))
+
 
 strategy_name, model_name, steps, warmup = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 mode = sys.argv[5] if len(sys.argv) > 5 else "job"
 model = build_model(model_name)
 options = {"mode": "sync"} if strategy_name == "between_graph" else {}
+if mode == "steps":
+    recording = timeline.Recorder(os.devnull)   # kept in memory, never written
+    switch = Alternating(recording)
+    options["transport_options"] = {"recorder": switch}
 strategy = stratagem.strategy(strategy_name, transport="zmq", **options)   # a ps task serves here, then exits
 with strategy.scope():
     variables = {name: stratagem.Variable(value, name=name) for name, value in model.init_params(0).items()}
@@ -36,23 +57,18 @@ def step(batch):
     return loss
 
 
-if mode == "steps":
-    from stratagem.core import timeline
-
-    recording = timeline.Recorder(os.devnull)   # kept in memory, never written
-
 times, on = [], []
 for i in range(warmup + steps):
     batch = model.batch(0, replica, i, model.batch_size)
     if mode == "steps":
-        timeline.RECORDER = recording if i % 2 else None
+        switch.use(bool(i % 2))
     start = time.perf_counter()
     strategy.run(step, args=(batch,))
     if i >= warmup:
         times.append(time.perf_counter() - start)
         on.append(bool(i % 2) if mode == "steps" else bool(os.environ.get("STRATAGEM_TIMELINE")))
 if mode == "steps":
-    timeline.RECORDER = None
+    switch.use(False)
 if strategy.is_chief:
     events = len(recording.events) if mode == "steps" else None
     print("RESULT " + json.dumps({"times": times, "on": on, "events": events}))

@@ -13,6 +13,7 @@ import stratagem
 from stratagem.training.optimizers import chunks as chunks_module
 from stratagem.training.optimizers import rules as optimizers_module
 from stratagem.core.errors import ConfigurationError, StratagemError
+from stratagem.core.timeline import OFF
 from stratagem.training.optimizers.rules import SGD, Adagrad, Adam, Optimizer, TorchSGD, compute_dtype, from_config
 from stratagem.training.variables import Variable, strategy_scope
 from stratagem.testing.fake_cupy import FakeDeviceArray
@@ -409,6 +410,8 @@ def test_public_module():
 
 class FakeStrategy:
     """The strategy hooks an optimizer calls; applies locally and records the pairs it was given."""
+
+    recorder = OFF   # no timeline (a real strategy's is its transport's)
 
     def __init__(self):
         self.variables, self.optimizers, self.calls = [], [], []

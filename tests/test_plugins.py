@@ -456,8 +456,10 @@ def test_plugin_manager_is_a_cached_singleton():
 
 # -- creating transports ----------------------------------------------------------------------------------
 def test_constructor_options_follow_kwargs_to_the_base():
-    assert sorted(constructor_options(LocalTransport)) == ["fabric", "limits", "peer_timeout", "secret", "timeout"]
-    assert sorted(constructor_options(FakeTransport)) == ["colour", "fabric", "limits", "peer_timeout", "secret", "timeout"]
+    assert sorted(constructor_options(LocalTransport)) == ["fabric", "limits", "peer_timeout", "recorder", "secret",
+                                                        "timeout"]
+    assert sorted(constructor_options(FakeTransport)) == ["colour", "fabric", "limits", "peer_timeout", "recorder",
+                                                          "secret", "timeout"]
     assert constructor_options(FakeTransport)["colour"] == "blue"
 
 
@@ -465,7 +467,8 @@ def test_unknown_transport_options_are_rejected_with_the_known_list(manager):
     with pytest.raises(ConfigurationError) as info:
         manager.create_transport("local", ONE_WORKER, "worker:0", fabrik=LocalFabric(), speed=3)
     assert str(info.value) == ("transport 'local' does not accept option(s) 'fabrik', 'speed' "
-                               "(did you mean 'fabric'?); it accepts: fabric, limits, peer_timeout, secret, timeout")
+                               "(did you mean 'fabric'?); it accepts: fabric, limits, peer_timeout, recorder, secret, "
+                               "timeout")
 
 
 def test_create_transport_defaults_from_environment(manager, monkeypatch):

@@ -26,7 +26,6 @@ import contextlib
 from typing import Any, Callable
 
 from stratagem.core.errors import ConfigurationError
-from stratagem.core import timeline as _timeline
 from stratagem.adapters.torch_params import variable_of, wrap_parameters
 from stratagem.training.variables import resolve_strategy
 from stratagem.adapters.torch_state import TorchOptimizerState
@@ -203,12 +202,8 @@ class DistributedOptimizer:
             return loss
         if self.on_reduced_gradients is not None:
             self.on_reduced_gradients(params)
-        recorder = _timeline.RECORDER
-        if recorder is None:
+        with self.strategy.recorder.span("optimizer", "optimizer", {"optimizer": type(self.optimizer).__name__}):
             self.optimizer.step()
-        else:
-            with recorder.span("optimizer", "optimizer", {"optimizer": type(self.optimizer).__name__}):
-                self.optimizer.step()
         self._state.iterations += 1
         if self._reducer is not None:
             self.strategy.reduce_gradients([])      # counts the step (for save), as the other path does

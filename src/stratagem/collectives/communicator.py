@@ -41,7 +41,6 @@ from stratagem.core.errors import CollectiveMismatchError, CommunicationError, C
 from stratagem.core.transport import NativeCollective, Transport
 from stratagem.core.transport_factory import default_factory
 from stratagem.core import endpoints
-from stratagem.core import timeline as _timeline
 
 #: Options ``open_communicator`` passes to the Communicator (anything else must go in transport_options).
 COMMUNICATOR_OPTIONS = ("members", "name", "timeout", "chunk_bytes", "small_bytes")
@@ -134,8 +133,6 @@ class Communicator:
                  owns_transport: bool = False):
         if not isinstance(transport, Transport):
             raise ConfigurationError(f"a Communicator needs a Transport, got {type(transport).__name__}")
-        if _timeline.RECORDER is not None:
-            _timeline.RECORDER.check()   # an unwritable STRATAGEM_TIMELINE fails now, not at exit
         self.transport = transport
         self._owns_transport = owns_transport
         members = _check_members(transport, members)
@@ -151,8 +148,8 @@ class Communicator:
         self._lock = threading.Lock()  # one collective at a time: interleaved calls would mismatch
         self._close_lock = threading.Lock()
         self._closed = False
-        if _timeline.RECORDER is not None:
-            _timeline.RECORDER.attach(transport)
+        self._recorder = transport.recorder   # the task's timeline (a no-op one when it is off)
+        self._recorder.attach(transport)
 
     # -- identity ------------------------------------------------------------------------------------
     @property
@@ -348,8 +345,7 @@ class Communicator:
                 return
             self._closed = True
         if self._owns_transport:
-            if _timeline.RECORDER is not None:
-                _timeline.RECORDER.settle(self.transport)
+            self._recorder.settle(self.transport)
             self.transport.close()
 
     def __enter__(self) -> "Communicator":
@@ -361,8 +357,7 @@ class Communicator:
     # -- dispatch ------------------------------------------------------------------------------------
     def _call(self, collective: str, x, **kwargs):
         """Run one collective: native if the transport has it, else core's algorithm."""
-        recorder = _timeline.RECORDER
-        started = recorder.now() if recorder is not None else 0
+        started = self._recorder.now()
         with self._lock:
             self._check_usable()
             x, restore = _stage(x, self.transport.device_buffers)
@@ -376,8 +371,7 @@ class Communicator:
                 result = self._core(collective, x, kwargs)
             else:
                 result = self._run_native(native, collective, x, kwargs)
-        if recorder is not None:
-            self._record(recorder, started, collective, x if x is not None else result, kwargs, native is not None)
+        self._recorder.record("collective", collective, started, self._describe, collective, x, result, kwargs, native)
         if result is None:
             return None
         if out is not None and restore is not _identity:
@@ -385,16 +379,16 @@ class Communicator:
             return out
         return restore(result)
 
-    def _record(self, recorder, started: int, collective: str, array, kwargs: dict, native: bool) -> None:
+    def _describe(self, collective: str, x, result, kwargs: dict, native) -> dict:
         """One collective on the timeline: its payload bytes, the other members, op and path."""
-        nbytes = int(getattr(array, "nbytes", 0))
+        nbytes = int(getattr(x if x is not None else result, "nbytes", 0))
         args = {"bytes": nbytes, "wire_bytes": _ring_bytes(collective, nbytes, self.size),
                 "peers": [str(m) for m in self._session.members if m != self.transport.task],
-                "communicator": self.name, "native": native}
+                "communicator": self.name, "native": native is not None}
         for key in ("op", "root", "algorithm"):
             if key in kwargs:
                 args[key] = kwargs[key]
-        recorder.add("collective", collective, started, recorder.now(), args)
+        return args
 
     def _core(self, collective: str, x, kwargs: dict):
         algorithm = coll.ALGORITHMS[collective]

@@ -15,7 +15,7 @@ from typing import Callable
 
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import PeerLostError, TransportClosed, TransportTimeout
-from stratagem.core import timeline as _timeline
+from stratagem.core.timeline import OFF
 
 
 #: Seconds a waiter that could not read sleeps before trying to read again.
@@ -27,10 +27,12 @@ _SWEEP_AT = 256
 class Mailbox:
     """Thread-safe store of delivered messages, keyed by (source, tag)."""
 
-    def __init__(self, owner: TaskId, traffic=None):
+    def __init__(self, owner: TaskId, traffic=None, recorder=OFF):
         self.owner = owner
         #: The owner transport's :class:`~stratagem.core.traffic.Traffic`: deliveries from peers are counted.
         self.traffic = traffic
+        #: The owner transport's timeline recorder: the time ``get`` waits on a named peer goes there.
+        self.recorder = recorder
         # A plain lock under the condition, taken directly where nothing waits: ``with
         # self._lock`` is one C call, a Condition's (or an RLock's) a few Python ones.
         self._lock = threading.Lock()
@@ -90,12 +92,13 @@ class Mailbox:
     def _wait(self, src: TaskId | None, tag: str, timeout: float | None, pump):
         """``get``'s waiting loop (lock held)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        waiting_since = None  # when this call started to wait on ``src``, if a timeline records it
+        recorder = self.recorder
+        waiting_since = None  # when this call started to wait on ``src``
         while True:
             message = self._pop(src, tag)
             if message is not None:
                 if waiting_since is not None:
-                    _timeline.RECORDER.wait(src, tag, waiting_since, _timeline.now())
+                    recorder.wait(src, tag, waiting_since, recorder.now())
                 return message
             if self._closed is not None:
                 raise TransportClosed(f"{self.owner}: transport closed while waiting for {tag!r} ({self._closed})")
@@ -104,14 +107,14 @@ class Mailbox:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 if waiting_since is not None:
-                    _timeline.RECORDER.wait(src, tag, waiting_since, _timeline.now(), timed_out=True)
+                    recorder.wait(src, tag, waiting_since, recorder.now(), timed_out=True)
                 who = "any peer" if src is None else str(src)
                 raise TransportTimeout(
                     f"{self.owner}: no message {tag!r} from {who} within {timeout:g} s "
                     f"(is that task running and calling the same operation?)"
                 )
-            if waiting_since is None and src is not None and _timeline.RECORDER is not None:
-                waiting_since = _timeline.now()   # only the waits on a named peer: see timeline
+            if waiting_since is None and src is not None:
+                waiting_since = recorder.now()   # only the waits on a named peer: see timeline
             if pump is None:
                 self._sleep(remaining)
                 continue

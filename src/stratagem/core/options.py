@@ -112,7 +112,7 @@ def constructor_options(cls: type, skip: tuple = ("self", "cluster", "task")) ->
 
     >>> from stratagem.transports.local import LocalTransport
     >>> sorted(constructor_options(LocalTransport))
-    ['fabric', 'limits', 'peer_timeout', 'secret', 'timeout']
+    ['fabric', 'limits', 'peer_timeout', 'recorder', 'secret', 'timeout']
     """
     found: dict[str, Any] = {}
     for klass in cls.__mro__:

@@ -32,10 +32,9 @@ import threading
 import time
 
 from stratagem.core.errors import StratagemError, TransportTimeout
+from stratagem.core.timeline import CLOCK_TAG_PREFIX
 from stratagem.core.transport import Message
 
-#: Tags of the exchange: a wait for a reply is recorded as the exchange's, not as a wait on a peer.
-CLOCK_TAG_PREFIX = "stratagem.timeline.clock"
 PING_TAG = CLOCK_TAG_PREFIX + ".ping"
 REPLY_TAG = CLOCK_TAG_PREFIX + ".reply"
 #: Pings per task; the shortest round trip wins.

@@ -37,6 +37,7 @@ from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import ConfigurationError, PeerLostError, TransportClosed
 from stratagem.core.lifecycle import end_at_exit
 from stratagem.core.options import peer_timeout_from_env
+from stratagem.core.timeline import OFF, NullRecorder, Recorder
 from stratagem.core.traffic import Traffic
 from stratagem.core.wire import Limits
 
@@ -135,6 +136,10 @@ class Transport(abc.ABC):
             long compute step is not a silence, nor is a pause shorter than this (a GC pause).
             Default: ``STRATAGEM_PEER_TIMEOUT`` from the environment, else 30 s.
         limits: the wire limits (frame and metadata sizes) enforced on received frames.
+        recorder: where this task's timeline events go (:mod:`stratagem.core.timeline`): everything
+            that runs on the transport records through ``transport.recorder``. The transport factory
+            hands the process's (``STRATAGEM_TIMELINE``); default: ``timeline.OFF``, which records
+            nothing. A path that cannot be written is refused here, before anything starts.
     """
 
     #: Registered short name (``zmq``, ``local``...).
@@ -152,7 +157,13 @@ class Transport(abc.ABC):
 
     def __init__(self, cluster: ClusterSpec, task: TaskId | str, *, secret: bytes | str | None = None,
                  timeout: float = DEFAULT_TIMEOUT, peer_timeout: float | None = None,
-                 limits: Limits | None = None):
+                 limits: Limits | None = None, recorder: Recorder | NullRecorder | None = None):
+        if recorder is not None and not isinstance(recorder, (Recorder, NullRecorder)):
+            raise ConfigurationError(f"recorder must be a stratagem.core.timeline.Recorder (or timeline.OFF), "
+                                     f"not {type(recorder).__name__}")
+        #: This task's timeline recorder (see the class doc), :data:`~stratagem.core.timeline.OFF` if none.
+        self.recorder = OFF if recorder is None else recorder
+        self.recorder.check()   # an unwritable STRATAGEM_TIMELINE fails now, not at exit
         self.cluster = ClusterSpec(cluster)
         self.task = self.cluster.check(TaskId.parse(task))
         if isinstance(secret, str):

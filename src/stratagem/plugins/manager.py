@@ -29,6 +29,7 @@ from typing import Mapping, NamedTuple
 import pluggy
 
 from stratagem.core.errors import ConfigurationError, PluginError
+from stratagem.core.timeline_process import process_recorder
 from stratagem.core.options import (
     DEFAULT_TRANSPORT,
     TRANSPORT_ENV,
@@ -435,7 +436,8 @@ class PluginManager:
         """Create (not start) transport ``name`` for ``task`` of ``cluster``.
 
         ``cluster`` and ``task`` default to what ``ClusterResolver.from_env()`` finds; ``secret``
-        defaults to ``STRATAGEM_SECRET``. Options the transport does not accept are refused with the
+        defaults to ``STRATAGEM_SECRET``, ``recorder`` to the process's timeline recorder
+        (``STRATAGEM_TIMELINE``: :mod:`stratagem.core.timeline_process`). Options the transport does not accept are refused with the
         list of those it does.
 
         >>> from stratagem.core.cluster import ClusterSpec
@@ -446,7 +448,7 @@ class PluginManager:
         >>> pm.create_transport("local", ClusterSpec({"worker": ["local:0"]}), "worker:0", fabrik=1)
         Traceback (most recent call last):
         ...
-        stratagem.core.errors.ConfigurationError: transport 'local' does not accept option(s) 'fabrik' (did you mean 'fabric'?); it accepts: fabric, limits, peer_timeout, secret, timeout
+        stratagem.core.errors.ConfigurationError: transport 'local' does not accept option(s) 'fabrik' (did you mean 'fabric'?); it accepts: fabric, limits, peer_timeout, recorder, secret, timeout
         """
         cls = self.transport_class(name)
         accepted = constructor_options(cls)
@@ -464,6 +466,8 @@ class PluginManager:
             secret = secret_from_env()
         if secret is not None and "secret" not in options and (accepted is None or "secret" in accepted):
             options["secret"] = secret
+        if "recorder" not in options and (accepted is None or "recorder" in accepted):
+            options["recorder"] = process_recorder()
         cls.check_usable()
         return cls(cluster, task, **options)
 

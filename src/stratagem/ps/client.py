@@ -28,7 +28,6 @@ from stratagem.core.errors import CommunicationError, PeerLostError, TransportTi
 from stratagem.ps.messages import PushReply, PushRequest
 from stratagem.ps.protocol import REPLY_TAG, REQUEST_TAG, RemoteError, ShardLostError
 from stratagem.core.transport import Message, Transport
-from stratagem.core import timeline as _timeline
 
 #: Longest slice a waiting call blocks in the transport before checking for lost shards.
 WAIT_SLICE = 0.2
@@ -95,8 +94,7 @@ class PSClient:
         that a request still reads (a gradient may be a view of a variable).
         """
         timeout = self.timeout if timeout is None else timeout
-        recorder = _timeline.RECORDER
-        started = recorder.now() if recorder is not None else 0
+        started = self.transport.recorder.now()
         with self._lock:
             ids: dict[int, int] = {}
             handles: list = []
@@ -118,16 +116,15 @@ class PSClient:
                 self._settle(handles, timeout)
                 raise
             received = yield from self._gather(ids, timeout)
-        if recorder is not None:
-            self._record(recorder, started, requests, received)
-
-    def _record(self, recorder, started: int, requests: Mapping[int, Message], received: int) -> None:
-        """One round on the timeline, named by its operation (push, pull...), with the bytes and shards."""
         op = next((str(m.meta.get("op")) for m in requests.values()), "call")
-        recorder.add("ps", "set_optimizer" if op == "optimizer" else op, started, recorder.now(), {
-            "bytes_sent": sum(m.nbytes for m in requests.values()),
-            "bytes_received": received,
-            "peers": [str(self.shards[index]) for index in requests]})
+        self.transport.recorder.record("ps", "set_optimizer" if op == "optimizer" else op, started,
+                                       self._describe, requests, received)
+
+    def _describe(self, requests: Mapping[int, Message], received: int) -> dict:
+        """One round on the timeline (named by its operation: push, pull...): the bytes and shards."""
+        return {"bytes_sent": sum(m.nbytes for m in requests.values()),
+                "bytes_received": received,
+                "peers": [str(self.shards[index]) for index in requests]}
 
     @staticmethod
     def _settle(handles: list, timeout: float | None) -> None:
@@ -155,8 +152,8 @@ class PSClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         # The timeline charges the time until each reply to the shard it came from (the receives here
         # take any shard's reply, so the mailbox cannot name the peer waited on).
-        recorder = _timeline.RECORDER
-        waiting_since = recorder.now() if recorder is not None else 0
+        recorder = self.transport.recorder
+        waiting_since = recorder.now()
         while len(done) < len(ids):
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -174,8 +171,7 @@ class PSClient:
                 if self.interrupt is not None:
                     self.interrupt(False)
                 continue
-            if recorder is not None:
-                waiting_since = recorder.wait_until_now(reply.src, REPLY_TAG, waiting_since)
+            waiting_since = recorder.wait_until_now(reply.src, REPLY_TAG, waiting_since)
             index = by_task.get(reply.src)
             if index is None or reply.meta.get("id") != ids[index]:
                 continue  # the late reply to an earlier call that timed out
@@ -190,8 +186,7 @@ class PSClient:
                     if "status" in reply.meta:    # a push's acknowledgement
                         self.acks[index][reply.meta["status"]] += 1
                 yield index, reply, last
-                if recorder is not None:
-                    waiting_since = recorder.now()   # using the values was not waiting
+                waiting_since = recorder.now()   # using the values was not waiting
             self._check_lost(ids, done)
         if errors:
             raise RemoteError("; ".join(f"{self.shards[i]}: {errors[i]}" for i in sorted(errors)))

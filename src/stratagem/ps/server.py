@@ -107,7 +107,6 @@ from stratagem.ps.protocol import (
     task_key,
 )
 from stratagem.core.transport import Message, Transport
-from stratagem.core import timeline as _timeline
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +174,8 @@ class ParameterServer:
         next_check = 0.0
         # The timeline records the time idle until each request as a wait on its sender: a worker
         # waiting on this task in sync mode is then seen waiting on the worker this task waits for.
-        recorder = _timeline.RECORDER
-        idle_since = recorder.now() if recorder is not None else 0
+        recorder = self.transport.recorder
+        idle_since = recorder.now()
         try:
             while True:
                 try:
@@ -185,15 +184,12 @@ class ParameterServer:
                     message = None
                 except TransportClosed:
                     break
-                if message is not None and recorder is not None:
-                    recorder.wait(message.src, REQUEST_TAG, idle_since, recorder.now(), idle=True)
+                if message is not None:
                     started = recorder.now()
+                    recorder.wait(message.src, REQUEST_TAG, idle_since, started, idle=True)
                     self.handle(message)
+                    recorder.record("serve", str(message.meta.get("op")), started, _describe_request, message)
                     idle_since = recorder.now()
-                    recorder.add("serve", str(message.meta.get("op")), started, idle_since,
-                                 {"peer": str(message.src), "bytes_received": message.nbytes})
-                elif message is not None:
-                    self.handle(message)
                 now = time.monotonic()
                 if message is None or now >= next_check:
                     next_check = now + self.poll
@@ -574,14 +570,12 @@ class ParameterServer:
 
     def _apply(self, names: list[str], grads: list) -> None:
         """One optimizer step over ``names`` (no names: the step still counts, as for every shard)."""
-        recorder = _timeline.RECORDER
-        started = recorder.now() if recorder is not None else 0
+        started = self.transport.recorder.now()
         self.optimizer.iterations += 1
         for name, grad in zip(names, grads):
             self._update(name, grad)
         self.step += 1
-        if recorder is not None:
-            recorder.add("optimizer", "optimizer", started, recorder.now(), {"pieces": len(names)})
+        self.transport.recorder.record("optimizer", "optimizer", started, _describe_pieces, names)
 
     def _update(self, name: str, grad) -> None:
         optimizer = self.optimizer
@@ -608,8 +602,7 @@ class ParameterServer:
         the transfer of this one. No other request is handled in between, so every part carries the
         values of this step, as one reply would. Pieces the reply leaves out (``want``) are updated
         first."""
-        recorder = _timeline.RECORDER
-        started = recorder.now() if recorder is not None else 0
+        started = self.transport.recorder.now()
         pieces = self._reply_pieces(want)
         grad_of = dict(zip(names, grads))
         groups = [[pieces[i] for i in group] for group in split_parts([self.values[n].nbytes for n in pieces])]
@@ -629,8 +622,7 @@ class ParameterServer:
                                           [self.values[n] for n in group])
         self.step += 1
         self.counters["updates"] += 1
-        if recorder is not None:
-            recorder.add("optimizer", "optimizer (reply streamed)", started, recorder.now(), {"pieces": len(names)})
+        self.transport.recorder.record("optimizer", "optimizer (reply streamed)", started, _describe_pieces, names)
         reply_meta, _ = self._count(who, APPLIED, None)
         if sending:
             last = {"names": groups[-1], "part": len(groups) - 1, "parts": len(groups)}
@@ -686,3 +678,13 @@ class ParameterServer:
 def _settings(config: dict) -> dict[str, Any]:
     keys = ("mode", "replicas_to_aggregate", "total_replicas", "staleness")
     return {k: config.get(k) for k in keys}
+
+
+def _describe_request(message) -> dict:
+    """A request served, on the timeline: who sent it, and its bytes."""
+    return {"peer": str(message.src), "bytes_received": message.nbytes}
+
+
+def _describe_pieces(names: list) -> dict:
+    """An update on the timeline: the pieces it changed."""
+    return {"pieces": len(names)}

@@ -50,7 +50,6 @@ from stratagem.training.replica_sync import broadcast_arrays, broadcast_json, dt
 from stratagem.training.sharding import shard_batch
 from stratagem.strategies.checkpoints import DEFAULT_MAX_TO_KEEP, check_restorable, optimizer_name
 from stratagem.training.variables import array_module, is_device_array, strategy_scope
-from stratagem.core import timeline as _timeline
 from stratagem.strategies.distribute import (
     DistributedDataset,
     InputContext,
@@ -175,8 +174,6 @@ class Strategy:
         self._pending_optimizer_state: dict | None = None  # restored before its optimizer was known
         self._batch_share: float | None = None    # this replica's share of the last global batch
         self._step = 0                            # updates applied through _apply_gradients
-        if _timeline.RECORDER is not None:
-            _timeline.RECORDER.check()   # an unwritable STRATAGEM_TIMELINE fails now, not at exit
         transport = factory.transport_or_default(transport)   # None: STRATAGEM_TRANSPORT, else zmq
         if isinstance(transport, Transport):
             self._adopt(transport, cluster, task, transport_options)
@@ -205,8 +202,7 @@ class Strategy:
         # The plain script never calls shutdown(): end this strategy as the script ends
         # (stratagem.core.lifecycle): shut down after a normal end, leave with the error otherwise.
         end_at_exit(self)
-        if _timeline.RECORDER is not None:
-            _timeline.RECORDER.attach(self._transport, strategy=self.name)
+        self.recorder.attach(self._transport, strategy=self.name)
 
     def _adopt(self, transport: Transport, cluster, task, transport_options) -> None:
         if transport_options:
@@ -282,6 +278,12 @@ class Strategy:
     def transport(self) -> Transport:
         """The started transport this strategy moves data with."""
         return self._transport
+
+    @property
+    def recorder(self):
+        """This task's timeline recorder, the transport's (:mod:`stratagem.core.timeline`): what runs
+        under the strategy records there, unconditionally (off, it does nothing)."""
+        return self._transport.recorder
 
     @property
     def transport_name(self) -> str:
@@ -539,15 +541,8 @@ class Strategy:
             raise TypeError(f"run() needs a callable step function, got {type(fn).__name__}")
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple of positional arguments, e.g. args=(x,), got {type(args).__name__}")
-        recorder = _timeline.RECORDER
-        with replica_context(self):
-            if recorder is None:
-                return fn(*args, **dict(kwargs or {}))
-            started = recorder.now()
-            try:
-                return fn(*args, **dict(kwargs or {}))
-            finally:
-                recorder.add("step", "step", started, recorder.now(), {"step": self._step})
+        with replica_context(self), self.recorder.span("step", "step", {"step": self._step}):
+            return fn(*args, **dict(kwargs or {}))
 
     def reduce(self, op: "str | ReduceOp", value, axis: int | None = None):
         """Combine ``value`` across the replicas with ``op`` (``ReduceOp.SUM``/``MEAN``, or the strings
@@ -806,8 +801,7 @@ class Strategy:
                 close()
         finally:
             if self._owns_transport:
-                if _timeline.RECORDER is not None:
-                    _timeline.RECORDER.settle(self._transport)
+                self._transport.recorder.settle(self._transport)
                 self._transport.close()
 
     def _end_at_exit(self, error: str | None) -> None:

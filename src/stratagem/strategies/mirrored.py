@@ -58,7 +58,6 @@ from stratagem.compression.base import FLOAT_DTYPES
 from stratagem.strategies.base import Strategy, evaluator_refusal
 from stratagem.strategies import compressing
 from stratagem.training.variables import array_module, is_device_array
-from stratagem.core import timeline as _timeline
 from stratagem.strategies.mirrored_elastic import ElasticTraining, check_elastic_transport, elastic_wrapper
 
 #: Default largest bucket of fused gradients, in bytes (before any compression).
@@ -280,11 +279,8 @@ class MirroredStrategy(Strategy):
         pairs = list(pairs)
         if self.num_replicas_in_sync > 1 and pairs:
             pairs = self._average(pairs)
-        recorder = _timeline.RECORDER
-        started = recorder.now() if recorder is not None else 0
-        result = optimizer.apply_dense(pairs)
-        if recorder is not None:
-            recorder.add("optimizer", "optimizer", started, recorder.now(), {"optimizer": optimizer.name})
+        with self.recorder.span("optimizer", "optimizer", {"optimizer": optimizer.name}):
+            result = optimizer.apply_dense(pairs)
         self._step += 1
         return result
 
@@ -303,12 +299,8 @@ class MirroredStrategy(Strategy):
                     f"in this strategy's scope(), without None gradients"
                 )
         if self.num_replicas_in_sync > 1 and pairs:
-            recorder = _timeline.RECORDER
-            if recorder is None:
+            with self.recorder.span("sync", "reduce_gradients", {"gradients": len(pairs)}):
                 pairs = self._average(pairs)
-            else:
-                with recorder.span("sync", "reduce_gradients", {"gradients": len(pairs)}):
-                    pairs = self._average(pairs)
         self._step += 1
         return [grad for grad, _ in pairs]
 
@@ -318,13 +310,11 @@ class MirroredStrategy(Strategy):
         plan = self._plan_for(grads, [var for _, var in pairs])
         weight = self._gradient_weight()
         comm = self._comm()
-        recorder = _timeline.RECORDER
+        recorder = self.recorder
         for bucket in plan.buckets:
-            started = recorder.now() if recorder is not None else 0
+            started = recorder.now()
             bucket.pack(grads, weight)
-            if recorder is not None:
-                recorder.add("pack", "pack", started, recorder.now(),
-                             {"bytes": int(bucket.buffer.nbytes), "gradients": len(bucket.entries)})
+            recorder.record("pack", "pack", started, bucket.describe)
             if self.compressor is not None and bucket.buffer.dtype in FLOAT_DTYPES:
                 bucket.allreduce_compressed(comm, self.compressor, self.compression_states, plan.names)
             else:
@@ -376,6 +366,10 @@ class _Bucket:
         scale = self.buffer.dtype.type(weight)
         for index, offset, size, shape in self.entries:
             xp.multiply(grads[index], scale, out=self.buffer[offset:offset + size].reshape(shape))
+
+    def describe(self) -> dict:
+        """The bucket on the timeline (its ``pack`` event)."""
+        return {"bytes": int(self.buffer.nbytes), "gradients": len(self.entries)}
 
     def allreduce(self, comm) -> None:
         """Sum the buffer over the replicas, in place."""

@@ -101,6 +101,7 @@ class LocalTransport(Transport):
         if self._mailbox is None:
             self._mailbox = self.fabric.join(self.task)
             self._mailbox.traffic = self.traffic
+            self._mailbox.recorder = self.recorder
 
     def _shutdown(self, graceful: bool) -> None:
         if self._mailbox is not None:

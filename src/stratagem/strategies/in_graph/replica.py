@@ -122,6 +122,11 @@ class _PickledScope:
     def on_apply_gradients(self, optimizer, pairs):
         return self._server.strategy.on_apply_gradients(optimizer, pairs)
 
+    @property
+    def recorder(self):
+        """The replica's timeline recorder (its strategy's: see ``Strategy.recorder``)."""
+        return self._server.strategy.recorder
+
 
 class ReplicaServer:
     """Serves one worker task's strategy (see the module doc)."""

@@ -106,7 +106,6 @@ from stratagem.core.cluster import is_evaluator
 from stratagem.core.errors import ConfigurationError, JobFailedError, PeerLostError, TransportTimeout
 from stratagem.core.failures import culprit_of
 from stratagem.core.lifecycle import note_failure
-from stratagem.core import timeline as _timeline
 from stratagem.strategies.base import Strategy, evaluator_refusal, global_batches
 from stratagem.strategies.in_graph.client import Client, ReplicaError
 from stratagem.strategies.in_graph.devices import CURRENT_STEP, ClientStore, parse_devices
@@ -321,10 +320,7 @@ class InGraphStrategy(Strategy):
         rows = batch_rows(("args", tree[0]), ("kwargs", tree[1]))
         if rows == 0:
             raise ConfigurationError("the batch passed to run() has no rows")
-        recorder = _timeline.RECORDER
-        if recorder is None:
-            return self._client.step(fn, tree, rows)
-        with recorder.span("step", "step", {"rows": rows}):
+        with self.recorder.span("step", "step", {"rows": rows}):
             return self._client.step(fn, tree, rows)
 
     def reduce(self, op, value, axis: int | None = None):

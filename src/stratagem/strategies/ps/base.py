@@ -69,7 +69,6 @@ from stratagem.strategies import compressing
 from stratagem.strategies.checkpoints import DEFAULT_MAX_TO_KEEP
 from stratagem.strategies.ps.remote import RemoteVariables
 from stratagem.core.wire import dtype_name
-from stratagem.core import timeline as _timeline
 
 #: Default size above which a variable is partitioned across the ps tasks.
 DEFAULT_PARTITION_BYTES = 16 << 20
@@ -286,13 +285,10 @@ class PSStrategyBase(Strategy):
         if remote.stale and self.consistency["mode"] == "sync":
             remote.refresh()   # the step did not read the variables since they changed: it works on the current step
         pull = bool(self.config["pull_with_push"])
-        recorder = _timeline.RECORDER
-        started = recorder.now() if recorder is not None else 0
+        started = self.recorder.now()
         requests = remote.requests(pairs, weight=self._push_weight(), pull=pull, compressor=self.compressor,
                                    states=self.compression_states)
-        if recorder is not None:
-            recorder.add("pack", "pack", started, recorder.now(),
-                         {"shards": sum(1 for r in requests.values() if r.names or r.row_names)})
+        self.recorder.record("pack", "pack", started, _describe_pack, requests)
         acks = remote.push(requests, pull=pull)
         self.last_push = {i: ack.status for i, ack in acks.items()}
         if 0 in acks and acks[0].clock is not None:
@@ -434,3 +430,8 @@ class PSStrategyBase(Strategy):
         request of the other replicas is refused with it), and exit non-zero."""
         self._exit_error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         self.shutdown()
+
+
+def _describe_pack(requests: dict) -> dict:
+    """A push's ``pack`` event on the timeline: the shards its requests go to."""
+    return {"shards": sum(1 for r in requests.values() if r.names or r.row_names)}

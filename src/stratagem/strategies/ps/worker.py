@@ -25,7 +25,6 @@ from stratagem.core.errors import (FunctionNotFound, JobFailedError, PeerLostErr
 from stratagem.strategies.ps.coordinator import CLOSURE_TAG, POLL, RESULT_TAG
 from stratagem.ps.protocol import ShardLostError
 from stratagem.core.transport import Message
-from stratagem.core import timeline as _timeline
 from stratagem.training.variables import Variable
 
 log = logging.getLogger(__name__)
@@ -148,11 +147,8 @@ class Worker:
             fn = self._function(meta["fn"], blobs)
             args, kwargs = values.decode_call(meta["values"], arrays, resolve=self._resolve)
             self.variables.remote.mark_stale()   # a step reads the variables as they are now
-            recorder = _timeline.RECORDER
-            started = recorder.now() if recorder is not None else 0
-            result = fn(*args, **kwargs)
-            if recorder is not None:
-                recorder.add("step", "step", started, recorder.now(), {"closure": meta.get("id")})
+            with self.strategy.recorder.span("step", "step", {"closure": meta.get("id")}):
+                result = fn(*args, **kwargs)
             skeleton, out = values.encode(result, reference=self._reference,
                                           what="the step's result")
             return Message({**reply, "ok": True, "value": skeleton}, out), None

@@ -5,7 +5,8 @@ Adam and Adagrad, are in :mod:`stratagem.training.optimizers.rules`.
 An optimizer created inside ``strategy.scope()`` belongs to that strategy: ``apply_gradients`` hands
 the gradients to the strategy (``strategy.on_apply_gradients(self, pairs)``), which synchronises the
 replicas (all-reduce for ``mirrored``, a push for a parameter server) and then calls
-:meth:`Optimizer.apply_dense`, the local update. Outside any scope ``apply_gradients`` updates the
+:meth:`Optimizer.apply_dense`, the local update; the call is one ``sync`` event on the strategy's
+timeline recorder (``strategy.recorder``, which does nothing when the timeline is off). Outside any scope ``apply_gradients`` updates the
 variables at once.
 
 Precision: float32 and float64 variables are updated in their own dtype, in place. Variables of
@@ -38,7 +39,6 @@ from stratagem.training.optimizers.chunks import chunkable, update_chunked
 from stratagem.training.optimizers.precision import compute_dtype, is_float_dtype
 from stratagem.training.sparse import IndexedSlices, densify, is_sparse
 from stratagem.training.variables import Variable, _detach, array_module, current_strategy, is_device_array, to_module
-from stratagem.core import timeline as _timeline
 
 __all__ = ["Optimizer", "from_config", "compute_dtype"]
 
@@ -181,12 +181,8 @@ class Optimizer(metaclass=_Registered):
         """
         pairs = self._normalise(grads_and_vars)
         if self.strategy is not None:
-            recorder = _timeline.RECORDER
-            if recorder is None:
+            with self.strategy.recorder.span("sync", "apply_gradients", {"gradients": len(pairs)}):
                 self.strategy.on_apply_gradients(self, pairs)
-            else:
-                with recorder.span("sync", "apply_gradients", {"gradients": len(pairs)}):
-                    self.strategy.on_apply_gradients(self, pairs)
         else:
             self.apply_dense(pairs)
         return self.iterations

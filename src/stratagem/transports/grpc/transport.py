@@ -200,7 +200,7 @@ class GrpcTransport(Transport):
         self._tls = load_tls(tls_cert, tls_key, tls_ca, bool(tls_client_auth))
         self._tls_server_name = tls_server_name
         self._cluster_id = self.cluster.cluster_id
-        self._mailbox = Mailbox(self.task, traffic=self.traffic)
+        self._mailbox = Mailbox(self.task, traffic=self.traffic, recorder=self.recorder)
         self._lock = threading.RLock()            # peers, and the acceptor's streams and epochs
         self._peers: dict[TaskId, Outgoing] = {}
         #: The streams other tasks open to this one: the handshake, then data into the mailbox.

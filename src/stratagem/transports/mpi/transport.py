@@ -211,7 +211,7 @@ class MpiTransport(Transport):
         self._base = comm
         self._comm = None          # point-to-point traffic (a duplicate of the base communicator)
         self.coll_comm = None      # parent of the collectives' communicators (another duplicate)
-        self._mailbox = Mailbox(self.task, traffic=self.traffic)
+        self._mailbox = Mailbox(self.task, traffic=self.traffic, recorder=self.recorder)
         self.mpi_lock: contextlib.AbstractContextManager = contextlib.nullcontext()
         self._send_locks = {t: threading.Lock() for t in self._tasks}
         self._background: threading.Thread | None = None
@@ -331,9 +331,7 @@ class MpiTransport(Transport):
             # rank would stay alive and silent until its peers time out on it (30 s), or forever.
             # Ending here, the peers' MPI (ULFM) reports this rank failed and they raise
             # PeerLostError naming it at once; without ULFM, mpiexec ends the job.
-            from stratagem.core.timeline import flush_now
-
-            flush_now(error)   # os._exit runs no exit callback: the timeline is written here
+            self.recorder.flush_now(error)   # os._exit runs no exit callback: the timeline is written here
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
                     stream.flush()

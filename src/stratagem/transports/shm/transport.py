@@ -99,7 +99,7 @@ class _Inbox(Mailbox):
     that zmq receives are handed to the transport instead of being filed, and losses retire rings."""
 
     def __init__(self, transport: "ShmTransport"):
-        super().__init__(transport.task, traffic=transport.traffic)
+        super().__init__(transport.task, traffic=transport.traffic, recorder=transport.recorder)
         self._transport = transport
 
     def put(self, src: TaskId, tag: str, message) -> None:

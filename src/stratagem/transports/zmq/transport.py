@@ -227,7 +227,7 @@ class ZmqTransport(Transport):
 
     def _new_mailbox(self) -> Mailbox:
         """Where received messages go (the shm transport's control transport files into its own)."""
-        return Mailbox(self.task, traffic=self.traffic)
+        return Mailbox(self.task, traffic=self.traffic, recorder=self.recorder)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
