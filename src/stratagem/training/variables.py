@@ -373,8 +373,13 @@ class Variable:
 
     @property
     def store(self) -> VariableStore:
-        """Where the value lives (:class:`LocalStore` unless the strategy replaced it)."""
+        """Where the value lives (:class:`LocalStore` unless the strategy replaced it). A strategy
+        sets it when the variable is created (``variable.store = ...``): the value lives there from now on."""
         return self._store
+
+    @store.setter
+    def store(self, store: VariableStore) -> None:
+        self._set_store(store)
 
     def _set_store(self, store: VariableStore) -> None:
         """For strategies (in ``on_variable``): keep the value in ``store`` from now on."""
