@@ -635,10 +635,10 @@ class Strategy:
             raise TypeError(f"run() needs a callable step function, got {type(fn).__name__}")
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple of positional arguments, e.g. args=(x,), got {type(args).__name__}")
-        if kwargs is not None and not isinstance(kwargs, Mapping):
+        if kwargs is not None and not isinstance(kwargs, dict) and not isinstance(kwargs, Mapping):
             raise TypeError(f"kwargs must be a dict of keyword arguments, e.g. kwargs={{'x': x}}, "
                             f"got {type(kwargs).__name__}")
-        args, kwargs = tuple(args), dict(kwargs or {})
+        args, kwargs = args if type(args) is tuple else tuple(args), dict(kwargs) if kwargs else {}
         recorder = _timeline.RECORDER
         if recorder is None:
             return self._run_impl(fn, args, kwargs)
@@ -796,6 +796,8 @@ class Strategy:
         a corrupt checkpoint), keeping the newest ``max_to_keep``; the others wait for it. Returns the
         checkpoint file's path on every replica. If the chief cannot write it, every replica raises.
         The step is the number of updates applied through the strategy (restored by ``restore``).
+        ``in_graph``: the client alone calls it. ``between_graph``/``parameter_server``: the chief
+        reads every ps shard and writes the checkpoint; the other tasks need not call it (``None``).
 
         >>> import tempfile
         >>> from stratagem.core.cluster import ClusterSpec
@@ -867,6 +869,8 @@ class Strategy:
         filesystem. Call it after creating the variables (and the optimizer) in ``scope()``; the
         checkpoint must hold exactly those variables, with the same shapes and dtypes. An optimizer
         the strategy has not seen yet gets its state at its first ``apply_gradients``. See ``save``.
+        ``between_graph``/``parameter_server``: the chief loads it onto the ps shards; the others
+        refresh their values and get the global step.
         """
         self._check_open()
         return self._restore_impl(path)
