@@ -191,7 +191,7 @@ def instrument(strategy, meter: Meter) -> list[str]:
         bucket_cls.allreduce = timed_allreduce
         how.append("all-reduce: mirrored._Bucket.allreduce timed")
     else:  # the strategy's internals changed: time the communicator's all-reduce instead
-        comm = strategy._comm()
+        comm = strategy.communicator
         original_comm = comm.allreduce
 
         def timed_comm_allreduce(*args, **kwargs):

@@ -159,7 +159,7 @@ def child_throughput(spec: dict, out_dir: str) -> None:
         variables = [stratagem.Variable(np.zeros(shape, np.float32), name=name) for name, shape in spec["shapes"]]
         opt = stratagem.optimizers.SGD(learning_rate=1e-3)
     grads = [(np.full(v.shape, 1e-3, np.float32), v) for v in variables]
-    comm = strategy._comm()
+    comm = strategy.communicator
     for _ in range(spec["warmup"]):
         opt.apply_gradients(grads)
     comm.barrier()
@@ -189,7 +189,7 @@ def child_mlp(spec: dict, out_dir: str) -> None:
     rank = strategy.cluster.replicas().index(strategy.task)
     x, y = synthetic_batch(spec["sizes"], spec["batch"], rank)
     mlp = NumpyMLP(variables, x, y)
-    comm = strategy._comm()
+    comm = strategy.communicator
     for _ in range(spec["warmup"]):
         opt.apply_gradients(mlp.grads())
     comm.barrier()

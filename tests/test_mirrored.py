@@ -264,7 +264,7 @@ def test_distribute_dataset_records_shares_and_checks_input():
     def body(strategy, rank):
         shares = []
         for _ in strategy.distribute_dataset([np.zeros((7, 2)), np.zeros((4, 2))]):
-            shares.append(strategy._gradient_weight())
+            shares.append(strategy.gradient_weight)
         with pytest.raises(ConfigurationError, match="needs an iterable of global batches"):
             strategy.distribute_dataset(42)
         return shares
@@ -276,7 +276,7 @@ def test_distribute_dataset_records_shares_and_checks_input():
 
 def spy_allreduce(strategy):
     """Record every all-reduce of the strategy's communicator: (dtype, size, id of the out buffer)."""
-    comm = strategy._comm()
+    comm = strategy.communicator
     calls = []
     original = comm.allreduce
 
@@ -339,7 +339,7 @@ def test_compressed_gradients_of_a_bucket_share_one_collective_per_payload_dtype
             variables = [stratagem.Variable(np.zeros((10, 8), np.float32), name=f"v{i:02d}") for i in range(20)]
             opt = stratagem.optimizers.SGD(learning_rate=1.0)
         gathers = []
-        comm = strategy._comm()
+        comm = strategy.communicator
         original = comm.allgather
         comm.allgather = lambda x: gathers.append((np.dtype(x.dtype).name, int(x.size))) or original(x)
         opt.apply_gradients([(np.full((10, 8), rank + i, np.float32), v) for i, v in enumerate(variables)])
@@ -354,7 +354,7 @@ def test_fp16_compression_keeps_replicas_identical_and_close(sgd_reference):
     def body(strategy, rank):
         reduced = spy_allreduce(strategy)
         gathered = []
-        comm = strategy._comm()
+        comm = strategy.communicator
         original = comm.allgather
         comm.allgather = lambda x: gathered.append(np.dtype(x.dtype).name) or original(x)
         return trainer()(strategy, rank), (reduced, gathered)

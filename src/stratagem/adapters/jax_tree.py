@@ -125,7 +125,7 @@ def broadcast_parameters(tree, root: int = 0, strategy=None) -> Any:
     if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < len(replicas):
         raise ConfigurationError(f"root must be a replica rank in 0..{len(replicas) - 1}, got {root!r}")
     if len(replicas) > 1:
-        comm = strategy._comm()
+        comm = strategy.communicator
         specs = [[list(a.shape), dtype_key(a.dtype)] for a in arrays]
         everyone = allgather_json(comm, [str(treedef), specs])
         for rank, theirs in enumerate(everyone):

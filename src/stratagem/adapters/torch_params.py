@@ -88,7 +88,7 @@ def broadcast_parameters(params, root: int = 0, strategy=None) -> None:
         raise ConfigurationError(f"root must be a replica rank in 0..{len(replicas) - 1}, got {root!r}")
     if len(replicas) == 1:
         return
-    comm = strategy._comm()
+    comm = strategy.communicator
     specs = [[name, list(t.shape), dtype_key(_numpy_dtype(t))] for name, t in items]
     everyone = allgather_json(comm, specs)
     for rank, theirs in enumerate(everyone):

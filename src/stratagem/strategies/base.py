@@ -49,6 +49,7 @@ from stratagem.core.transport_factory import default_factory
 from stratagem.training.replica_sync import broadcast_arrays, broadcast_json, dtype_key, flatten_state, rebuild_state
 from stratagem.training.sharding import shard_batch
 from stratagem.strategies.checkpoints import DEFAULT_MAX_TO_KEEP, check_restorable, optimizer_name
+from stratagem.strategies.training_state import TrainingState
 from stratagem.training.variables import array_module, is_device_array, strategy_scope
 from stratagem.strategies.distribute import (
     DistributedDataset,
@@ -111,34 +112,49 @@ class Strategy:
             values are the defaults. Others are refused with the list of known ones. The resolved
             values are in ``self.config``.
 
-    **Writing a strategy** (the extension API; README: "Writing a plugin"). A subclass sets the class
-    attributes ``name`` and ``options`` (its own options and their defaults) and overrides what it needs
-    of these hooks, each called by the base at one point and nowhere else:
+    **Writing a strategy** (the extension API; README: "Writing a plugin"). The user's API (``run``,
+    ``reduce``, ``scope``, ``distribute_dataset``, ``save``...) and the collaborators' API (what
+    variables, optimizers and adapters call: ``on_variable``, ``on_apply_gradients``, ``communicator``...)
+    are final: each public method checks the strategy is open, validates its arguments once, records
+    the timeline once, then calls one ``_<name>_impl`` hook. A subclass sets the class attributes
+    ``name``, ``options`` (its own options and their defaults) and ``compression_refusal``, may override
+    the classmethods ``supports`` and ``check_usable``, and overrides only these hooks (listed in
+    ``EXTENSION_HOOKS``; tests/test_layout.py refuses a built-in strategy that overrides a public
+    method), each called by the base at one point and nowhere else:
 
     - ``supports(transport_class)`` (classmethod): ``None``, or why this strategy cannot run over that
       transport (one ``IncompatibleError`` names both, before anything is created);
-    - ``check_config()``: validate ``self.config`` (raise ``ConfigurationError``);
-    - ``on_variable(variable)``: every ``stratagem.Variable`` created inside ``scope()``;
-    - ``on_scope_end(created, first=...)``: the outermost ``scope()`` block ended, with the variables it
-      created (``first``: the first such block), e.g. to make the replicas agree on them;
-    - ``on_optimizer(optimizer)``: an optimizer created in the scope, or first applied;
-    - ``on_apply_gradients(optimizer, pairs)``: the sync point of ``optimizer.apply_gradients``: reduce
-      and apply ``[(gradient, variable), ...]`` as the strategy does;
-    - ``shard_batches(batches, rank, size)``: this replica's part of each global batch
-      (``distribute_dataset``);
-    - ``input_pipeline()``: ``(num_input_pipelines, input_pipeline_id)`` of this task
+    - ``_check_config_impl()``: validate ``self.config`` (raise ``ConfigurationError``);
+    - ``_run_impl(fn, args, kwargs)``: one step, arguments checked (``args`` a tuple, ``kwargs`` a
+      dict), inside the timeline's step span; the base runs it here (``in_graph``, ``parameter_server``:
+      elsewhere);
+    - ``_reduce_impl(op, value, axis)``: ``reduce`` of a checked op and axis; the base's reduces along
+      ``axis`` and combines the replicas' parts with ``_reduce_host_impl(op, value)`` (a host value
+      across the replicas; ``in_graph``: of a ``PerReplica``);
+    - ``_reduce_gradients_impl(pairs)``: the reduced gradients of checked ``(gradient, Variable)`` pairs
+      (the base counts the step);
+    - ``_distribute_dataset_impl(batches)``: this task's batches from an iterator of global batches,
+      usually ``_shard_batches_impl(batches, rank, size)``: this replica's part of each;
+    - ``_input_pipeline_impl()``: ``(num_input_pipelines, input_pipeline_id)`` of this task
       (``distribute_datasets_from_function``);
-    - ``_reduce_impl(op, value)``: ``reduce`` of a checked op across the replicas (``in_graph``: of a
-      ``PerReplica``);
-    - ``communicator_options()``: options of the replicas' communicator (``chunk_bytes``...);
-    - ``scope_context()``: a context manager entered by ``scope()`` around the user's block;
-    - ``run(fn, args, kwargs)`` when a step must run elsewhere (``in_graph``, ``parameter_server``);
-    - ``leave_with_error(error)``: the script is ending with an uncaught error: tell the peers
-      (the base closes the transport), and ``shutdown()`` for the normal end.
+    - ``_scope_context_impl()``: a context manager entered by ``scope()`` around the user's block;
+      ``_on_scope_end_impl(created, first=...)``: the outermost ``scope()`` block ended, with the
+      variables it created (``first``: the first such block), e.g. to make the replicas agree on them;
+    - ``_on_variable_impl(variable)``: a ``stratagem.Variable`` created inside ``scope()`` (checked and
+      recorded by the base after it): decide where it lives;
+    - ``_on_optimizer_impl(optimizer)``: an optimizer the strategy sees for the first time;
+    - ``_on_apply_gradients_impl(optimizer, pairs)``: the sync point of ``optimizer.apply_gradients``:
+      reduce and apply ``[(gradient, variable), ...]`` as the strategy does;
+    - ``_num_replicas_impl()``: ``num_replicas_in_sync``; ``_communicator_options_impl()``: options of
+      the replicas' communicator (``chunk_bytes``...);
+    - ``_save_impl(path, max_to_keep)``, ``_restore_impl(path)``, ``_fingerprint_impl()``;
+    - ``_shutdown_impl()``: the normal end (once); ``_leave_with_error_impl(error)``: the script is
+      ending with an uncaught error: tell the peers, then ``_abandon()`` (the base's: the transport
+      ends as after a failure).
 
-    Subclasses use ``self.config``, ``self.transport``, ``self.cluster``, ``self.task`` and the
-    replicas' communicator (created on first use). ``stratagem.testing.strategy_contract`` is the
-    conformance suite a new strategy should pass.
+    Subclasses use ``self.config``, ``self.transport``, ``self.cluster``, ``self.task``,
+    ``self.training_state`` and the replicas' ``communicator`` (created on first use).
+    ``stratagem.testing.strategy_contract`` is the conformance suite a new strategy should pass.
     """
 
     #: The strategy's registered short name.
@@ -150,6 +166,16 @@ class Strategy:
     #: Why ``compression=`` is refused, for a strategy without that option (one ``IncompatibleError``).
     compression_refusal: ClassVar[str] = ("it takes no compression= option (the strategies that all-reduce or "
                                           "push gradients do: mirrored, between_graph, parameter_server)")
+    #: The public names a subclass may override: its declarations. Every other public method is final.
+    OVERRIDABLE: ClassVar[tuple[str, ...]] = ("name", "options", "compression_refusal", "supports", "check_usable")
+    #: The hooks a subclass overrides instead of the public methods (see the class doc).
+    EXTENSION_HOOKS: ClassVar[tuple[str, ...]] = (
+        "_check_config_impl", "_run_impl", "_reduce_impl", "_reduce_host_impl", "_reduce_gradients_impl",
+        "_distribute_dataset_impl", "_shard_batches_impl", "_input_pipeline_impl", "_scope_context_impl",
+        "_on_scope_end_impl", "_on_variable_impl", "_on_optimizer_impl", "_on_apply_gradients_impl",
+        "_num_replicas_impl", "_communicator_options_impl", "_make_communicator_impl", "_save_impl", "_restore_impl", "_fingerprint_impl",
+        "_shutdown_impl", "_leave_with_error_impl",
+    )
 
     def __init__(self, transport: "str | Transport | None" = None, *, cluster=None, task=None,
                  transport_options: Mapping[str, Any] | None = None, plugins=None, **options):
@@ -163,17 +189,17 @@ class Strategy:
         self._plugins = factory     # where named plugins come from (transports; compressors: check_config)
         #: TF's loss idiom against this strategy's gradient reduction (stratagem.nn.compute_average_loss).
         self.loss_scaling = LossScaling(self.config["gradient_reduction"])
-        self.check_config()
+        #: The replica's variables, optimizers, step and batch share (handed to helpers that roll back).
+        self.training_state = TrainingState()
+        self._variables = self.training_state.variables     # name -> Variable, in creation order
+        self._optimizers = self.training_state.optimizers   # optimizers seen (registered or applied)
+        self._check_config_impl()
         self._communicator = None
         self._closed = False
-        self._variables: dict[str, Any] = {}      # name -> Variable, in creation order
         self._unsynced: list = []                 # created since the last outermost scope() block ended
         self._scope_depth = 0
         self._scopes_ended = 0
-        self._optimizers: list = []               # optimizers seen (registered or applied), in order
         self._pending_optimizer_state: dict | None = None  # restored before its optimizer was known
-        self._batch_share: float | None = None    # this replica's share of the last global batch
-        self._step = 0                            # updates applied through _apply_gradients
         transport = factory.transport_or_default(transport)   # None: STRATAGEM_TRANSPORT, else zmq
         if isinstance(transport, Transport):
             self._adopt(transport, cluster, task, transport_options)
@@ -224,14 +250,34 @@ class Strategy:
         transport.start()
         self._transport, self._transport_name, self._owns_transport = transport, transport.name, False
 
+    # -- the training state (strategy.training_state), as the subclasses have always named it ----------
+    @property
+    def _step(self) -> int:
+        """Updates applied through the strategy (``training_state.step``)."""
+        return self.training_state.step
+
+    @_step.setter
+    def _step(self, value: int) -> None:
+        self.training_state.step = value
+
+    @property
+    def _batch_share(self) -> float | None:
+        """This replica's share of the last global batch (``training_state.batch_share``)."""
+        return self.training_state.batch_share
+
+    @_batch_share.setter
+    def _batch_share(self, value: float | None) -> None:
+        self.training_state.batch_share = value
+
     # -- class-level declarations ----------------------------------------------------------------
     @classmethod
     def option_defaults(cls) -> dict[str, Any]:
         """The strategy's options and their defaults, from ``options`` of this class and its bases."""
         return declared_options(cls)
 
-    def check_config(self) -> None:
-        """Validate ``self.config`` (the options) before any transport exists; raise ``ConfigurationError``."""
+    def _check_config_impl(self) -> None:
+        """Hook: validate ``self.config`` (the options) before any transport exists; raise
+        ``ConfigurationError``. The base has nothing to check."""
 
     @classmethod
     def supports(cls, transport_class: type) -> str | None:
@@ -266,7 +312,12 @@ class Strategy:
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """How many replicas compute each step (the ``chief`` and ``worker`` tasks)."""
+        """How many replicas compute each step (the ``chief`` and ``worker`` tasks; ``in_graph``: the
+        client's devices too; under ``mirrored``'s shrink: the current world)."""
+        return self._num_replicas_impl()
+
+    def _num_replicas_impl(self) -> int:
+        """Hook: ``num_replicas_in_sync``; the base's: the ``chief`` and ``worker`` tasks."""
         return len(self.cluster.replicas())
 
     @property
@@ -319,7 +370,7 @@ class Strategy:
         outermost = self._scope_depth == 0
         self._scope_depth += 1
         try:
-            with strategy_scope(self), self.scope_context():
+            with strategy_scope(self), self._scope_context_impl():
                 yield self
         finally:
             self._scope_depth -= 1
@@ -327,21 +378,23 @@ class Strategy:
             created, self._unsynced = self._unsynced, []
             first = self._scopes_ended == 0
             self._scopes_ended += 1
-            self.on_scope_end(created, first=first)
+            self._on_scope_end_impl(created, first=first)
 
-    def scope_context(self):
-        """The context ``scope()`` enters; a subclass's hook (the base's does nothing)."""
+    def _scope_context_impl(self):
+        """Hook: the context ``scope()`` enters around the user's block (the base's does nothing)."""
         return contextlib.nullcontext()
 
-    def on_scope_end(self, created: list, *, first: bool) -> None:
+    def _on_scope_end_impl(self, created: list, *, first: bool) -> None:
         """Hook: the outermost ``scope()`` block ended without an error, having created the variables
         ``created`` (``first``: it is the first block to end). The base does nothing."""
 
+    # -- the collaborators' API: what variables, optimizers and adapters call ----------------------------
     def on_variable(self, variable) -> None:
-        """Hook called by ``Variable(...)`` inside ``scope()``: record ``variable`` as this strategy's.
+        """Called by ``Variable(...)`` inside ``scope()``: make ``variable`` this strategy's.
 
-        Names are unique per strategy. Subclasses may extend it to decide where the variable lives
-        (the base and ``mirrored`` keep the variable's own local value).
+        Names are unique per strategy. The strategy decides where the variable lives
+        (``_on_variable_impl``: the base and ``mirrored`` keep the variable's own local value), then
+        records it.
         """
         self._check_open()
         name = variable.name
@@ -351,8 +404,12 @@ class Strategy:
                 f"strategy {self.name!r} already has a variable named {name!r}; give each variable a "
                 f"distinct name= (or leave name= out to get a unique default)"
             )
+        self._on_variable_impl(variable)
         self._variables[name] = variable
         self._unsynced.append(variable)
+
+    def _on_variable_impl(self, variable) -> None:
+        """Hook: decide where a new variable of this strategy lives (the base: its own local value)."""
 
     def on_optimizer(self, optimizer) -> None:
         """Record ``optimizer`` as one of this strategy's, so that ``save``/``restore`` include its state.
@@ -366,14 +423,23 @@ class Strategy:
         if self._pending_optimizer_state is not None:
             state, self._pending_optimizer_state = self._pending_optimizer_state, None
             optimizer.load_state_dict(state)
+        self._on_optimizer_impl(optimizer)
+
+    def _on_optimizer_impl(self, optimizer) -> None:
+        """Hook: ``optimizer`` was recorded, the first time this strategy sees it. The base does nothing."""
 
     def on_apply_gradients(self, optimizer, pairs: list):
         """The sync point of ``optimizer.apply_gradients``; ``pairs`` is a list of ``(grad, Variable)``.
 
         The base applies them locally (``optimizer.apply_dense``); ``mirrored`` all-reduces them
-        first; a parameter-server strategy pushes them to the shards.
+        first; a parameter-server strategy pushes them to the shards; ``in_graph`` records them in a
+        step and applies them on the client.
         """
         self._check_open()
+        return self._on_apply_gradients_impl(optimizer, list(pairs))
+
+    def _on_apply_gradients_impl(self, optimizer, pairs: list):
+        """Hook: reduce and apply ``pairs`` as the strategy does; the base applies them locally."""
         self._check_trains()
         self.on_optimizer(optimizer)
         result = optimizer.apply_dense(pairs)
@@ -415,12 +481,29 @@ class Strategy:
         self._check_open()
         self._check_trains()
         pairs = list(grads_and_vars)
+        for index, pair in enumerate(pairs):
+            grad, var = pair if isinstance(pair, (tuple, list)) and len(pair) == 2 else (None, None)
+            if grad is None or getattr(var, "strategy", None) is not self:
+                raise ConfigurationError(
+                    f"reduce_gradients() item {index}: pass (gradient, Variable) pairs of variables created "
+                    f"in this strategy's scope(), without None gradients"
+                )
+        if not pairs:
+            reduced = self._reduce_gradients_impl(pairs)
+        else:
+            with self.recorder.span("sync", "reduce_gradients", {"gradients": len(pairs)}):
+                reduced = self._reduce_gradients_impl(pairs)
+        self._step += 1
+        return reduced
+
+    def _reduce_gradients_impl(self, pairs: list) -> list:
+        """Hook: the reduced gradients of checked ``pairs``, in order (the caller counts the step). The
+        base applies gradients locally: it returns them as they are, in a world of one."""
         if self.num_replicas_in_sync > 1:
             raise ConfigurationError(
                 f"strategy {self.name!r} does not reduce gradients apart from applying them; use "
                 f"optimizer.apply_gradients (or the 'mirrored' strategy)"
             )
-        self._step += 1
         return [grad for grad, _ in pairs]
 
     def distribute_dataset(self, dataset: Iterable) -> Iterator:
@@ -444,8 +527,13 @@ class Strategy:
         [([3, 4], [30, 40])]
         """
         self._check_open()
+        return self._distribute_dataset_impl(global_batches(dataset))
+
+    def _distribute_dataset_impl(self, batches: Iterator) -> Iterator:
+        """Hook: this task's batches from the iterator of global ``batches``; the base's: this
+        replica's shard of each (:meth:`_shard_batches_impl`)."""
         rank, size = self._replica_rank("distribute_dataset()"), self.num_replicas_in_sync
-        return self.shard_batches(global_batches(dataset), rank, size)
+        return self._shard_batches_impl(batches, rank, size)
 
     def experimental_distribute_dataset(self, dataset: Iterable, options=None) -> DistributedDataset:
         """TF's ``experimental_distribute_dataset``: :meth:`distribute_dataset` (each replica's part of every
@@ -472,7 +560,7 @@ class Strategy:
         if not callable(dataset_fn):
             raise ConfigurationError(f"distribute_datasets_from_function() needs a function of an InputContext, "
                                      f"got {type(dataset_fn).__name__}")
-        count, index = self.input_pipeline()
+        count, index = self._input_pipeline_impl()
         dataset = dataset_fn(InputContext(count, index, self.num_replicas_in_sync))
         global_batches(dataset)          # not iterable: say so now
         return DistributedDataset(lambda: self._per_replica_batches(global_batches(dataset)))
@@ -482,12 +570,14 @@ class Strategy:
             self._batch_share = None          # batches made per replica: every replica counts the same
             yield batch
 
-    def input_pipeline(self) -> tuple[int, int]:
-        """``(num_input_pipelines, input_pipeline_id)`` of this task for ``distribute_datasets_from_function``:
-        one pipeline per replica, this one's rank. A hook (``in_graph``: the client's one pipeline)."""
+    def _input_pipeline_impl(self) -> tuple[int, int]:
+        """Hook: ``(num_input_pipelines, input_pipeline_id)`` of this task for ``distribute_datasets_from_function``:
+        one pipeline per replica, this one's rank (``in_graph``: the client's one pipeline)."""
         return self.num_replicas_in_sync, self._replica_rank("distribute_datasets_from_function()")
 
-    def shard_batches(self, batches: Iterator, rank: int, size: int) -> Iterator:
+    def _shard_batches_impl(self, batches: Iterator, rank: int, size: int) -> Iterator:
+        """Hook: replica ``rank``'s part of each global batch of ``batches``, of ``size`` replicas,
+        recording its share of the batch (the gradient weight)."""
         for index, batch in enumerate(batches):
             shard, rows, total = shard_batch(batch, rank, size, what=f"global batch {index}")
             self._batch_share = rows / total if total else 1.0 / size
@@ -524,6 +614,10 @@ class Strategy:
         ...     len(strategy.fingerprint())
         64
         """
+        return self._fingerprint_impl()
+
+    def _fingerprint_impl(self) -> str:
+        """Hook: the fingerprint of this replica's variables (``in_graph`` reads them quietly)."""
         digest = hashlib.sha256()
         for name in sorted(self._variables):
             value = np.ascontiguousarray(self._variables[name].numpy())
@@ -532,17 +626,27 @@ class Strategy:
         return digest.hexdigest()
 
     def run(self, fn: Callable, args: tuple = (), kwargs: Mapping[str, Any] | None = None):
-        """Run one step, ``fn(*args, **kwargs)``, on this replica and return its result.
+        """Run one step, ``fn(*args, **kwargs)``, and return its result.
 
-        Subclasses change where it runs (split over devices, scheduled onto workers).
+        The base runs it on this replica; strategies change where it runs (``in_graph``: split over
+        the replicas, returning a ``PerReplica``; ``parameter_server``: scheduled onto a worker).
         """
         self._check_open()
         if not callable(fn):
             raise TypeError(f"run() needs a callable step function, got {type(fn).__name__}")
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple of positional arguments, e.g. args=(x,), got {type(args).__name__}")
-        with replica_context(self), self.recorder.span("step", "step", {"step": self._step}):
-            return fn(*args, **dict(kwargs or {}))
+        if kwargs is not None and not isinstance(kwargs, dict) and not isinstance(kwargs, Mapping):
+            raise TypeError(f"kwargs must be a dict of keyword arguments, e.g. kwargs={{'x': x}}, "
+                            f"got {type(kwargs).__name__}")
+        args, kwargs = args if type(args) is tuple else tuple(args), dict(kwargs) if kwargs else {}
+        with self.recorder.span("step", "step", {"step": self._step}):
+            return self._run_impl(fn, args, kwargs)
+
+    def _run_impl(self, fn: Callable, args: tuple, kwargs: dict):
+        """Hook: run the step (arguments checked); the base runs it here, in this replica's context."""
+        with replica_context(self):
+            return fn(*args, **kwargs)
 
     def reduce(self, op: "str | ReduceOp", value, axis: int | None = None):
         """Combine ``value`` across the replicas with ``op`` (``ReduceOp.SUM``/``MEAN``, or the strings
@@ -570,21 +674,24 @@ class Strategy:
         [2.0, 4.0]
         """
         self._check_open()
-        op = _check_op(op)
-        axis = check_axis(axis)
+        return self._reduce_impl(_check_op(op), value, check_axis(axis))
+
+    def _reduce_impl(self, op: str, value, axis: int | None):
+        """Hook: ``reduce`` of a checked ``op`` and ``axis``. The base's moves the value to the host,
+        reduces it along ``axis`` and combines the replicas' parts with :meth:`_reduce_host_impl`."""
         host = as_host(value)
         if axis is None:
-            return like_input(self._reduce_impl(op, host), value)
+            return like_input(self._reduce_host_impl(op, host), value)
         parts = [local_reduction(op, v, axis) for v in local_results(host)]
-        reduced = self._reduce_impl("sum" if op == "mean" else op, _combine_local(op, [p[0] for p in parts]))
+        reduced = self._reduce_host_impl("sum" if op == "mean" else op, _combine_local(op, [p[0] for p in parts]))
         count = sum(p[1] for p in parts)
         if op == "mean":
-            count = int(self._reduce_impl("sum", count))
+            count = int(self._reduce_host_impl("sum", count))
         return like_input(finish_reduction(op, reduced, count), value)
 
-    def _reduce_impl(self, op: str, value):
-        """``reduce`` of a checked op over the replicas, the value on the host; a subclass's hook
-        (``in_graph`` reduces a :class:`PerReplica`)."""
+    def _reduce_host_impl(self, op: str, value):
+        """Hook: ``value`` (on the host) reduced with ``op`` across the replicas (``in_graph`` reduces
+        a :class:`PerReplica`)."""
         self._replica_rank("reduce()")
         if self.num_replicas_in_sync == 1:
             return np.array(value, copy=True) if isinstance(value, np.ndarray) else value
@@ -618,17 +725,33 @@ class Strategy:
         self._check_open()
         return local_results(value)
 
-    def _comm(self):
-        """The replicas' communicator, created on first use with :meth:`communicator_options`."""
-        if self._communicator is None:
-            from stratagem.collectives.communicator import Communicator
+    @property
+    def communicator(self):
+        """The replicas' communicator (a :class:`~stratagem.collectives.communicator.Communicator`;
+        under ``mirrored``'s shrink an elastic one), created on first use: what adapters all-reduce
+        and broadcast with besides the gradients (``stratagem.torch``, ``stratagem.jax``)."""
+        self._check_open()
+        return self._comm()
 
-            self._communicator = Communicator(self._transport, name=f"strategy.{self.name}",
-                                              **self.communicator_options())
+    def _comm(self):
+        """The replicas' communicator, made on first use by :meth:`_make_communicator_impl`."""
+        if self._communicator is None:
+            self._communicator = self._make_communicator_impl()
         return self._communicator
 
+    def _make_communicator_impl(self):
+        """A new communicator of the replicas, with :meth:`communicator_options` (``shutdown`` closes it)."""
+        from stratagem.collectives.communicator import Communicator
+
+        return Communicator(self._transport, name=f"strategy.{self.name}", **self.communicator_options())
+
     def communicator_options(self) -> dict[str, Any]:
-        """Keyword arguments for the replicas' Communicator (``timeout``, ``chunk_bytes``...); base: none."""
+        """Keyword arguments for the replicas' Communicator (``timeout``, ``chunk_bytes``...), for a
+        communicator made besides the strategy's (``stratagem.torch``'s overlap with the backward pass)."""
+        return dict(self._communicator_options_impl())
+
+    def _communicator_options_impl(self) -> dict[str, Any]:
+        """Hook: the options of the replicas' Communicator; the base's: none (the communicator's defaults)."""
         return {}
 
     def _replica_rank(self, what: str) -> int:
@@ -668,6 +791,8 @@ class Strategy:
         a corrupt checkpoint), keeping the newest ``max_to_keep``; the others wait for it. Returns the
         checkpoint file's path on every replica. If the chief cannot write it, every replica raises.
         The step is the number of updates applied through the strategy (restored by ``restore``).
+        ``in_graph``: the client alone calls it. ``between_graph``/``parameter_server``: the chief
+        reads every ps shard and writes the checkpoint; the other tasks need not call it (``None``).
 
         >>> import tempfile
         >>> from stratagem.core.cluster import ClusterSpec
@@ -686,6 +811,10 @@ class Strategy:
         (array([0., 1., 2.]), 0, True)
         """
         self._check_open()
+        return self._save_impl(path, max_to_keep)
+
+    def _save_impl(self, path, max_to_keep):
+        """Hook: write the checkpoint (every replica calls it; the base: the chief writes, the others wait)."""
         self._replica_rank("save()")
         self._check_one_optimizer()
         status, failure = None, None
@@ -735,8 +864,14 @@ class Strategy:
         filesystem. Call it after creating the variables (and the optimizer) in ``scope()``; the
         checkpoint must hold exactly those variables, with the same shapes and dtypes. An optimizer
         the strategy has not seen yet gets its state at its first ``apply_gradients``. See ``save``.
+        ``between_graph``/``parameter_server``: the chief loads it onto the ps shards; the others
+        refresh their values and get the global step.
         """
         self._check_open()
+        return self._restore_impl(path)
+
+    def _restore_impl(self, path) -> int:
+        """Hook: load checkpoint ``path`` and return its step (the base: the chief reads, then shares it)."""
         self._replica_rank("restore()")
         arrays, failure, plan = [], None, None
         if self.is_chief:
@@ -793,6 +928,13 @@ class Strategy:
         """Release the communicator and close the transport (unless the caller passed it). Idempotent."""
         if self._closed:
             return
+        self._shutdown_impl()
+
+    def _shutdown_impl(self) -> None:
+        """Hook: end normally, once (strategies first tell their peers; the base's releases the
+        communicator and closes an owned transport, and marks the strategy closed)."""
+        if self._closed:
+            return
         self._closed = True
         communicator, self._communicator = self._communicator, None
         try:
@@ -819,7 +961,18 @@ class Strategy:
         rather than wait for it, so an owned transport ends as after a failure (with its goodbye; the
         mpi transport also ends the process). Unlike ``shutdown()`` nothing is said to peers as if
         training were over (an ``in_graph`` client does not release its replicas normally). Strategies
-        whose peers can be told why (the parameter servers) override this."""
+        whose peers can be told why (the parameter servers) do that first."""
+        if self._closed:
+            return
+        self._leave_with_error_impl(error)
+
+    def _leave_with_error_impl(self, error: str) -> None:
+        """Hook: leave after the failure ``error``, once; the base's abandons the transport (:meth:`_abandon`)."""
+        self._abandon(error)
+
+    def _abandon(self, error: str) -> None:
+        """Close as after a failure: no goodbye as if training were over; an owned transport ends as
+        at a failed script's exit (peers learn at once that this task is gone)."""
         if self._closed:
             return
         self._closed = True

@@ -132,7 +132,8 @@ class MirroredStrategy(Strategy):
         super().__init__(transport, **kwargs)
         self._plans: dict[tuple, _Plan] = {}   # gradient signature -> buckets (buffers reused)
         if self.config["on_failure"] == "shrink":
-            self._elastic = ElasticTraining(self, self.config["commit_every"])
+            self._elastic = ElasticTraining(self, self.config["commit_every"], sync_variables=self._sync_variables,
+                                            forget_plans=self._plans.clear)
         if self.task not in self.cluster.replicas():
             task = self.task
             self.shutdown()
@@ -146,7 +147,7 @@ class MirroredStrategy(Strategy):
         compressing.check_transport(self)
 
     # -- options -----------------------------------------------------------------------------------
-    def check_config(self) -> None:
+    def _check_config_impl(self) -> None:
         config = self.config
         _check_int("bucket_bytes", config["bucket_bytes"], 1)
         self.compressor, self.compression_states = compressing.resolve(self.name, self.config, self._plugins)
@@ -163,7 +164,7 @@ class MirroredStrategy(Strategy):
         if config["commit_every"] is not None:
             _check_int("commit_every", config["commit_every"], 1)
 
-    def communicator_options(self) -> dict[str, Any]:
+    def _communicator_options_impl(self) -> dict[str, Any]:
         return {key: self.config[key] for key in ("chunk_bytes", "small_bytes", "timeout")
                 if self.config[key] is not None}
 
@@ -201,12 +202,11 @@ class MirroredStrategy(Strategy):
         """The latest :class:`~stratagem.collectives.elastic.WorldChange` under shrink (None before any)."""
         return None if self._elastic is None else self._elastic.last_reset
 
-    @property
-    def num_replicas_in_sync(self) -> int:
+    def _num_replicas_impl(self) -> int:
         """How many replicas compute each step (under shrink: in the current world)."""
         if self._elastic is not None and self._elastic.formed:
             return self._elastic.comm.size
-        return super().num_replicas_in_sync
+        return super()._num_replicas_impl()
 
     def _replica_rank(self, what: str) -> int:
         rank = super()._replica_rank(what)
@@ -219,32 +219,30 @@ class MirroredStrategy(Strategy):
             return self._elastic.comm.members.index(self.cluster.chief)
         return super()._chief_rank()
 
-    def _comm(self):
+    def _make_communicator_impl(self):
         if self._elastic is not None:
-            return self._elastic.communicator()
-        return super()._comm()
+            return self._elastic.form()          # an elastic communicator, joined
+        return super()._make_communicator_impl()
 
-    def shard_batches(self, batches, rank, size):
+    def _shard_batches_impl(self, batches, rank, size):
         if self._elastic is not None:
             return self._elastic.shards(batches)
-        return super().shard_batches(batches, rank, size)
+        return super()._shard_batches_impl(batches, rank, size)
 
-    def on_optimizer(self, optimizer) -> None:
-        known = len(self._optimizers)
-        super().on_optimizer(optimizer)
-        if self._elastic is not None and len(self._optimizers) > known:
+    def _on_optimizer_impl(self, optimizer) -> None:
+        if self._elastic is not None:
             self._elastic.registered(optimizer)
 
-    def restore(self, path) -> int:
+    def _restore_impl(self, path) -> int:
         """See ``Strategy.restore``. Under shrink, a restarted worker that joined a running job
         already holds the committed state: before its elastic function it returns the step and reads
         nothing (the others are not restoring)."""
         if self._elastic is not None and self._elastic.joined_late and not self._elastic.started:
             return self._step
-        return super().restore(path)
+        return super()._restore_impl(path)
 
     # -- variables ---------------------------------------------------------------------------------
-    def on_scope_end(self, created: list, *, first: bool) -> None:
+    def _on_scope_end_impl(self, created: list, *, first: bool) -> None:
         """Check the replicas created the same variables, then give them all the chief's values."""
         if self._elastic is not None:
             self._elastic.end_scope(created, first)
@@ -272,11 +270,9 @@ class MirroredStrategy(Strategy):
                 variable.assign(value)
 
     # -- the sync point ----------------------------------------------------------------------------
-    def on_apply_gradients(self, optimizer, pairs: list):
+    def _on_apply_gradients_impl(self, optimizer, pairs: list):
         """All-reduce the gradients (weighted mean over the replicas), then apply them on every replica."""
-        self._check_open()
         self.on_optimizer(optimizer)
-        pairs = list(pairs)
         if self.num_replicas_in_sync > 1 and pairs:
             pairs = self._average(pairs)
         with self.recorder.span("optimizer", "optimizer", {"optimizer": optimizer.name}):
@@ -284,24 +280,14 @@ class MirroredStrategy(Strategy):
         self._step += 1
         return result
 
-    def reduce_gradients(self, grads_and_vars) -> list:
+    def _reduce_gradients_impl(self, pairs: list) -> list:
         """The gradients' weighted mean over the replicas (each weighted by its share of the global
         batch, as in ``apply_gradients``), without applying them: the same buckets and all-reduce, for
         an update rule that runs outside stratagem (a ``torch.optim`` optimizer). Returns the averaged
-        gradients in order, as views into the buckets (valid until the next call); counts as a step.
+        gradients in order, as views into the buckets (valid until the next call).
         See ``Strategy.reduce_gradients``."""
-        self._check_open()
-        pairs = list(grads_and_vars)
-        for index, (grad, var) in enumerate(pairs):
-            if grad is None or var.strategy is not self:
-                raise ConfigurationError(
-                    f"reduce_gradients() item {index}: pass (gradient, Variable) pairs of variables created "
-                    f"in this strategy's scope(), without None gradients"
-                )
         if self.num_replicas_in_sync > 1 and pairs:
-            with self.recorder.span("sync", "reduce_gradients", {"gradients": len(pairs)}):
-                pairs = self._average(pairs)
-        self._step += 1
+            pairs = self._average(pairs)
         return [grad for grad, _ in pairs]
 
     def _average(self, pairs: list) -> list:

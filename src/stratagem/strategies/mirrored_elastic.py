@@ -91,10 +91,21 @@ class Snapshot:
 
 
 class ElasticTraining:
-    """The elastic side of one mirrored strategy (see the module doc)."""
+    """The elastic side of one mirrored strategy (see the module doc).
 
-    def __init__(self, strategy, commit_every: int | None):
+    Its collaborators are narrow: the strategy's public API (``transport``, ``cluster``,
+    ``communicator``...), its :class:`~stratagem.strategies.training_state.TrainingState` (the variables,
+    optimizers, step and batch share it copies and rolls back), and two callables the strategy hands
+    over: ``sync_variables(created)`` (check the replicas created the same variables, give them the
+    chief's values) and ``forget_plans()`` (drop the gradient buckets, checked anew in a new world).
+    """
+
+    def __init__(self, strategy, commit_every: int | None, *, sync_variables: Callable[[list], None],
+                 forget_plans: Callable[[], None]):
         self.strategy = strategy
+        self.state = strategy.training_state
+        self._sync_variables = sync_variables
+        self._forget_plans = forget_plans
         self.commit_every = commit_every
         self.comm: ElasticCommunicator | None = None
         self.snapshots: list[Snapshot] = []        # the last two commits, oldest first
@@ -121,17 +132,27 @@ class ElasticTraining:
         return self.comm is not None
 
     def communicator(self) -> ElasticCommunicator:
-        """The replicas' elastic communicator; made, and joined, on first use."""
+        """The replicas' elastic communicator; made, and joined, on first use (the strategy's
+        ``communicator``: its ``shutdown()`` closes it)."""
         if self.comm is None:
-            s = self.strategy
-            comm = ElasticCommunicator(s.transport, s.cluster.replicas(), name=f"strategy.{s.name}",
-                                       coordinator=s.cluster.chief, **s.communicator_options())
-            s._communicator = comm            # shutdown() closes it
-            admission = comm.join()
-            self.comm = comm
-            if admission.joined_late:
-                self._welcome, self.joined_late = admission, True
+            return self.strategy.communicator     # made by form(), through the strategy
         return self.comm
+
+    def form(self) -> ElasticCommunicator:
+        """Make the replicas' elastic communicator and join the world (the strategy calls it once,
+        when its communicator is first needed)."""
+        s = self.strategy
+        comm = ElasticCommunicator(s.transport, s.cluster.replicas(), name=f"strategy.{s.name}",
+                                   coordinator=s.cluster.chief, **s.communicator_options())
+        try:
+            admission = comm.join()
+        except BaseException:
+            comm.close()
+            raise
+        self.comm = comm
+        if admission.joined_late:
+            self._welcome, self.joined_late = admission, True
+        return comm
 
     def end_scope(self, created: list, first: bool) -> None:
         """The first outermost ``scope()`` block ended: join; the first world syncs the variables,
@@ -148,13 +169,13 @@ class ElasticTraining:
             self._load_welcome()
             return
         if comm.size > 1:
-            self.strategy._sync_variables(created)
+            self._sync_variables(created)
         self._snapshot((0, 0))   # commit 0: where every member of the first world starts
 
     def registered(self, optimizer) -> None:
         """A new optimizer: remember its pristine state (restored when a reset goes back to before
         its first step); a newcomer gives it the state it received."""
-        index = next(i for i, o in enumerate(self.strategy._optimizers) if o is optimizer)
+        index = next(i for i, o in enumerate(self.state.optimizers) if o is optimizer)
         self._initial_states[id(optimizer)] = optimizer.state_dict()
         if index < len(self._pending_states):
             optimizer.load_state_dict(self._pending_states[index])
@@ -167,17 +188,17 @@ class ElasticTraining:
             self._load_welcome()
         grow = comm.sync_point()
         consumed = self.consumed
-        if self._in_batch and self.strategy._step == self._step_at_yield:
+        if self._in_batch and self.state.step == self._step_at_yield:
             consumed -= 1   # inside a loop's body, before its update: a retry starts with this batch again
         self._snapshot((self.calls, consumed))
         if grow:
             raise WorldChangedError("a restarted worker is waiting to join at this commit; the world grows")
 
     def _snapshot(self, position: tuple[int, int]) -> None:
-        s = self.strategy
+        s = self.state
         reuse = self.snapshots[0].values if len(self.snapshots) >= 2 else {}
         values = {}
-        for name, variable in s._variables.items():
+        for name, variable in s.variables.items():
             live, old = variable.value, reuse.get(name)
             if old is not None and type(old) is type(live) and old.shape == live.shape and old.dtype == live.dtype:
                 old[...] = live          # the oldest commit's buffers are reused: no allocation per commit
@@ -185,7 +206,7 @@ class ElasticTraining:
             else:
                 values[name] = live.copy()
         number = self.snapshots[-1].number + 1 if self.snapshots else 0
-        snapshot = Snapshot(number, s._step, values, [o.state_dict() for o in s._optimizers], position)
+        snapshot = Snapshot(number, s.step, values, [o.state_dict() for o in s.optimizers], position)
         self.snapshots = [*self.snapshots, snapshot][-2:]
         self.since_commit = 0
 
@@ -194,16 +215,16 @@ class ElasticTraining:
         if snapshot is None:
             raise StratagemError(f"{self.strategy.task}: cannot roll back to commit {number}: it keeps "
                                  f"{[x.number for x in self.snapshots]} (a bug: please report it)")
-        s = self.strategy
-        for name, variable in s._variables.items():
+        s = self.state
+        for name, variable in s.variables.items():
             variable.assign(snapshot.values[name])
-        for index, optimizer in enumerate(s._optimizers):
+        for index, optimizer in enumerate(s.optimizers):
             state = (snapshot.optimizers[index] if index < len(snapshot.optimizers)
                      else self._initial_states.get(id(optimizer)))
             if state is not None:
                 optimizer.load_state_dict(state)
-        s._step = snapshot.step
-        s._plans.clear()   # every member (and a newcomer) checks the gradients anew in the new world
+        s.step = snapshot.step
+        self._forget_plans()   # every member (and a newcomer) checks the gradients anew in the new world
         self.snapshots = [x for x in self.snapshots if x.number <= number]
         self.since_commit = 0
         self.target = snapshot.position
@@ -212,7 +233,7 @@ class ElasticTraining:
     def state_for(self, number: int) -> tuple[dict, list]:
         """The coordinator: commit ``number`` as ``(meta, arrays)`` for a newcomer."""
         snapshot = next(x for x in self.snapshots if x.number == number)
-        names = list(self.strategy._variables)
+        names = list(self.state.variables)
         arrays = [np.ascontiguousarray(_host(snapshot.values[name])) for name in names]
         skeletons, counts = [], []
         for state in snapshot.optimizers:
@@ -227,30 +248,30 @@ class ElasticTraining:
 
     def _load_welcome(self) -> None:
         admission, self._welcome = self._welcome, None
-        s, meta, buffers = self.strategy, admission.state or {}, admission.buffers
+        s, meta, buffers = self.state, admission.state or {}, admission.buffers
         specs = {name: (tuple(shape), dtype) for name, shape, dtype in meta.get("variables", [])}
-        mine = {name: (tuple(v.shape), dtype_key(v.dtype)) for name, v in s._variables.items()}
+        mine = {name: (tuple(v.shape), dtype_key(v.dtype)) for name, v in s.variables.items()}
         if specs != mine:
             problems = [f"{n!r} {specs[n]} is missing here" for n in sorted(specs.keys() - mine.keys())]
             problems += [f"{n!r} {mine[n]} is not in the chief's state" for n in sorted(mine.keys() - specs.keys())]
             problems += [f"{n!r} is {mine[n]} here but {specs[n]} on the chief"
                          for n in sorted(specs.keys() & mine.keys()) if specs[n] != mine[n]]
-            raise ConfigurationError(f"{s.task} cannot join: its variables differ from the chief's: "
+            raise ConfigurationError(f"{self.strategy.task} cannot join: its variables differ from the chief's: "
                                      f"{'; '.join(problems)}. Every replica must create the same variables")
         names = [name for name, _, _ in meta["variables"]]
         values = dict(zip(names, buffers))
         for name in names:
-            s._variables[name].assign(values[name])
+            s.variables[name].assign(values[name])
         offset, states = len(names), []
         for skeleton, count in zip(meta["optimizers"], meta["counts"]):
             states.append(rebuild_state(skeleton, buffers[offset:offset + count]))
             offset += count
         self._pending_states = states
-        for index, optimizer in enumerate(s._optimizers[:len(states)]):
+        for index, optimizer in enumerate(s.optimizers[:len(states)]):
             optimizer.load_state_dict(states[index])
-        s._step = int(meta["step"])
+        s.step = int(meta["step"])
         position = tuple(int(p) for p in meta["position"])
-        self.snapshots = [Snapshot(int(meta["number"]), s._step, {n: values[n].copy() for n in names},
+        self.snapshots = [Snapshot(int(meta["number"]), s.step, {n: values[n].copy() for n in names},
                                    states, position)]
         self.since_commit, self.target, self._replay_next = 0, position, True
 
@@ -306,7 +327,7 @@ class ElasticTraining:
                     "function, or pass a list (any iterable that iter() starts afresh)")
         if _one_shot(batches):
             self._iterators.add(batches)
-        s, comm = self.strategy, self.comm
+        s, comm = self.state, self.comm
         self.consumed = skip
         for index, batch in enumerate(batches):
             if index < skip:
@@ -314,10 +335,10 @@ class ElasticTraining:
             if self.commit_every is not None and self.since_commit >= self.commit_every:
                 self.commit()
             shard, rows, total = shard_batch(batch, comm.rank, comm.size, what=f"global batch {index}")
-            s._batch_share = rows / total if total else 1.0 / comm.size
+            s.batch_share = rows / total if total else 1.0 / comm.size
             self.consumed = index + 1
             self.since_commit += 1
-            self._in_batch, self._step_at_yield = True, s._step
+            self._in_batch, self._step_at_yield = True, s.step
             try:
                 yield shard
             finally:

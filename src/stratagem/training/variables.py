@@ -373,16 +373,19 @@ class Variable:
 
     @property
     def store(self) -> VariableStore:
-        """Where the value lives (:class:`LocalStore` unless the strategy replaced it)."""
+        """Where the value lives (:class:`LocalStore` unless the strategy replaced it). A strategy
+        sets it when the variable is created (``variable.store = ...``): the value lives there from now on."""
         return self._store
+
+    @store.setter
+    def store(self, store: VariableStore) -> None:
+        self.set_store(store)
 
     def set_store(self, store: VariableStore) -> None:
         """For strategies (in ``on_variable``): keep the value in ``store`` from now on."""
         if not isinstance(store, VariableStore):
             raise ConfigurationError(f"a variable's store must be a VariableStore, not {type(store).__name__}")
         self._store = store
-
-    _set_store = set_store   # the name strategies used before it was public
 
     # -- reading ---------------------------------------------------------------------------------------
     @property

@@ -17,8 +17,8 @@ class SoloStrategy(Strategy):
             return "solo keeps every replica in one process; use an in-process transport ('loopback' or 'local')"
         return None
 
-    def run(self, fn, args=(), kwargs=None):
-        result = super().run(fn, args, kwargs)
+    def _run_impl(self, fn, args, kwargs):      # the extension hook: run() has checked the arguments
+        result = super()._run_impl(fn, args, kwargs)
         self.steps += 1
         if self.config["verbose"]:
             print(f"solo: step {self.steps} on {self.task}")

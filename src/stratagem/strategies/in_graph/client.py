@@ -210,7 +210,7 @@ class Client:
                 handle.wait(1.0)
         outcomes = [outcome for outcome, _, _ in planned]
         failures = [(o.replica, o.failure) for o in outcomes if o.failure is not None]
-        self._handle_failures(failures, f"during step {self.strategy._step + 1}")
+        self._handle_failures(failures, f"during step {self.strategy.training_state.step + 1}")
         if failures:
             return None
         for outcome in outcomes:
@@ -224,7 +224,7 @@ class Client:
 
     def _send(self, fn, tree, remote: list, attempt: int) -> list:
         fn_meta, fn_data = self.sender.describe(fn)
-        stores = {name: var.store for name, var in self.strategy._variables.items()}
+        stores = {name: var.store for name, var in self.strategy.training_state.variables.items()}
         host: dict[str, np.ndarray] = {}        # each value copied off a GPU at most once per step
         handles = []
         for outcome, lo, hi in remote:
@@ -340,7 +340,7 @@ class Client:
                 pairs.append((acc, variable))
             strategy.on_optimizer(optimizer)
             optimizer.apply_dense(pairs)
-            strategy._step += 1
+            strategy.training_state.step += 1
 
 
 def _check_same_calls(reference: _Outcome, other: _Outcome) -> None:

@@ -50,7 +50,7 @@ _MISSING = ": every task must run the same script (and define the step where the
 def _persistent_ids(strategy, optimizer_key) -> Callable[[Any], Any]:
     """The references a serialized step holds (see the module doc), as pickle persistent ids."""
     buffers: dict = {}           # id of a value, or (address, bytes, shape) -> variable name
-    for name, var in strategy._variables.items():
+    for name, var in strategy.training_state.variables.items():
         array = var.store.array
         buffers[id(array)] = name
         if not is_device_array(array) and array.nbytes:
@@ -128,9 +128,10 @@ class FunctionSender:
 class FunctionResolver:
     """The replica's half: finds functions by name and unpickles serialized ones (authenticated only)."""
 
-    def __init__(self, strategy, serving_context: Callable):
+    def __init__(self, strategy, serving_context: Callable, server):
         self._strategy = strategy
         self._serving_context = serving_context
+        self._server = server         # the ReplicaServer: what serialized steps' references resolve to
         self.script_path, self.script_sha = remote_code.main_script()
         self.client_script_sha: str | None = None
         self._named: dict[tuple[str, str], Callable] = {}
@@ -221,7 +222,7 @@ class FunctionResolver:
             with self._serving_context():
                 fn = remote_code.loads_function(data, authenticated=self._strategy.transport.secret is not None,
                                                 where=str(self._strategy.task), expected_digest=digest,
-                                                persistent_load=_persistent_loads(self._strategy._server))
+                                                persistent_load=_persistent_loads(self._server))
         remember(self.pickled, digest, fn)
         return fn
 

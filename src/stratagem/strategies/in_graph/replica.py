@@ -135,7 +135,7 @@ class ReplicaServer:
         self.strategy = strategy
         self.transport = strategy.transport
         self.client = strategy.cluster.chief
-        self.resolver = FunctionResolver(strategy, serving_context)
+        self.resolver = FunctionResolver(strategy, serving_context, self)
         self._held: dict[str, HeldValue] = {}
         self.scope_context = _PickledScope(self)
         self._stand_in_vars: dict[str, Variable] = {}
@@ -162,7 +162,7 @@ class ReplicaServer:
                 f"variable {variable.name!r} is {variable.dtype}{list(variable.shape)} in the replica's copy "
                 f"of your script but {held.array.dtype}{list(held.array.shape)} on the client"
             )
-        variable._set_store(held)
+        variable.store = held
 
     def pickled_variable(self, name: str):
         variable = self._stand_in_vars.get(name)
@@ -170,7 +170,7 @@ class ReplicaServer:
             held = self.held(name)
             with strategy_scope(self.scope_context):
                 variable = Variable(held.array, name=name)
-            variable._set_store(held)
+            variable.store = held
             self._stand_in_vars[name] = variable
         return variable
 

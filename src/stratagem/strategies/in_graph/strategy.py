@@ -98,7 +98,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import numpy as np
 
@@ -106,7 +106,7 @@ from stratagem.core.cluster import is_evaluator
 from stratagem.core.errors import ConfigurationError, JobFailedError, PeerLostError, TransportTimeout
 from stratagem.core.failures import culprit_of
 from stratagem.core.lifecycle import note_failure
-from stratagem.strategies.base import Strategy, evaluator_refusal, global_batches
+from stratagem.strategies.base import Strategy, evaluator_refusal
 from stratagem.strategies.in_graph.client import Client, ReplicaError
 from stratagem.strategies.in_graph.devices import CURRENT_STEP, ClientStore, parse_devices
 from stratagem.strategies.in_graph.functions import MODES
@@ -193,7 +193,7 @@ class InGraphStrategy(Strategy):
             raise
 
     # -- options -----------------------------------------------------------------------------------
-    def check_config(self) -> None:
+    def _check_config_impl(self) -> None:
         config = self.config
         parse_devices(config["devices"])
         if config["on_replica_failure"] not in FAILURE_POLICIES:
@@ -239,11 +239,10 @@ class InGraphStrategy(Strategy):
             _SERVING.reset(token)
 
     # -- where this process sits ----------------------------------------------------------------------
-    @property
-    def num_replicas_in_sync(self) -> int:
+    def _num_replicas_impl(self) -> int:
         """How many replicas split each batch (the client's devices and the workers still in)."""
         if getattr(self, "_client", None) is None:
-            return super().num_replicas_in_sync
+            return super()._num_replicas_impl()
         return sum(1 for r in self._client.replicas if r.alive)
 
     @property
@@ -257,17 +256,16 @@ class InGraphStrategy(Strategy):
         return dict(self._client.lost) if self._client else {}
 
     # -- variables ---------------------------------------------------------------------------------------
-    def on_variable(self, variable) -> None:
-        super().on_variable(variable)
+    def _on_variable_impl(self, variable) -> None:
         if self._role == "client":
-            variable._set_store(ClientStore(variable.name, variable.store.read(), self._changed))
+            variable.store = ClientStore(variable.name, variable.store.read(), self._changed)
         elif self._server is not None:
             self._server.adopt(variable)
 
     def _changed(self, name: str) -> int:
         return next(self._versions)
 
-    def on_apply_gradients(self, optimizer, pairs: list):
+    def _on_apply_gradients_impl(self, optimizer, pairs: list):
         context = CURRENT_STEP.get()
         if context is not None:
             context.record(optimizer, pairs)   # applied by the client once every replica is done
@@ -275,11 +273,11 @@ class InGraphStrategy(Strategy):
         if self._role != "client":
             raise ConfigurationError("under in_graph, apply_gradients() runs inside a step function, which "
                                      "the client runs through strategy.run()")
-        return super().on_apply_gradients(optimizer, pairs)
+        return super()._on_apply_gradients_impl(optimizer, pairs)
 
-    def fingerprint(self) -> str:
+    def _fingerprint_impl(self) -> str:
         with self._quiet_reads():
-            return super().fingerprint()
+            return super()._fingerprint_impl()
 
     @contextlib.contextmanager
     def _quiet_reads(self):
@@ -306,24 +304,18 @@ class InGraphStrategy(Strategy):
         if self._role != "client":
             raise ConfigurationError(f"{what} is for the in_graph client ({self.cluster.chief}), not {self.task}")
 
-    def run(self, fn: Callable, args: tuple = (), kwargs: Mapping[str, Any] | None = None) -> PerReplica:
+    def _run_impl(self, fn: Callable, args: tuple, kwargs: dict) -> PerReplica:
         """Split the arguments' rows over the replicas, run ``fn`` on each, apply the merged gradients.
 
         Returns a :class:`PerReplica` of the replicas' return values (see the module doc).
         """
         self._check_client("strategy.run()")
-        if not callable(fn):
-            raise TypeError(f"run() needs a callable step function, got {type(fn).__name__}")
-        if not isinstance(args, (tuple, list)):
-            raise TypeError(f"args must be a tuple of positional arguments, e.g. args=(x,), got {type(args).__name__}")
-        tree = (tuple(args), dict(kwargs or {}))
-        rows = batch_rows(("args", tree[0]), ("kwargs", tree[1]))
+        rows = batch_rows(("args", args), ("kwargs", kwargs))
         if rows == 0:
             raise ConfigurationError("the batch passed to run() has no rows")
-        with self.recorder.span("step", "step", {"rows": rows}):
-            return self._client.step(fn, tree, rows)
+        return self._client.step(fn, (args, kwargs), rows)
 
-    def reduce(self, op, value, axis: int | None = None):
+    def _reduce_impl(self, op: str, value, axis: int | None):
         """Combine a :class:`PerReplica` over the replicas with ``op`` (``ReduceOp.SUM``/``MEAN``, or
         sum, mean, min, max, prod; ``axis`` as in ``Strategy.reduce``).
 
@@ -331,26 +323,26 @@ class InGraphStrategy(Strategy):
         whole batch's mean). Any other value is already the client's, and comes back as it is.
         """
         self._check_client("strategy.reduce()")
-        return super().reduce(op, value, axis)
+        return super()._reduce_impl(op, value, axis)
 
-    def _reduce_impl(self, op: str, value):
+    def _reduce_host_impl(self, op: str, value):
         if isinstance(value, PerReplica):
             return reduce_per_replica(op, value)
         return np.array(value, copy=True) if isinstance(value, np.ndarray) else value
 
-    def input_pipeline(self) -> tuple[int, int]:
+    def _input_pipeline_impl(self) -> tuple[int, int]:
         """The client reads the whole data in one pipeline (``run`` splits each batch over the replicas)."""
         self._check_client("strategy.distribute_datasets_from_function()")
         return 1, 0
 
-    def distribute_dataset(self, dataset):
+    def _distribute_dataset_impl(self, batches):
         """Yield the global batches of ``dataset`` whole: under in_graph, ``run`` splits them.
 
         So a loop written for ``mirrored`` (``for x, y in strategy.distribute_dataset(batches):
         strategy.run(step, args=(x, y))``) runs unchanged.
         """
         self._check_client("strategy.distribute_dataset()")
-        return self._whole(global_batches(dataset))
+        return self._whole(batches)
 
     @staticmethod
     def _whole(batches):
@@ -358,17 +350,13 @@ class InGraphStrategy(Strategy):
             batch_rows((f"global batch {index}", batch))
             yield batch
 
-    def save(self, path, **kwargs) -> str:
+    def _save_impl(self, path, max_to_keep) -> str:
         self._check_client("strategy.save()")
-        return super().save(path, **kwargs)
+        return super()._save_impl(path, max_to_keep)
 
-    save.__doc__ = Strategy.save.__doc__
-
-    def restore(self, path) -> int:
+    def _restore_impl(self, path) -> int:
         self._check_client("strategy.restore()")
-        return super().restore(path)
-
-    restore.__doc__ = Strategy.restore.__doc__
+        return super()._restore_impl(path)
 
     def _share_from_chief(self, obj):
         return obj                            # the client alone holds the variables
@@ -377,28 +365,25 @@ class InGraphStrategy(Strategy):
         return list(arrays)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        """Tell every worker task to stop serving (they exit), then close the transport. Idempotent."""
-        if _SERVING.get() is self or self.closed:
+    def _shutdown_impl(self) -> None:
+        """Tell every worker task to stop serving (they exit), then close the transport."""
+        if _SERVING.get() is self:
             return                            # a replica's script import: the replica keeps serving
         try:
             if getattr(self, "_client", None) is not None:
                 self._client.release()
         finally:
-            super().shutdown()
+            super()._shutdown_impl()
 
-    def leave_with_error(self, error: str) -> None:
+    def _leave_with_error_impl(self, error: str) -> None:
         """The script failed: on the client, first tell the replicas which task the job failed because
         of (a replica whose failure the last step raised, else this client), so that each names it."""
         client = getattr(self, "_client", None)
-        if client is not None and not self.closed:
+        if client is not None:
             blamed = client.blamed
             culprit = blamed[0] if blamed is not None and str(blamed[1]) in error else self.task
             client.abort(culprit, error)
-        super().leave_with_error(error)
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
+        super()._leave_with_error_impl(error)
 
     def __repr__(self) -> str:
         if getattr(self, "_role", None) == "worker":

@@ -64,9 +64,8 @@ from stratagem.ps.placement import Placer
 from stratagem.ps.client import PSClient
 from stratagem.ps.protocol import check_mode, describe_spec, piece_spec, same_spec, task_key
 from stratagem.ps.server import ParameterServer
-from stratagem.strategies.base import Strategy, global_batches
+from stratagem.strategies.base import Strategy
 from stratagem.strategies import compressing
-from stratagem.strategies.checkpoints import DEFAULT_MAX_TO_KEEP
 from stratagem.strategies.ps.remote import RemoteVariables
 from stratagem.core.wire import dtype_name
 
@@ -112,7 +111,7 @@ class PSStrategyBase(Strategy):
         if self.task.job == "ps":
             self._serve()
 
-    def check_config(self) -> None:
+    def _check_config_impl(self) -> None:
         config = self.config
         check_mode(config["mode"], config["replicas_to_aggregate"], config["total_replicas"],
                    config["staleness"], 10**9 if config["total_replicas"] is None else config["total_replicas"])
@@ -188,14 +187,13 @@ class PSStrategyBase(Strategy):
             raise ConfigurationError(f"{self.task} is a ps task: it serves the variables and cannot {what}")
 
     # -- variables ---------------------------------------------------------------------------------
-    def on_variable(self, variable) -> None:
+    def _on_variable_impl(self, variable) -> None:
         self._check_worker("create variables")
         try:
             dtype_name(variable.dtype)
         except ProtocolError as exc:
             raise ConfigurationError(f"variable {variable.name!r} cannot live on a ps task: {exc}") from None
-        super().on_variable(variable)
-        variable.set_store(self._remote.add(variable, self._place(variable)))
+        variable.store = self._remote.add(variable, self._place(variable))
 
     def _place(self, variable) -> list:
         """The pieces of a new variable and their shards (the placement policy's choice)."""
@@ -210,7 +208,7 @@ class PSStrategyBase(Strategy):
         except KeyError:
             raise ConfigurationError(f"{self.task} has no variable {name!r} on the ps tasks") from None
 
-    def on_scope_end(self, created: list, *, first: bool) -> None:
+    def _on_scope_end_impl(self, created: list, *, first: bool) -> None:
         if self.task.job == "ps" or not (created or first):
             return
         if self.is_chief:
@@ -273,7 +271,7 @@ class PSStrategyBase(Strategy):
                                      f"mode={config.get('mode')!r}; start every task with the same options")
 
     # -- the sync point ----------------------------------------------------------------------------
-    def on_apply_gradients(self, optimizer, pairs: list):
+    def _on_apply_gradients_impl(self, optimizer, pairs: list):
         """Push the gradients to the shards; the servers apply them (by the mode)."""
         self._check_worker("apply gradients")
         self._check_trains()
@@ -296,7 +294,7 @@ class PSStrategyBase(Strategy):
         self._step = optimizer.iterations = remote.global_step
         return self.last_push
 
-    def reduce_gradients(self, grads_and_vars) -> list:
+    def _reduce_gradients_impl(self, pairs: list) -> list:
         """Refused: on parameter servers the gradients are reduced and applied on the ps tasks."""
         raise ConfigurationError(
             f"under {self.name!r} the gradients are reduced and applied on the ps tasks: push them with "
@@ -342,15 +340,14 @@ class PSStrategyBase(Strategy):
         """This task's acknowledged pushes, ``{shard: {status: count}}``."""
         return {i: dict(c) for i, c in self._client.acks.items()}
 
-    @property
-    def num_replicas_in_sync(self) -> int:
+    def _num_replicas_impl(self) -> int:
         """Replicas whose gradients make one update: ``replicas_to_aggregate`` under ``sync``, else 1."""
         consistency = getattr(self, "consistency", None)
         if consistency and consistency["mode"] == "sync":
             return consistency["replicas_to_aggregate"]
         return 1
 
-    def distribute_dataset(self, dataset):
+    def _distribute_dataset_impl(self, batches):
         """This task's shard of each global batch, split over the tasks that push gradients (see
         ``Strategy.distribute_dataset``); under ``sync`` the shards' row counts weigh the mean."""
         self._check_worker("take a shard of the data")
@@ -359,9 +356,9 @@ class PSStrategyBase(Strategy):
         me = task_key(self.task)
         if me not in pushers:
             raise ConfigurationError(f"{self.task} does not compute gradients under {self.name!r}")
-        return self.shard_batches(global_batches(dataset), pushers.index(me), len(pushers))
+        return self._shard_batches_impl(batches, pushers.index(me), len(pushers))
 
-    def input_pipeline(self) -> tuple[int, int]:
+    def _input_pipeline_impl(self) -> tuple[int, int]:
         """One input pipeline per task that pushes gradients (``distribute_datasets_from_function``)."""
         self._check_worker("take a part of the data")
         pushers = self._pushers()
@@ -371,7 +368,7 @@ class PSStrategyBase(Strategy):
         return len(pushers), pushers.index(me)
 
     # -- checkpoints ---------------------------------------------------------------------------------
-    def save(self, path, *, max_to_keep: int = DEFAULT_MAX_TO_KEEP) -> str | None:
+    def _save_impl(self, path, max_to_keep) -> str | None:
         """On the chief: write a checkpoint of every variable on the shards, the optimizer's state and
         the global step into directory ``path``; return its file. Other tasks need not call it (they
         get ``None``). Partitioned variables are reassembled: the checkpoint does not depend on the
@@ -383,7 +380,7 @@ class PSStrategyBase(Strategy):
         extra = {"strategy": self.name, "mode": self.consistency["mode"], "ps_tasks": self._client.num_shards}
         return checkpoint.save(path, values, state, step, extra=extra, max_to_keep=max_to_keep)
 
-    def restore(self, path) -> int:
+    def _restore_impl(self, path) -> int:
         """On the chief: load checkpoint ``path`` (a file, or a directory's latest) onto the shards:
         values, optimizer state, global step; return the step. On other tasks: refresh the values and
         return the global step (the chief's restore may not have happened yet: to restore before
@@ -400,10 +397,10 @@ class PSStrategyBase(Strategy):
                                                                  self._variables, path)
 
     # -- lifecycle -----------------------------------------------------------------------------------
-    def shutdown(self) -> None:
+    def _shutdown_impl(self) -> None:
         """Tell the shards this task is leaving (they stop once every replica has), then close."""
         self._say_goodbye()
-        super().shutdown()
+        super()._shutdown_impl()
 
     def _say_goodbye(self) -> None:
         """Tell the shards this task leaves, with ``_exit_error`` if it failed (best effort)."""
@@ -420,7 +417,7 @@ class PSStrategyBase(Strategy):
             self._exit_error = f"{type(exc).__name__}: {exc}"
         self.shutdown()
 
-    def leave_with_error(self, error: str) -> None:
+    def _leave_with_error_impl(self, error: str) -> None:
         # The script ended by an exception: the shards learn why (and fail the job, naming this task)
         # rather than seeing a replica vanish, which they would take for a worker to be restarted.
         self.fail(error)

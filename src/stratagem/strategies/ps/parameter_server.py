@@ -80,7 +80,6 @@ from stratagem.ps.client import PSClient
 from stratagem.strategies.ps.adopt import Adoption
 from stratagem.strategies.ps.coordinator import FUNCTION_MODES, Coordinator, PerWorkerDataset, RemoteValue
 from stratagem.ps.protocol import task_key
-from stratagem.strategies.base import global_batches
 from stratagem.strategies.ps.base import READY_POLL, PSStrategyBase
 from stratagem.strategies.ps.stall import Stalled, StallWatch
 from stratagem.strategies.ps.worker import Worker
@@ -114,8 +113,8 @@ class ParameterServerStrategy(PSStrategyBase):
         elif not self.is_evaluator:          # an evaluator runs its own script, reading the variables
             self._serve_closures()
 
-    def check_config(self) -> None:
-        super().check_config()
+    def _check_config_impl(self) -> None:
+        super()._check_config_impl()
         if self.config["functions"] not in FUNCTIONS:
             raise ConfigurationError(f"functions must be one of {', '.join(map(repr, FUNCTIONS))}, "
                                      f"got {self.config['functions']!r}")
@@ -155,16 +154,16 @@ class ParameterServerStrategy(PSStrategyBase):
         ``ShardLostError`` if a ps task is gone."""
         self._require_coordinator("join()").join(timeout)
 
-    def distribute_dataset(self, dataset):
+    def _distribute_dataset_impl(self, batches):
         """On the coordinator: the global batches as they are. Each step the coordinator runs
         (``run``, ``schedule``) computes on the whole batch it is given, on one worker, so the
         coordinator's loop is the loop of one process (to give each worker data of its own, use
         :meth:`create_per_worker_dataset`)."""
         self._check_trains()
         self._require_coordinator("distribute_dataset()")
-        return global_batches(dataset)
+        return batches
 
-    def run(self, fn: Callable, args: tuple = (), kwargs: Mapping[str, Any] | None = None):
+    def _run_impl(self, fn: Callable, args: tuple, kwargs: dict):
         """On the coordinator: schedule ``fn`` and wait for its result."""
         return self.schedule(fn, args, kwargs).fetch()
 
@@ -249,9 +248,9 @@ class ParameterServerStrategy(PSStrategyBase):
             )
         return super()._place(variable)
 
-    def leave_with_error(self, error: str) -> None:
+    def _leave_with_error_impl(self, error: str) -> None:
         if getattr(self, "_coordinator", None) is None or self._closed:
-            super().leave_with_error(error)
+            super()._leave_with_error_impl(error)
             return
         # The coordinator failed: the shards learn why, and the workers must not take the end for
         # a normal one (which tells them to exit 0): they are told the job failed, naming the task it
@@ -261,12 +260,12 @@ class ParameterServerStrategy(PSStrategyBase):
         culprit = blamed[0] if blamed is not None and str(blamed[1]) in error else self.task
         self._coordinator.abort(culprit, error)
         self._say_goodbye()
-        # Past PSStrategyBase's override, whose shutdown() would tell the workers to exit normally.
-        super(PSStrategyBase, self).leave_with_error(error)
+        # Not PSStrategyBase's fail(), whose shutdown() would tell the workers to exit normally.
+        self._abandon(error)
 
-    def shutdown(self) -> None:
+    def _shutdown_impl(self) -> None:
         """On the coordinator: cancel what is queued, tell the workers to exit; then leave the shards."""
         coordinator = getattr(self, "_coordinator", None)
-        if coordinator is not None and not self._closed:
+        if coordinator is not None:
             coordinator.shutdown()
-        super().shutdown()
+        super()._shutdown_impl()
