@@ -608,7 +608,7 @@ def test_a_variable_with_a_remote_store_is_written_back():
     class Sharding(FakeStrategy):
         def on_variable(self, var):
             super().on_variable(var)
-            var.store = (CopyStore(var.value))
+            var.store = CopyStore(var.value)
 
     strategy = Sharding()
     with strategy.scope():

@@ -290,7 +290,7 @@ class RemoteStore(VariableStore):
 class ShardingStrategy(FakeStrategy):
     def on_variable(self, var):
         super().on_variable(var)
-        var.store = (RemoteStore(var.value))
+        var.store = RemoteStore(var.value)
 
 
 def test_a_strategy_can_replace_the_store():
