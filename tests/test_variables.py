@@ -305,7 +305,7 @@ def test_a_strategy_can_replace_the_store():
     np.testing.assert_array_equal(w.numpy(), [1.5, 2.5])
     assert len(store.writes) == 3 and all(a.dtype == np.float32 for a in store.writes)
     with pytest.raises(ConfigurationError, match="VariableStore"):
-        w._set_store(object())
+        w.store = object()
 
 
 def test_local_store_writes_in_place():

@@ -87,48 +87,51 @@ class Mailbox:
             message = self._pop(src, tag)
             if message is not None:  # already here: no deadline, no waiting
                 return message
-            return self._wait(src, tag, timeout, pump)
+        return self._wait(src, tag, timeout, pump)
 
     def _wait(self, src: TaskId | None, tag: str, timeout: float | None, pump):
-        """``get``'s waiting loop (lock held)."""
+        """``get``'s waiting loop. It holds the lock only inside ``with`` blocks, never across ``pump``:
+        an exception that a signal handler raises in this thread (the user's SIGALRM, SIGUSR1...) may
+        land while the thread waits to take the lock back, and must then leave with the lock untouched,
+        not release a lock this thread does not hold (``RuntimeError: release unlocked lock`` in place
+        of the user's exception)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         recorder = self.recorder
         waiting_since = None  # when this call started to wait on ``src``
         while True:
-            message = self._pop(src, tag)
-            if message is not None:
-                if waiting_since is not None:
-                    recorder.wait(src, tag, waiting_since, recorder.now())
-                return message
-            if self._closed is not None:
-                raise TransportClosed(f"{self.owner}: transport closed while waiting for {tag!r} ({self._closed})")
-            if src is not None and src in self._lost:
-                raise PeerLostError(src, f"{self._lost[src]} (while {self.owner} waited for {tag!r})")
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                if waiting_since is not None:
-                    recorder.wait(src, tag, waiting_since, recorder.now(), timed_out=True)
-                who = "any peer" if src is None else str(src)
-                raise TransportTimeout(
-                    f"{self.owner}: no message {tag!r} from {who} within {timeout:g} s "
-                    f"(is that task running and calling the same operation?)"
-                )
-            if waiting_since is None and src is not None:
-                waiting_since = recorder.now()   # only the waits on a named peer: see timeline
-            if pump is None:
-                self._sleep(remaining)
-                continue
-            self._lock.release()
-            try:
-                pumped = pump(remaining)
-            finally:
-                self._lock.acquire()
-            if pumped and self._sleeping:
-                self._cond.notify_all()  # this thread stopped reading: another waiter may take over
-            if not pumped:
-                # Another thread is reading and notifies when it files something; the short
-                # timeout covers the moment it stops reading, when this thread should take over.
-                self._sleep(_RETRY_READ if remaining is None else min(remaining, _RETRY_READ))
+            with self._lock:
+                message = self._pop(src, tag)
+                if message is not None:
+                    if waiting_since is not None:
+                        recorder.wait(src, tag, waiting_since, recorder.now())
+                    return message
+                if self._closed is not None:
+                    raise TransportClosed(
+                        f"{self.owner}: transport closed while waiting for {tag!r} ({self._closed})")
+                if src is not None and src in self._lost:
+                    raise PeerLostError(src, f"{self._lost[src]} (while {self.owner} waited for {tag!r})")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    if waiting_since is not None:
+                        recorder.wait(src, tag, waiting_since, recorder.now(), timed_out=True)
+                    who = "any peer" if src is None else str(src)
+                    raise TransportTimeout(
+                        f"{self.owner}: no message {tag!r} from {who} within {timeout:g} s "
+                        f"(is that task running and calling the same operation?)"
+                    )
+                if waiting_since is None and src is not None:
+                    waiting_since = recorder.now()   # only the waits on a named peer: see timeline
+                if pump is None:
+                    self._sleep(remaining)
+                    continue
+            pumped = pump(remaining)
+            with self._lock:
+                if pumped and self._sleeping:
+                    self._cond.notify_all()  # this thread stopped reading: another waiter may take over
+                if not pumped:
+                    # Another thread is reading and notifies when it files something; the short
+                    # timeout covers the moment it stops reading, when this thread should take over.
+                    self._sleep(_RETRY_READ if remaining is None else min(remaining, _RETRY_READ))
 
     def _sleep(self, seconds: float | None) -> None:
         self._sleeping += 1

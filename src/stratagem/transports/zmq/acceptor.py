@@ -41,6 +41,7 @@ from stratagem.transports.framing import Reassembler
 log = logging.getLogger("stratagem.transports.zmq.transport")
 
 _LOG_EVERY = 100  # after the first few, log one rejected frame in this many per connection
+_MAX_ROUTING_ID = 255  # ZeroMQ routing ids are 1 to 255 bytes: a longer first part is not one
 
 
 def _source_fd(frame) -> int:
@@ -189,9 +190,14 @@ class ZmqAcceptor:
 
     def reject(self, routing_id: bytes, reason: str) -> None:
         """Drop a frame from ``routing_id`` for ``reason``: count it, and log it (the first few)."""
+        if len(routing_id) > _MAX_ROUTING_ID:
+            # Not a connection's id: the rest of a message whose first parts were lost (an exception
+            # took them halfway through the read). Logged once per kind, never kept as a connection.
+            routing_id = b"<the rest of a message>"
         count = self._rejected[routing_id] = self._rejected.get(routing_id, 0) + 1
         if count <= 3 or count % _LOG_EVERY == 0:
             conn = self._incoming.get(routing_id)
-            who = str(conn.task) if conn is not None and conn.task else f"connection {routing_id.hex()}"
+            who = (str(conn.task) if conn is not None and conn.task else
+                   f"connection {routing_id.hex()}" if not routing_id.startswith(b"<") else routing_id.decode())
             log.warning("%s: dropped a frame from %s (%d so far): %s", self.task, who, count, reason)
         self.stats["rejected_frames"] += 1  # counted after the log, so a test that sees it sees both

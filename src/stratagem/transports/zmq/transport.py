@@ -83,7 +83,7 @@ import threading
 import time
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.monitor import parse_monitor_message
 
 from stratagem.core import ports, wire
 from stratagem.core.acceptor import CONTROL_LIMITS, Acceptor
@@ -212,6 +212,8 @@ class ZmqTransport(Transport):
         self._handshakes: dict[zmq.Socket, _Peer] = {}   # DEALERs whose answers the reader reads
         self._poller: zmq.Poller | None = None
         self._pending_loss: dict[TaskId, tuple[float, str, _Peer]] = {}
+        self._monitor_parts: dict[zmq.Socket, list] = {}   # a monitor event half read (see _monitor_event)
+        self._router_parts: list = []                       # a message half read (see _router_message)
         self._polled_at = 0.0
         self._router_timeout = -1  # the ROUTER's RCVTIMEO (ms), set by _receive_one
         self.address: str | None = None
@@ -533,9 +535,7 @@ class ZmqTransport(Transport):
             self._router.setsockopt(zmq.RCVTIMEO, ms)
             self._router_timeout = ms
         try:
-            parts = [self._router.recv(copy=False)]
-            while parts[-1].more:  # the rest of a message is there once its first part is
-                parts.append(self._router.recv(copy=False))
+            parts = self._router_message(0)
         except zmq.Again:
             return
         except zmq.ZMQError:
@@ -571,7 +571,9 @@ class ZmqTransport(Transport):
                 self._control_in.recv()  # "wake" (the reader's), "watch": each just wakes the poll
         if self._router_monitor in ready:  # first: a connection's end comes before a reuse of its fd
             while self._router_monitor.poll(0):
-                self._acceptor.connection_closed(recv_monitor_message(self._router_monitor)["value"])
+                event = self._monitor_event(self._router_monitor)
+                if event is not None:
+                    self._acceptor.connection_closed(event["value"])
         if self._zap is not None and self._zap in ready:
             self._answer_zap()
         if self._router in ready:
@@ -630,13 +632,24 @@ class ZmqTransport(Transport):
             if not router.get(_EVENTS) & _POLLIN:
                 return count > 0
             try:
-                parts = [router.recv(_NOBLOCK, copy=False)]
+                parts = self._router_message(_NOBLOCK)
             except zmq.Again:
                 return count > 0
-            while parts[-1].more:  # the rest of a message is there once its first part is
-                parts.append(router.recv(copy=False))
             self._handle(parts)
         return True
+
+    def _router_message(self, flags: int) -> list:
+        """The next whole message on the ROUTER. Its parts are read one at a time and kept when an
+        exception stops the read halfway (one a signal handler raises in a ``recv()`` that reads in the
+        main thread): the next read goes on with that message, whose rest is never taken for a message
+        of its own. ``flags`` apply to the first part; the rest is there once the first part is."""
+        parts = self._router_parts
+        if not parts:
+            parts.append(self._router.recv(flags, copy=False))
+        while parts[-1].more:
+            parts.append(self._router.recv(copy=False))
+        self._router_parts = []
+        return parts
 
     def _handle(self, parts: list) -> None:
         """One message from the ROUTER: ``[routing id, ...]``."""
@@ -685,7 +698,10 @@ class ZmqTransport(Transport):
     # -- failure detection -------------------------------------------------------------------------
     def _on_monitor(self, peer: _Peer) -> bool:
         """Handle one monitor event; True when the monitor is finished."""
-        event = recv_monitor_message(peer.monitor)["event"]
+        message = self._monitor_event(peer.monitor)
+        if message is None:
+            return False
+        event = message["event"]
         if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
             peer.connected = True
         elif event in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
@@ -706,6 +722,24 @@ class ZmqTransport(Transport):
         # Read to the end: ZeroMQ's I/O thread *blocks* sending an event to a monitor nobody reads,
         # and then serves no connection of this process at all (not even heartbeats).
         return event == zmq.EVENT_MONITOR_STOPPED
+
+    def _monitor_event(self, monitor: zmq.Socket) -> dict | None:
+        """The next event of a monitor socket (a message of two frames), read one frame at a time and
+        kept when half read: pyzmq's ``recv_multipart`` reads frames one by one, and an exception a
+        signal handler raises between them (the user's SIGINT or SIGALRM, in a ``recv()`` that reads
+        in the main thread) would leave the second frame to be taken for an event of its own."""
+        parts = self._monitor_parts.setdefault(monitor, [])
+        while True:
+            parts.append(monitor.recv(copy=True))
+            if not monitor.get(zmq.RCVMORE):
+                break
+        del self._monitor_parts[monitor]
+        if len(parts) != 2 or len(parts[0]) != 6:
+            # The rest of an event whose first frame was taken and lost (the exception landed after
+            # pyzmq had read it): the event is gone; a lost peer is still found by its heartbeats.
+            log.debug("%s: skipped the rest of a monitor event: %r", self.task, parts)
+            return None
+        return parse_monitor_message(parts)
 
     def _settle_losses(self) -> None:
         now = time.monotonic()
