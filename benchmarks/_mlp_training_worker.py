@@ -172,7 +172,7 @@ class Meter:
 
 def instrument(strategy, meter: Meter) -> list[str]:
     """Wrap the strategy's bucket all-reduce, its gradient averaging and its transport's sends."""
-    from stratagem.strategies import mirrored
+    from stratagem.strategies.mirrored import strategy as mirrored
 
     how = []
     bucket_cls = getattr(mirrored, "_Bucket", None)

@@ -320,7 +320,7 @@ def main(argv=None) -> int:
         pkg = os.path.dirname(stratagem.__file__)
         import hashlib
 
-        env.setdefault("stratagem_sources_sha256", {})["strategies/mirrored.py"] = hashlib.sha256(
+        env.setdefault("stratagem_sources_sha256", {})["strategies/mirrored/strategy.py"] = hashlib.sha256(
             open(os.path.join(pkg, "strategies", "mirrored.py"), "rb").read()).hexdigest()[:12]
     except Exception:
         pass

@@ -217,7 +217,7 @@ def frames_per_server(shapes: list, ps: int, partition_bytes: int,
     does), so that the raw path sends the very same frames; ``"whole"``: as partitioning alone gives
     them (up to 20 MB, which bare pyzmq takes whole). Also, per frame, whether it is a whole variable
     (not a slice of one)."""
-    from stratagem.ps.placement import Placer
+    from stratagem.ps_service.placement import Placer
     from stratagem.transports.zmq.transport import ZmqTransport
 
     # (getattr: the script also measures stratagem from before the transports said it.)

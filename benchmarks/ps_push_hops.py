@@ -3,7 +3,7 @@
 ``optimizer.apply_gradients`` on a worker to the transport's ``send_async`` (the bytes leaving), and on
 the ps task from the request taken off the transport (``ParameterServer.serve``) to the optimizer
 updating the variable; a dense gradient and a row gradient (``IndexedSlices``). Also counts the
-calls from ``stratagem/ps/`` back up into ``stratagem/strategies/ps/`` made during the push.
+calls from ``stratagem/ps_service/`` back up into ``stratagem/strategies/ps/`` made during the push.
 
     PYTHONPATH=src python benchmarks/ps_push_hops.py              # this tree
     PYTHONPATH=/path/to/other/src python benchmarks/ps_push_hops.py   # another tree, to compare

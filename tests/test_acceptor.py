@@ -1,5 +1,5 @@
-"""The accepting side of the handshake (stratagem.core.acceptor), driven directly: no sockets, the frames
-a connector would send made with the connector's half of stratagem.core.handshake. The transports
+"""The accepting side of the handshake (stratagem.transport_kit.acceptor), driven directly: no sockets, the frames
+a connector would send made with the connector's half of stratagem.transport_kit.handshake. The transports
 that feed it (zmq, grpc) are tested over real sockets in their own files."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stratagem.core import handshake, wire
-from stratagem.core.acceptor import (
+from stratagem.core import wire
+from stratagem.transport_kit import handshake
+from stratagem.transport_kit.acceptor import (
     DELIVER,
     Acceptor,
     Admitted,

@@ -31,7 +31,7 @@ from stratagem import ConfigurationError
 from stratagem.launch.launcher import launch
 from stratagem.strategies.ps import between_graph as between_graph_module
 from stratagem.strategies.ps.between_graph import BetweenGraphStrategy
-from stratagem.strategies.mirrored import MirroredStrategy
+from stratagem.strategies.mirrored.strategy import MirroredStrategy
 from stratagem.transports.local import LocalFabric
 
 ROOT = Path(__file__).resolve().parent.parent

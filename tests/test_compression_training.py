@@ -16,10 +16,10 @@ import pytest
 
 import stratagem
 from stratagem.core.cluster import ClusterSpec
-from stratagem.ps.client import PSClient
-from stratagem.ps.compressed import compress_pieces
-from stratagem.ps.protocol import RemoteError
-from stratagem.ps.server import ParameterServer
+from stratagem.ps_service.client import PSClient
+from stratagem.ps_service.compressed import compress_pieces
+from stratagem.ps_service.protocol import RemoteError
+from stratagem.ps_service.server import ParameterServer
 from stratagem.testing.strategy_contract import LIMIT, clean_env, names, report, run_tasks
 from stratagem.transports.local import LocalFabric, LocalTransport
 

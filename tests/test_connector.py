@@ -1,7 +1,7 @@
-"""The connecting side of the handshake (stratagem.core.connector): one state machine, the same rules on
+"""The connecting side of the handshake (stratagem.transport_kit.connector): one state machine, the same rules on
 every transport.
 
-- Driven directly against the accepting side (stratagem.core.acceptor): the handshake with and
+- Driven directly against the accepting side (stratagem.transport_kit.acceptor): the handshake with and
   without a secret, and every answer it must refuse (another task, a CHALLENGE it did not ask for or
   that answers another HELLO, a bad proof, a WELCOME without the proof, a REJECT, frames out of turn).
 - Over real sockets, on zmq, grpc and shm (whose control connections are zmq's): a task connects to
@@ -18,10 +18,10 @@ import contextlib
 
 import pytest
 
-from stratagem.core import handshake
-from stratagem.core.acceptor import Acceptor, Admitted
+from stratagem.transport_kit import handshake
+from stratagem.transport_kit.acceptor import Acceptor, Admitted
 from stratagem.core.cluster import ClusterSpec, TaskId
-from stratagem.core.connector import GOODBYE, READY, Connector, Failed, Send, Stage
+from stratagem.transport_kit.connector import GOODBYE, READY, Connector, Failed, Send, Stage
 from stratagem.core.errors import AuthenticationError, ConfigurationError, ProtocolError
 from stratagem.core.transport import Message
 from stratagem.core.wire import Kind
@@ -121,7 +121,7 @@ def test_a_bad_proof_is_refused_and_the_acceptor_told():
     refused = failure(c.on_frame(Kind.CHALLENGE, challenge_for(c, secret=b"another secret")))
     assert isinstance(refused.error, AuthenticationError)
     assert "failed the cluster-secret challenge" in str(refused.error) and "STRATAGEM_SECRET" in str(refused.error)
-    # The acceptor takes the REJECT as the connector giving up (core/acceptor.py: GaveUp).
+    # The acceptor takes the REJECT as the connector giving up (transport_kit/acceptor.py: GaveUp).
     acceptor = Acceptor(PEER, CLUSTER, b"another secret")
     conn, _ = acceptor.connect("h:1")
     acceptor.on_frame(conn, Kind.HELLO, handshake.make_hello(ME, CID, b"another secret")[0])

@@ -39,8 +39,8 @@ from stratagem.core.errors import WorldChangedError
 from stratagem.core.transport import Message
 from stratagem.launch.launcher import launch
 from stratagem.launch.restarts import RESTARTS_ENV
-from stratagem.strategies import mirrored_elastic
-from stratagem.strategies.mirrored import MirroredStrategy
+from stratagem.strategies.mirrored import elastic as mirrored_elastic
+from stratagem.strategies.mirrored.strategy import MirroredStrategy
 from stratagem.transports.local import LocalFabric, LocalTransport
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -27,7 +27,7 @@ import stratagem
 from stratagem import ClusterSpec, ConfigurationError, TaskId
 from stratagem.core.cluster import ClusterResolver, is_evaluator
 from stratagem.strategies.base import Strategy
-from stratagem.strategies.mirrored import MirroredStrategy
+from stratagem.strategies.mirrored.strategy import MirroredStrategy
 from stratagem.testing.world import local_cluster
 from stratagem.transports.local import LocalFabric
 

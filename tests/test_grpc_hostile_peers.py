@@ -22,7 +22,8 @@ import pytest
 
 grpc = pytest.importorskip("grpc", reason="the grpc transport needs grpcio: pip install 'stratagem[grpc]'")
 
-from stratagem.core import handshake, wire  # noqa: E402
+from stratagem.core import wire  # noqa: E402
+from stratagem.transport_kit import handshake  # noqa: E402
 from stratagem.core.transport import Message  # noqa: E402
 from stratagem.core.wire import Kind  # noqa: E402
 from stratagem.testing.peer import spawn_peer  # noqa: E402

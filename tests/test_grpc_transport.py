@@ -25,7 +25,8 @@ import pytest
 
 grpc = pytest.importorskip("grpc", reason="the grpc transport needs grpcio: pip install 'stratagem[grpc]'")
 
-from stratagem.core import handshake, wire  # noqa: E402
+from stratagem.core import wire  # noqa: E402
+from stratagem.transport_kit import handshake  # noqa: E402
 from stratagem.core.cluster import TaskId  # noqa: E402
 from stratagem.core.errors import ConfigurationError, PeerLostError, ProtocolError, TransportTimeout  # noqa: E402
 from stratagem.core.transport import COMPLETED, Message  # noqa: E402

@@ -33,7 +33,7 @@ import stratagem
 from stratagem import ClusterSpec, ConfigurationError, PeerLostError, TaskId
 from stratagem.core.transport import Message
 from stratagem.plugins.manager import PluginManager
-from stratagem.core.remote_code import by_name, name_problem
+from stratagem.strategies.remote_calls.functions import by_name, name_problem
 from stratagem.strategies.in_graph.strategy import InGraphStrategy, PerReplica, ReplicaError
 from stratagem.strategies.in_graph.replica import REPLY, REQUEST
 from stratagem.testing.world import free_ports

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from stratagem import ClusterResolver, ClusterSpec, TaskId
-from stratagem.core.ports import bind_host
+from stratagem.transport_kit.ports import bind_host
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "s3cr3t-" + "ab" * 16

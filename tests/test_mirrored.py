@@ -36,8 +36,8 @@ from stratagem.launch.launcher import launch
 from stratagem.training.sharding import shard_batch
 from stratagem.strategies.base import Strategy
 from stratagem.plugins.manager import PluginManager
-from stratagem.strategies import mirrored as mirrored_module
-from stratagem.strategies.mirrored import DEFAULT_BUCKET_BYTES, MirroredStrategy
+from stratagem.strategies.mirrored import strategy as mirrored_module
+from stratagem.strategies.mirrored.strategy import DEFAULT_BUCKET_BYTES, MirroredStrategy
 from stratagem.transports.local import LocalFabric, LocalTransport
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -16,7 +16,7 @@ import stratagem
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.collectives.communicator import Communicator
 from stratagem.core.errors import PluginError
-from stratagem.core.ports import reserve_ports
+from stratagem.transport_kit.ports import reserve_ports
 from stratagem.core.transport import Message
 from stratagem.plugins.manager import plugin_manager
 from stratagem.testing import run_contract

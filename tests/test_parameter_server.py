@@ -31,7 +31,7 @@ from stratagem.strategies.ps import coordinator as coordinator_module
 from stratagem.strategies.ps import worker as worker_module
 from stratagem.launch.launcher import launch
 from stratagem.strategies.ps.coordinator import CancelledError, ClosureError
-from stratagem.ps.protocol import ShardLostError
+from stratagem.ps_service.protocol import ShardLostError
 from stratagem.strategies.ps import parameter_server as parameter_server_module
 from stratagem.strategies.ps.parameter_server import ParameterServerStrategy
 from stratagem.transports.local import LocalFabric

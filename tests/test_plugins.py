@@ -664,7 +664,7 @@ def test_info_cut_short_by_its_reader_ends_quietly(args):
 def test_errors_users_catch_are_exported_and_every_public_name_resolves():
     from stratagem.training.checkpoint import CheckpointError
     from stratagem.strategies.ps.coordinator import ClosureError
-    from stratagem.ps.protocol import ShardLostError
+    from stratagem.ps_service.protocol import ShardLostError
     from stratagem.strategies.in_graph.client import ReplicaError
 
     for name in stratagem.__all__:

@@ -1,4 +1,4 @@
-"""The parameter-server service (core/ps_*.py) and the placement (ps/placement.py), over the ``local``
+"""The parameter-server service (core/ps_*.py) and the placement (ps_service/placement.py), over the ``local``
 transport: servers and clients are threads of this process, so these tests are fast.
 
 - placement: round-robin, greedy by bytes (with its load bound), explicit device, device setters,
@@ -23,14 +23,14 @@ import pytest
 
 import stratagem
 from stratagem import ConfigurationError, PeerLostError, StratagemError, TaskId
-from stratagem.ps import placement as placement_module
+from stratagem.ps_service import placement as placement_module
 from stratagem.strategies.ps import checkpoint as checkpoint_module
-from stratagem.ps import client as client_module
-from stratagem.ps import consistency as consistency_module
-from stratagem.ps import protocol as protocol_module
-from stratagem.ps import server as server_module
+from stratagem.ps_service import client as client_module
+from stratagem.ps_service import consistency as consistency_module
+from stratagem.ps_service import protocol as protocol_module
+from stratagem.ps_service import server as server_module
 from stratagem.strategies.ps import base as ps_strategy_module
-from stratagem.ps.placement import (
+from stratagem.ps_service.placement import (
     GreedyByBytes,
     Placer,
     RoundRobin,
@@ -39,10 +39,10 @@ from stratagem.ps.placement import (
     min_slice_partitioner,
     replica_device_setter,
 )
-from stratagem.ps.client import PSClient
-from stratagem.ps.messages import PushRequest
-from stratagem.ps.protocol import RemoteError, ShardLostError
-from stratagem.ps.server import ParameterServer
+from stratagem.ps_service.client import PSClient
+from stratagem.ps_service.messages import PushRequest
+from stratagem.ps_service.protocol import RemoteError, ShardLostError
+from stratagem.ps_service.server import ParameterServer
 from stratagem.core.transport import SendHandle
 from stratagem.transports.local import LocalFabric, LocalTransport
 

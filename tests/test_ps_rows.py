@@ -1,4 +1,4 @@
-"""Parameter servers move the rows of embedding tables (ps/rows.py, ``pull_rows``, row pushes).
+"""Parameter servers move the rows of embedding tables (ps_service/rows.py, ``pull_rows``, row pushes).
 
 - ``Optimizer.update_rows`` and ``sparse_exact``: rows updated alone equal the dense update bit for bit
   for plain SGD and Adagrad, and are refused for rules where a zero gradient moves a row;
@@ -24,10 +24,10 @@ import pytest
 
 import stratagem
 from stratagem import ConfigurationError, IndexedSlices
-from stratagem.ps import rows as ps_rows
+from stratagem.ps_service import rows as ps_rows
 from stratagem.launch.launcher import launch
-from stratagem.ps.protocol import RemoteError
-from stratagem.ps.consistency import SyncRound
+from stratagem.ps_service.protocol import RemoteError
+from stratagem.ps_service.consistency import SyncRound
 from stratagem.training.sparse import densify
 from stratagem.core.transport import SendHandle
 
@@ -109,8 +109,8 @@ def test_a_sync_round_of_rows_is_the_dense_weighted_mean_bit_for_bit():
 def test_split_rows_and_docstrings():
     import doctest
     assert doctest.testmod(ps_rows).failed == 0
-    pieces = [stratagem.ps.placement.Piece("t/part_0", "t", 0, 0, 2, 0, 5, 0),
-              stratagem.ps.placement.Piece("t/part_1", "t", 1, 1, 2, 5, 10, 0)]
+    pieces = [stratagem.ps_service.placement.Piece("t/part_0", "t", 0, 0, 2, 0, 5, 0),
+              stratagem.ps_service.placement.Piece("t/part_1", "t", 1, 1, 2, 5, 10, 0)]
     grad = IndexedSlices(np.arange(6.0).reshape(3, 2), [7, 5, 8], (10, 2)).merged()
     split = ps_rows.split_gradient(grad, pieces)
     assert [(p.name, rows.tolist(), values[:, 0].tolist()) for p, rows, values in split] == [

@@ -16,7 +16,7 @@ import stratagem
 from stratagem.core.cluster import ClusterSpec
 from stratagem.core.errors import ConfigurationError
 from stratagem.strategies.ps.between_graph import BetweenGraphStrategy
-from stratagem.strategies.mirrored import MirroredStrategy
+from stratagem.strategies.mirrored.strategy import MirroredStrategy
 from stratagem.transports.local import LocalFabric
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""stratagem.core.remote_code: how step functions travel between tasks (by name, or by value only in an
+"""stratagem.strategies.remote_calls.functions: how step functions travel between tasks (by name, or by value only in an
 authenticated cluster), tested once here for both strategies that ship functions.
 
 - by name, the sender: what may go (a top-level function of the user's module or script) and what may
@@ -26,9 +26,9 @@ import uuid
 import numpy as np
 import pytest
 
-from stratagem.core import remote_code
+from stratagem.strategies.remote_calls import functions as remote_code
 from stratagem.core.errors import ConfigurationError, FunctionNotFound
-from stratagem.core.remote_code import by_name, choose, code_hash, find_function, name_problem
+from stratagem.strategies.remote_calls.functions import by_name, choose, code_hash, find_function, name_problem
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -128,7 +128,7 @@ def test_what_is_not_a_top_level_function_does_not_go_by_name(user_modules):
 
 MAIN_SCRIPT = """
 import functools
-from stratagem.core import remote_code as rc
+from stratagem.strategies.remote_calls import functions as rc
 
 def step(x):
     return x + 1
@@ -173,7 +173,7 @@ def test_functions_of_the_main_script_go_by_name(tmp_path):
 
 @pytest.mark.parametrize("module, qualname", [
     ("os", "system"), ("subprocess", "run"), ("builtins", "exec"), ("shutil", "rmtree"),
-    ("numpy", "save"), ("stratagem.launch.launcher", "launch"), ("stratagem.core.remote_code", "loads_function"),
+    ("numpy", "save"), ("stratagem.launch.launcher", "launch"), ("stratagem.strategies.remote_calls.functions", "loads_function"),
     ("antigravity", "geohash"), ("__main__", "exec"),          # (importing antigravity opens a browser)
 ])
 def test_a_peer_cannot_name_what_is_not_a_function_of_the_users_code(module, qualname):
@@ -242,7 +242,7 @@ def test_the_code_hash_is_the_same_across_processes_and_modules(user_modules):
     here = code_hash(user_modules(HASHED).step)
     assert code_hash(user_modules(HASHED).step) == here                    # the same code in another module
     source = user_modules(HASHED, imported=False)
-    program = (f"import importlib, sys; from stratagem.core.remote_code import code_hash; "
+    program = (f"import importlib, sys; from stratagem.strategies.remote_calls.functions import code_hash; "
                f"print(code_hash(importlib.import_module({source!r}).step))")
     for seed in ("1", "2", "12345"):
         env = {"PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -356,7 +356,7 @@ def test_choose_by_name_when_possible_else_by_value_only_with_a_secret(user_modu
 def test_main_by_value_sends_the_scripts_functions_by_value_only_when_authenticated(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""
-        from stratagem.core.remote_code import choose
+        from stratagem.strategies.remote_calls.functions import choose
 
         def step(x):
             return x

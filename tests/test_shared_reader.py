@@ -1,4 +1,4 @@
-"""core.reading.SharedReader: the turn-taking of a transport's readers, over a real pipe and real
+"""transport_kit.reading.SharedReader: the turn-taking of a transport's readers, over a real pipe and real
 threads (the zmq and shm transports' own suites exercise it under real traffic)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from stratagem.core.reading import SharedReader
+from stratagem.transport_kit.reading import SharedReader
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -98,7 +98,7 @@ def test_a_crashing_background_reader_is_reported_never_silent(source, caplog):
     crashed = threading.Event()
     source.fail_with = RuntimeError("broken frame")
     reader = SharedReader("crasher", source.pump, source.wake, crashed.set, grace=0.0)
-    with caplog.at_level("ERROR", logger="stratagem.core.reading"):
+    with caplog.at_level("ERROR", logger="stratagem.transport_kit.reading"):
         reader.start()
         assert crashed.wait(10)
     reader.stop()

@@ -23,7 +23,7 @@ import pytest
 from stratagem.core import slurm
 from stratagem.core.cluster import ClusterResolver, TaskId
 from stratagem.core.errors import ConfigurationError
-from stratagem.core.ports import MIN_PORT, ephemeral_range
+from stratagem.transport_kit.ports import MIN_PORT, ephemeral_range
 
 SCRIPT = Path(__file__).parent / "scripts" / "slurm_allreduce.py"
 

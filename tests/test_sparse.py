@@ -11,7 +11,7 @@ import pytest
 import stratagem
 from stratagem import ClusterSpec, ConfigurationError, IndexedSlices
 from stratagem.training.sparse import densify
-from stratagem.strategies.mirrored import MirroredStrategy
+from stratagem.strategies.mirrored.strategy import MirroredStrategy
 from stratagem.transports.local import LocalFabric
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""stratagem.core.values: nested step arguments and results as plain metadata plus array buffers.
+"""stratagem.strategies.remote_calls.values: nested step arguments and results as plain metadata plus array buffers.
 
 - round trips of every leaf type and nesting, straight and through the real wire format (msgpack
   envelope + raw buffers, as every byte-moving transport sends them);
@@ -20,7 +20,7 @@ import pytest
 
 from stratagem.core import wire
 from stratagem.core.errors import ConfigurationError, ProtocolError
-from stratagem.core.values import MAX_DEPTH, decode, decode_call, encode, encode_call
+from stratagem.strategies.remote_calls.values import MAX_DEPTH, decode, decode_call, encode, encode_call
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import zmq
 
-from stratagem.core import handshake, wire
+from stratagem.core import wire
+from stratagem.transport_kit import handshake
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import TransportTimeout
 from stratagem.core.transport import Message

@@ -14,7 +14,8 @@ import logging
 import numpy as np
 import pytest
 
-from stratagem.core import handshake, wire
+from stratagem.core import wire
+from stratagem.transport_kit import handshake
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import TransportTimeout
 from stratagem.core.wire import Kind

@@ -43,9 +43,9 @@ _user_errors.install()
 _LAZY = {
     "Variable": ("training.variables", "Variable"),
     "IndexedSlices": ("training.sparse", "IndexedSlices"),
-    "device": ("ps.placement", "device"),
-    "replica_device_setter": ("ps.placement", "replica_device_setter"),
-    "ShardLostError": ("ps.protocol", "ShardLostError"),
+    "device": ("ps_service.placement", "device"),
+    "replica_device_setter": ("ps_service.placement", "replica_device_setter"),
+    "ShardLostError": ("ps_service.protocol", "ShardLostError"),
     "ReplicaError": ("strategies.in_graph.client", "ReplicaError"),
     "ClosureError": ("strategies.ps.coordinator", "ClosureError"),
     "CheckpointError": ("training.checkpoint", "CheckpointError"),

@@ -25,9 +25,9 @@ import numpy as np
 import stratagem
 from stratagem.training import checkpoint
 from stratagem.core.cluster import ClusterResolver
-from stratagem.ps.client import PSClient
-from stratagem.ps.messages import PushRequest
-from stratagem.ps.protocol import RemoteError
+from stratagem.ps_service.client import PSClient
+from stratagem.ps_service.messages import PushRequest
+from stratagem.ps_service.protocol import RemoteError
 
 out, ckpt, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 kind = sys.argv[4] if len(sys.argv) > 4 else "between_graph"

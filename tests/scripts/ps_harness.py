@@ -73,7 +73,7 @@ def push_grads(client, grads, *, versions=None, weight: float = 1.0, pull: bool 
     ``rows`` ``{shard: (names, [rows], [values])}``, ``skip`` ``{shard: [names]}``, ``compression``
     ``{shard: metadata}`` with the gradients already the payloads. Returns ``{shard: reply}``, each the
     whole answer (parts joined) as a wire message; every shard gets a push unless ``all_shards`` is off."""
-    from stratagem.ps.messages import PushRequest
+    from stratagem.ps_service.messages import PushRequest
 
     rows, skip, compression = rows or {}, skip or {}, compression or {}
     shards = range(client.num_shards) if all_shards else sorted(set(grads) | set(rows))

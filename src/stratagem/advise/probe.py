@@ -173,7 +173,7 @@ def describe_model(spec: str, seed: int = 0) -> dict:
     import numpy as np
 
     from stratagem.bench.models import build_model
-    from stratagem.ps.placement import Placer
+    from stratagem.ps_service.placement import Placer
     from stratagem.strategies.ps.base import DEFAULT_PARTITION_BYTES
 
     model = build_model(spec)

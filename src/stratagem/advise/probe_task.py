@@ -27,9 +27,9 @@ cluster or one that spans hosts.
 - round trips for each pair of worker tasks: one task sends ``size`` bytes, the other answers with
   ``size`` bytes, with the transport's ``send`` and ``recv``; the other tasks wait;
 - a parameter server's exchange, when the job has a ``ps`` task: it serves a real
-  :class:`~stratagem.ps.server.ParameterServer` holding one float32 piece per size, and the first
+  :class:`~stratagem.ps_service.server.ParameterServer` holding one float32 piece per size, and the first
   task pushes a gradient of each piece and gets its new values back (``pull``, as the strategies do:
-  the server applies SGD and streams the values back), through :class:`~stratagem.ps.client.PSClient`;
+  the server applies SGD and streams the values back), through :class:`~stratagem.ps_service.client.PSClient`;
 - how much CPU a task burns while it waits: the first task waits in an all-reduce (then in a
   ``recv``) while the others compute for ``idle_probe`` seconds (an MPI that spins burns a core).
 
@@ -253,7 +253,7 @@ def serve_ps(spec: dict, out_dir: str) -> None:
     then write the CPU seconds (this process's, every thread) each push of each piece cost it to
     ``OUT_DIR/ps_cpu.json``, which the parent reads when the job ran on its host."""
     import stratagem
-    from stratagem.ps.server import ParameterServer
+    from stratagem.ps_service.server import ParameterServer
 
     class TimedServer(ParameterServer):
         def handle(self, message):
@@ -275,8 +275,8 @@ def serve_ps(spec: dict, out_dir: str) -> None:
 
 def ps_exchange(comm, sizes: list[dict], learning_rate: float) -> list[dict]:
     """The first task's push-and-pull round trips with the ps task, one piece of each size."""
-    from stratagem.ps.client import PSClient
-    from stratagem.ps.protocol import task_key
+    from stratagem.ps_service.client import PSClient
+    from stratagem.ps_service.protocol import task_key
 
     client = PSClient(comm.transport)
     names = [f"piece{i}" for i in range(len(sizes))]
@@ -305,7 +305,7 @@ def ps_exchange(comm, sizes: list[dict], learning_rate: float) -> list[dict]:
 def run_link(spec: dict, out_dir: str) -> dict | None:
     from stratagem.bench import collectives_task
     from stratagem.core.cluster import ClusterResolver
-    from stratagem.ps.client import PSClient
+    from stratagem.ps_service.client import PSClient
 
     if ClusterResolver.from_env().task.job == "ps":
         serve_ps(spec, out_dir)

@@ -24,7 +24,7 @@ class IncompatibleError(StratagemError):
 
 
 class FunctionNotFound(ConfigurationError):
-    """A task cannot find, or refuses, the function a peer named (see :mod:`stratagem.core.remote_code`)."""
+    """A task cannot find, or refuses, the function a peer named (see :mod:`stratagem.strategies.remote_calls.functions`)."""
 
 
 class ProtocolError(StratagemError):

@@ -32,7 +32,7 @@ from typing import Sequence, TextIO
 
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import ConfigurationError
-from stratagem.core.ports import format_address
+from stratagem.transport_kit.ports import format_address
 from stratagem.launch.job import DEFAULT_GRACE, DEFAULT_PS_GRACE
 from stratagem.launch.rendezvous import DEFAULT_NODE_TIMEOUT, DEFAULT_RDZV_TIMEOUT
 from stratagem.launch.supervisor import (

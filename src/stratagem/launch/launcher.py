@@ -67,7 +67,7 @@ from typing import Mapping, Sequence, TextIO
 
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import ConfigurationError
-from stratagem.core.ports import format_address, reserve_ports
+from stratagem.transport_kit.ports import format_address, reserve_ports
 from stratagem.launch.hosts import EmulatedHosts, HostsSpec, add_host_arguments, hosts_spec
 from stratagem.launch.hosts import plan_cluster as plan_hosts_cluster
 from stratagem.launch import multinode
@@ -219,7 +219,7 @@ def launch(
                     f"{task.short} on {network.names[placement[task]]}" for task in cluster.tasks()) + "\n")
             for task in cluster.tasks():
                 if task in port_holders:  # (emulated hosts hold no port: nothing else listens there)
-                    port_holders.pop(task).close()  # free the port as late as possible: see core.ports
+                    port_holders.pop(task).close()  # free the port as late as possible: see transport_kit.ports
                 tasks.append(start(task))
             outcome = run_to_end(tasks, pump, trap, timeout=timeout, ps_grace=ps_grace, grace=grace,
                                  started=started, restarts=restarts, reports=reports)

@@ -40,7 +40,7 @@ from typing import Mapping, Sequence, TextIO
 
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import ConfigurationError, ProtocolError
-from stratagem.core.ports import reserve_ports
+from stratagem.transport_kit.ports import reserve_ports
 from stratagem.launch import rendezvous
 from stratagem.launch.job import DEFAULT_GRACE, DEFAULT_PS_GRACE, check_options, check_transport, job_env, task_env
 from stratagem.launch.rendezvous import (
@@ -198,7 +198,7 @@ class _Node:
     def start(self, holders: dict[TaskId, socket.socket]) -> None:
         for task in self.local_tasks():
             env = task_env(self.base_env, self.cluster, task, self.secret, self.transport)
-            holders.pop(task).close()  # free the port as late as possible: see core.ports
+            holders.pop(task).close()  # free the port as late as possible: see transport_kit.ports
             process = start_task(task, self.command, env)
             color = COLORS[self.cluster.tasks().index(task) % len(COLORS)]
             self.pump.add(process.stdout, PipeReader(task_prefix(task, color, self.out.stream), self.out))

@@ -25,7 +25,7 @@ import threading
 from typing import Mapping, Sequence
 
 from stratagem.core.cluster import TaskId
-from stratagem.core.ports import format_address, reserve_ports
+from stratagem.transport_kit.ports import format_address, reserve_ports
 
 _READ_SIZE = 65536
 
@@ -117,7 +117,7 @@ class TaskRunner:
         if cwd is not None and not os.path.isdir(cwd):
             cwd = None  # the driver's folder is not on this node: run where the actor runs
         if self._holder is not None:
-            self._holder.close()  # free the port as late as possible: see core.ports
+            self._holder.close()  # free the port as late as possible: see transport_kit.ports
             self._holder = None
         self._process = start_task(self.task, list(command), child_env, cwd=cwd)
         self._out = _PipeCollector(self._process.stdout)

@@ -1,7 +1,7 @@
 """The rendezvous of a multi-node launch (``stratagem launch --nnodes N --node-rank I --rdzv HOST:PORT``).
 
 Node 0's launcher listens on ``HOST:PORT``; every other node's launcher connects to it and proves that
-it knows the cluster secret by the HMAC challenge-response of :mod:`stratagem.core.handshake` (node
+it knows the cluster secret by the HMAC challenge-response of :mod:`stratagem.transport_kit.handshake` (node
 ``I`` is the connector ``node:I``, node 0 the acceptor ``node:0``; the secret never travels). An
 admitted node says what it brings (its address, a free port for each of its tasks, how many workers
 and ps tasks); once all ``N`` nodes are in, node 0 numbers the tasks node-major
@@ -29,10 +29,10 @@ import threading
 import time
 from typing import Callable, Mapping
 
-from stratagem.core import handshake
+from stratagem.transport_kit import handshake
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import AuthenticationError, ConfigurationError, ProtocolError, StratagemError
-from stratagem.core.ports import format_address
+from stratagem.transport_kit.ports import format_address
 from stratagem.core.wire import HEADER_SIZE, Kind, Limits, encode_bytes, read_envelope, read_header
 
 #: The cluster id the rendezvous handshake binds its proofs to (no task's transport uses it).

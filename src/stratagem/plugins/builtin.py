@@ -54,7 +54,7 @@ def stratagem_add_transports() -> list[PluginSpec]:
 def stratagem_add_strategies() -> list[PluginSpec]:
     return [
         PluginSpec(
-            "mirrored", "stratagem.strategies.mirrored:MirroredStrategy", "strategy",
+            "mirrored", "stratagem.strategies.mirrored.strategy:MirroredStrategy", "strategy",
             description="a copy of every variable on every replica; gradients all-reduced every step",
         ),
         PluginSpec(

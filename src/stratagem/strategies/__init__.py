@@ -3,7 +3,7 @@
 Create one by name with ``stratagem.strategy("mirrored", transport="zmq")``; the modules here are
 imported only when their strategy is used.
 
-- :mod:`~stratagem.strategies.mirrored`: a copy of every variable on every replica, gradients
+- :mod:`~stratagem.strategies.mirrored.strategy`: a copy of every variable on every replica, gradients
   all-reduced every step.
 - :mod:`~stratagem.strategies.ps.between_graph`: variables on ps tasks; every worker runs its own loop
   (async, sync with backup workers, or bounded staleness).

@@ -2,7 +2,7 @@
 
 A :class:`TrainingState` is the narrow collaborator between a strategy (which owns it:
 ``strategy.training_state``) and the objects that read or roll back a replica's progress without
-reaching into the strategy: elastic training (:mod:`stratagem.strategies.mirrored_elastic`) copies
+reaching into the strategy: elastic training (:mod:`stratagem.strategies.mirrored.elastic`) copies
 and restores it at commits, ``in_graph``'s client (:mod:`stratagem.strategies.in_graph.client`) counts
 the steps it applies and reads the variables' stores.
 

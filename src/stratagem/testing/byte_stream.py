@@ -2,7 +2,7 @@
 peer that does not play by the rules (README: "Security").
 
 A transport that accepts connections and decodes the wire format (``core/wire.py``) after the
-handshake (``core/handshake.py``) makes promises that an in-process transport cannot: a malformed
+handshake (``transport_kit/handshake.py``) makes promises that an in-process transport cannot: a malformed
 frame is refused, logged and costs nobody else anything; no data gets in before the handshake; a
 HELLO from another cluster, or a HELLO and AUTH without the secret, are refused on the connection
 they came in on; an oversized frame is refused and the others are still served; a restarted peer is
@@ -37,7 +37,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import pytest
 
-from stratagem.core import handshake, wire
+from stratagem.core import wire
+from stratagem.transport_kit import handshake
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import ConfigurationError, PeerLostError, ProtocolError, TransportTimeout
 from stratagem.core.transport import Message

@@ -6,7 +6,7 @@ gives it, as an attacker or a broken program would (:class:`~stratagem.testing.b
 
 And the other way round, a *raw acceptor*: a server at a task's address that answers whoever
 connects with the frames a test scripts, as a misconfigured or hostile task would (the connecting
-side of the handshake must refuse it: :mod:`stratagem.core.connector`):
+side of the handshake must refuse it: :mod:`stratagem.transport_kit.connector`):
 
 - :class:`ZmqRawAcceptor`: a bare ROUTER (it lets any ZMTP PLAIN credentials through its gate);
 - :class:`GrpcRawAcceptor`: a plain gRPC server of the one method.
@@ -15,7 +15,8 @@ pyzmq and grpcio are imported when a peer is made, not with this module. Each ha
 which opens one to a started transport, as :meth:`ByteStreamContract.open_raw
 <stratagem.testing.byte_stream.ByteStreamContract.open_raw>` wants:
 
-    >>> from stratagem.core import handshake, wire
+    >>> from stratagem.core import wire
+    >>> from stratagem.transport_kit import handshake
     >>> from stratagem.testing.world import local_cluster
     >>> from stratagem.transports.zmq.transport import ZmqTransport
     >>> cluster = local_cluster(2)
@@ -32,7 +33,8 @@ import queue
 import threading
 from typing import Sequence
 
-from stratagem.core import handshake, wire
+from stratagem.core import wire
+from stratagem.transport_kit import handshake
 from stratagem.core.errors import ProtocolError
 from stratagem.testing.byte_stream import RawPeer
 from stratagem.transports.framing import Reassembler, chunks, frame_bytes

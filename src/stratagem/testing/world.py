@@ -17,7 +17,7 @@ import numpy as np
 
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import ConfigurationError
-from stratagem.core.ports import reserve_ports
+from stratagem.transport_kit.ports import reserve_ports
 from stratagem.core.transport import Message
 
 #: Seconds the helpers below wait by default.
@@ -27,7 +27,7 @@ WAIT = 20.0
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """``count`` distinct TCP ports that were free a moment ago on ``host``, drawn from below the
     kernel's ephemeral range so that no outgoing connection takes one before it is bound again
-    (see :mod:`stratagem.core.ports`)."""
+    (see :mod:`stratagem.transport_kit.ports`)."""
     _, held = reserve_ports(host, count)
     try:
         return [s.getsockname()[1] for s in held]

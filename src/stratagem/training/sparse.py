@@ -5,7 +5,7 @@ else. :class:`IndexedSlices` carries just those rows, as TensorFlow's type of th
 that a strategy that can move rows may move only rows (it says so with ``sparse_gradients = True``
 and gets the merged slices in ``on_apply_gradients``). The parameter-server strategies do: they pull
 only the rows a step gathers and push only the rows of its gradient, and the servers update only
-those rows where that is exactly the dense update (:mod:`stratagem.ps.rows`). The other
+those rows where that is exactly the dense update (:mod:`stratagem.ps_service.rows`). The other
 built-in strategies turn them into the dense gradient first (:func:`densify`), as TensorFlow's
 ``MirroredStrategy`` does, so the update is exactly the dense one.
 

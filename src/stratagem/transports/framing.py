@@ -47,7 +47,7 @@ import numpy as np
 
 from stratagem.core import wire
 from stratagem.core.errors import ProtocolError
-from stratagem.core.acceptor import CONTROL_LIMITS  # noqa: F401 - the handshake's limits, used with the Reassembler
+from stratagem.transport_kit.acceptor import CONTROL_LIMITS  # noqa: F401 - the handshake's limits, used with the Reassembler
 from stratagem.core.wire import HEADER_SIZE, Frame, Kind, Limits
 
 #: The most bytes of a frame's head that ride with the first piece of a large buffer (see :func:`chunks`);

@@ -22,7 +22,7 @@ import threading
 
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import ConfigurationError, PeerLostError, TransportClosed
-from stratagem.core.mailbox import Mailbox
+from stratagem.transport_kit.mailbox import Mailbox
 from stratagem.core.transport import Message, Transport
 
 

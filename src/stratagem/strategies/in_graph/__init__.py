@@ -2,5 +2,5 @@
 
 - :mod:`.strategy`: the strategy object; :mod:`.client`: the chief's side; :mod:`.replica`: what a
   worker runs; :mod:`.devices`: replica devices; :mod:`.functions`: how step functions reach a replica;
-  :mod:`.wire`: splitting the batch, and the replicas' results (values travel as :mod:`stratagem.core.values`).
+  :mod:`.batches`: splitting the batch, and the replicas' results (values travel as :mod:`stratagem.strategies.remote_calls.values`).
 """

@@ -21,15 +21,15 @@ from typing import Any, Callable
 import numpy as np
 
 from stratagem.collectives.algorithms import split_bounds
-from stratagem.core import values
-from stratagem.core.remote_code import main_script
+from stratagem.strategies.remote_calls import values
+from stratagem.strategies.remote_calls.functions import main_script
 from stratagem.core.errors import ConfigurationError, PeerLostError, StratagemError, TransportClosed, TransportTimeout
 from stratagem.core.transport import Message
 from stratagem.training.variables import to_module
 from stratagem.strategies.in_graph.devices import Device, gather, parse_devices, placed_like
 from stratagem.strategies.in_graph.functions import FunctionSender, remember
 from stratagem.strategies.in_graph.replica import PROTOCOL, REPLY, REQUEST, StepContext, run_step
-from stratagem.strategies.in_graph.wire import PerReplica, map_leaves, split_tree
+from stratagem.strategies.in_graph.batches import PerReplica, map_leaves, split_tree
 
 log = logging.getLogger(__name__)
 

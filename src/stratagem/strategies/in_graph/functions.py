@@ -1,6 +1,6 @@
 """How an ``in_graph`` step function reaches a remote replica: by name, or serialized when authenticated.
 
-The rules are :mod:`stratagem.core.remote_code`'s (shared with ``parameter_server``); what is particular
+The rules are :mod:`stratagem.strategies.remote_calls.functions`'s (shared with ``parameter_server``); what is particular
 to ``in_graph``:
 
 **By name**, a function of the script is found in a fresh copy of it: the replica imports the script
@@ -29,12 +29,12 @@ import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
-from stratagem.core import remote_code
+from stratagem.strategies.remote_calls import functions as remote_code
 from stratagem.core.errors import ConfigurationError
 from stratagem.training.optimizers.rules import Optimizer
 from stratagem.training.variables import Variable, is_device_array
 
-#: How step functions may travel (the strategy's ``functions`` option), as :mod:`stratagem.core.remote_code`
+#: How step functions may travel (the strategy's ``functions`` option), as :mod:`stratagem.strategies.remote_calls.functions`
 #: calls each way.
 MODES = {"auto": "auto", "name": "name", "pickle": "value"}
 #: The ``__name__`` the script's fresh copy gets on a replica (anything but ``"__main__"``).

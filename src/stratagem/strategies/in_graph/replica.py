@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from stratagem.core import values
+from stratagem.strategies.remote_calls import values
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import (ConfigurationError, JobFailedError, PeerLostError, TransportClosed,
                                    TransportTimeout)

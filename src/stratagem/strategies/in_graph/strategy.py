@@ -111,7 +111,7 @@ from stratagem.strategies.in_graph.client import Client, ReplicaError
 from stratagem.strategies.in_graph.devices import CURRENT_STEP, ClientStore, parse_devices
 from stratagem.strategies.in_graph.functions import MODES
 from stratagem.strategies.in_graph.replica import ReplicaServer, StepContext
-from stratagem.strategies.in_graph.wire import PerReplica, batch_rows, reduce_per_replica
+from stratagem.strategies.in_graph.batches import PerReplica, batch_rows, reduce_per_replica
 
 __all__ = ["InGraphStrategy", "PerReplica", "ReplicaError"]
 

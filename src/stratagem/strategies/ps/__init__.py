@@ -7,7 +7,7 @@
 - :mod:`.between_graph`: every worker runs its own loop and pushes to the shards;
 - :mod:`.parameter_server`: a coordinator schedules closures on workers (:mod:`.coordinator`,
   :mod:`.worker`, which adopts the coordinator's variables through :mod:`.adopt`), with functions and values shipped by
-  :mod:`stratagem.core.remote_code` and :mod:`stratagem.core.values`.
+  :mod:`stratagem.strategies.remote_calls.functions` and :mod:`stratagem.strategies.remote_calls.values`.
 
-The service itself (server, client, protocol) is :mod:`stratagem.ps`.
+The service itself (server, client, protocol) is :mod:`stratagem.ps_service`.
 """

@@ -14,8 +14,8 @@ import time
 import numpy as np
 
 from stratagem.core.errors import StratagemError, TransportTimeout
-from stratagem.ps.placement import Piece
-from stratagem.ps.protocol import spec_dtype
+from stratagem.ps_service.placement import Piece
+from stratagem.ps_service.protocol import spec_dtype
 from stratagem.training.optimizers.rules import from_config
 from stratagem.training.variables import Variable, strategy_scope
 

@@ -3,10 +3,10 @@
 :class:`PSStrategyBase` is a :class:`~stratagem.strategies.base.Strategy` whose variables live on the
 cluster's ``ps`` tasks:
 
-- On a ``ps`` task the constructor *serves* (:class:`~stratagem.ps.server.ParameterServer`)
+- On a ``ps`` task the constructor *serves* (:class:`~stratagem.ps_service.server.ParameterServer`)
   until the job ends, then exits the process cleanly (``SystemExit(0)``; ``exit_after_serving=False``
   returns instead, with the counters in ``strategy.served``). So every task can run the same script.
-- A variable created in ``scope()`` is placed (:mod:`stratagem.ps.placement`) and gets a
+- A variable created in ``scope()`` is placed (:mod:`stratagem.ps_service.placement`) and gets a
   :class:`~stratagem.strategies.ps.remote.RemoteStore` (kept in the task's
   :class:`~stratagem.strategies.ps.remote.RemoteVariables`): the task keeps a local copy (the *cache*, the array ``var.value`` returns,
   refreshed in place so ``torch.from_numpy(var.value)`` views stay valid; a received array becomes the
@@ -16,7 +16,7 @@ cluster's ``ps`` tasks:
   and are copied to the device, gradients are copied to the host to be pushed; the ps tasks hold
   numpy arrays.
 - Tables read by rows (TensorFlow's embedding lookups on parameter servers): ``var.gather(ids)`` pulls
-  just those rows from the shards that hold them (:mod:`stratagem.ps.rows`), and an
+  just those rows from the shards that hold them (:mod:`stratagem.ps_service.rows`), and an
   :class:`~stratagem.training.sparse.IndexedSlices` gradient is pushed as rows
   (``sparse_gradients = True``). Staleness is kept per variable: a variable gathered since its last
   dense read is *sparse-read*, and neither the batched pull of the other variables nor the values a
@@ -25,7 +25,7 @@ cluster's ``ps`` tasks:
   with ``checkpoint_dir=``, restores the latest checkpoint there) and marks them ready; the other
   tasks wait for that, check that they declared the same pieces, and pull the values.
 - ``optimizer.apply_gradients`` pushes the gradients (batched per shard, to all shards at once); the
-  optimizer runs on the servers (row gradients: :mod:`stratagem.ps.rows` says when that is
+  optimizer runs on the servers (row gradients: :mod:`stratagem.ps_service.rows` says when that is
   exactly the dense update and what happens otherwise). With ``pull_with_push`` (default) each
   acknowledgement brings the shard's new values back (sparse-read tables left out), so a step costs
   one round trip per shard.
@@ -38,15 +38,15 @@ cluster's ``ps`` tasks:
   reassembled), so a checkpoint restores under any number of ps tasks, or under ``mirrored``.
 
 Options (besides every strategy's): ``mode`` (``"async"``, ``"sync"``, ``"bounded"``),
-``replicas_to_aggregate``, ``total_replicas``, ``staleness`` (see :mod:`stratagem.ps.server`),
+``replicas_to_aggregate``, ``total_replicas``, ``staleness`` (see :mod:`stratagem.ps_service.server`),
 ``placement`` (``"round_robin"`` or ``"greedy"``), ``partition_bytes`` (variables larger than this are
 split across shards; default 16 MiB; ``None`` never), ``partitioner`` (how many slices: default one per
 ps task; a slice larger than the transport's ``whole_buffer_bytes`` is further cut into row slices on
-the same shard, see :mod:`stratagem.ps.placement`), ``timeout`` (seconds a request to the shards may
+the same shard, see :mod:`stratagem.ps_service.placement`), ``timeout`` (seconds a request to the shards may
 take; default the transport's), ``checkpoint_dir`` (the chief restores the latest checkpoint found
 there, if any, before anyone starts), ``pull_with_push``, ``exit_after_serving``, ``compression`` and ``compression_options``: workers push
 compressed dense gradients (each piece compressed on its own, its error-feedback residual kept on the
-worker) and the ps tasks decompress them before applying (:mod:`stratagem.ps.compressed`); every
+worker) and the ps tasks decompress them before applying (:mod:`stratagem.ps_service.compressed`); every
 task, the ps tasks included, must be started with the same compression. Row gradients
 (``IndexedSlices``) are pushed as they are.
 """
@@ -60,10 +60,10 @@ import numpy as np
 from stratagem.training import checkpoint
 from stratagem.strategies.ps.checkpoint import load_onto_shards, snapshot
 from stratagem.core.errors import ConfigurationError, ProtocolError, TransportTimeout
-from stratagem.ps.placement import Placer
-from stratagem.ps.client import PSClient
-from stratagem.ps.protocol import check_mode, describe_spec, piece_spec, same_spec, task_key
-from stratagem.ps.server import ParameterServer
+from stratagem.ps_service.placement import Placer
+from stratagem.ps_service.client import PSClient
+from stratagem.ps_service.protocol import check_mode, describe_spec, piece_spec, same_spec, task_key
+from stratagem.ps_service.server import ParameterServer
 from stratagem.strategies.base import Strategy
 from stratagem.strategies import compressing
 from stratagem.strategies.ps.remote import RemoteVariables
@@ -200,7 +200,7 @@ class PSStrategyBase(Strategy):
         return self._placer.place(variable.name, variable.shape, variable.dtype)
 
     def pieces(self, name: str) -> list:
-        """The pieces variable ``name`` is stored as (:class:`~stratagem.ps.placement.Piece`: its shard
+        """The pieces variable ``name`` is stored as (:class:`~stratagem.ps_service.placement.Piece`: its shard
         ``ps``, its rows ``lo:hi`` of ``parts``), on a task that declared it."""
         self._check_worker("hold variables")
         try:

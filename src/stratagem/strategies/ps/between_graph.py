@@ -19,7 +19,7 @@ task runs its own training loop against them:
   turns true) and writes the checkpoints (``strategy.save(dir)``).
 
 A dead ps task makes every worker's next request raise
-:class:`~stratagem.ps.protocol.ShardLostError` naming it (a ``PeerLostError``); under ``async`` a
+:class:`~stratagem.ps_service.protocol.ShardLostError` naming it (a ``PeerLostError``); under ``async`` a
 dead worker does not stop the others. Options: those of
 :class:`~stratagem.strategies.ps.base.PSStrategyBase`.
 

@@ -14,7 +14,7 @@ left, the closures wait for one to come back, up to the strategy's timeout; then
 
 A closure that raises fails its ``RemoteValue``; ``join()`` (or the next ``schedule()``) raises the
 first such error once, and the closures still queued are cancelled. A shard (ps task) that is lost
-makes ``join()`` raise :class:`~stratagem.ps.protocol.ShardLostError` naming it.
+makes ``join()`` raise :class:`~stratagem.ps_service.protocol.ShardLostError` naming it.
 """
 
 from __future__ import annotations
@@ -29,18 +29,19 @@ from typing import Any, Callable
 
 import numpy as np
 
-from stratagem.core import remote_code, values
+from stratagem.strategies.remote_calls import functions as remote_code
+from stratagem.strategies.remote_calls import values
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import CommunicationError, ConfigurationError, PeerLostError, StratagemError, TransportTimeout
 from stratagem.training.optimizers.rules import Optimizer
-from stratagem.ps.protocol import ShardLostError, task_key
+from stratagem.ps_service.protocol import ShardLostError, task_key
 from stratagem.core.transport import Message
 from stratagem.training.variables import Variable
 
 log = logging.getLogger(__name__)
 
 CLOSURE_TAG, RESULT_TAG = "ps.closure", "ps.result"
-#: The ``functions`` option's values, as :mod:`stratagem.core.remote_code` calls them.
+#: The ``functions`` option's values, as :mod:`stratagem.strategies.remote_calls.functions` calls them.
 FUNCTION_MODES = {"auto": "auto", "name": "name", "cloudpickle": "value"}
 #: Where else a function sent by name must be defined (the workers serve inside the strategy's constructor).
 _WHERE = (", before the call to stratagem.strategy(...) (workers serve inside that call, so what comes "
@@ -146,7 +147,7 @@ class Coordinator:
         strategy: the strategy (its transport; what references to it, its variables and optimizers name).
         workers: the tasks that run closures.
         functions: how step functions travel (``FUNCTION_MODES``).
-        client: the strategy's :class:`~stratagem.ps.client.PSClient` (lost shards, idle workers).
+        client: the strategy's :class:`~stratagem.ps_service.client.PSClient` (lost shards, idle workers).
         variables: its :class:`~stratagem.strategies.ps.remote.RemoteVariables` (the results' references).
         timeout: seconds a send may take, and how long closures wait for a worker to come back.
         mode: the consistency mode (``sync`` and ``bounded`` shards are told which workers are idle).
@@ -273,7 +274,7 @@ class Coordinator:
 
     # -- encoding ------------------------------------------------------------------------------------
     def _how(self, fn: Callable, what: str) -> str:
-        """``"name"`` or ``"value"`` (the rules: :mod:`stratagem.core.remote_code`)."""
+        """``"name"`` or ``"value"`` (the rules: :mod:`stratagem.strategies.remote_calls.functions`)."""
         return self._policy.how(fn, f"the {what} {remote_code.describe(fn)!r}")
 
     def _reference(self, obj):

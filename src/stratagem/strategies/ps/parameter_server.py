@@ -26,11 +26,11 @@ pickled. Step functions go *by name* (a module-level function, defined before th
 ``stratagem.strategy(...)`` call in the script, or in a module of your own code) — or, only when the
 cluster is authenticated by a secret (``STRATAGEM_SECRET``, which ``stratagem launch`` sets), *by value*
 with cloudpickle (lambdas, closures, functions of installed packages). See
-:mod:`stratagem.core.remote_code` for the rules and why.
+:mod:`stratagem.strategies.remote_calls.functions` for the rules and why.
 
 When a worker dies, the steps it was running run again on the others, and it is used again as soon
 as a new process of that task is back (steps run at least once). A lost ps task makes ``join()``, and
-every worker, raise :class:`~stratagem.ps.protocol.ShardLostError` naming it.
+every worker, raise :class:`~stratagem.ps_service.protocol.ShardLostError` naming it.
 
 Options: those of :class:`~stratagem.strategies.ps.base.PSStrategyBase` (``pull_with_push`` is off:
 each step pulls when it starts; ``mode``: ``async`` by default; under ``sync`` and ``bounded`` a
@@ -76,10 +76,10 @@ from typing import Any, Callable, Mapping
 from stratagem.core import endpoints
 from stratagem.core.errors import ConfigurationError
 from stratagem.core.job_state import JobFinished
-from stratagem.ps.client import PSClient
+from stratagem.ps_service.client import PSClient
 from stratagem.strategies.ps.adopt import Adoption
 from stratagem.strategies.ps.coordinator import FUNCTION_MODES, Coordinator, PerWorkerDataset, RemoteValue
-from stratagem.ps.protocol import task_key
+from stratagem.ps_service.protocol import task_key
 from stratagem.strategies.ps.base import READY_POLL, PSStrategyBase
 from stratagem.strategies.ps.stall import Stalled, StallWatch
 from stratagem.strategies.ps.worker import Worker

@@ -3,7 +3,7 @@ and their helpers share (README: "Parameter servers").
 
 :class:`RemoteVariables` holds, for every variable created or adopted here, its pieces (where each
 lives), its :class:`RemoteStore` (the local copy: the *cache*) and what is known of its staleness, and
-it makes every exchange of values with the shards through the :class:`~stratagem.ps.client.PSClient`
+it makes every exchange of values with the shards through the :class:`~stratagem.ps_service.client.PSClient`
 it is given: the pulls a read needs, the rows a ``gather`` needs, the writes of ``assign``, and a
 push's acknowledgements with the values they bring back. It keeps the job's global step and the
 chief's stop as of the last exchange, and sets the strategy's optimizers' ``iterations`` to that step.
@@ -25,9 +25,9 @@ import numpy as np
 
 from stratagem.compression.base import FLOAT_DTYPES
 from stratagem.core.errors import ConfigurationError
-from stratagem.ps.messages import PushReply, PushRequest
-from stratagem.ps.protocol import piece_spec
-from stratagem.ps.rows import fetch_rows, split_gradient
+from stratagem.ps_service.messages import PushReply, PushRequest
+from stratagem.ps_service.protocol import piece_spec
+from stratagem.ps_service.rows import fetch_rows, split_gradient
 from stratagem.strategies.ps.cache import adoptable, write_into
 from stratagem.training.sparse import IndexedSlices
 from stratagem.training.variables import VariableStore, array_module, to_module
@@ -69,7 +69,7 @@ class RemoteVariables:
     """The variables of this task that live on the shards (see the module doc).
 
     Args:
-        client: this task's :class:`~stratagem.ps.client.PSClient`.
+        client: this task's :class:`~stratagem.ps_service.client.PSClient`.
         optimizers: the strategy's optimizers (its own list): their ``iterations`` follow the global step.
         closed: says whether the strategy was shut down (then reads serve the caches as they are).
         read_only: an evaluator's: it reads afresh every time and may not assign.
@@ -163,7 +163,7 @@ class RemoteVariables:
 
     def gather(self, name: str, rows):
         """Rows ``rows`` (checked int64) of variable ``name``, a new array: from the cache when it is
-        fresh, else pulled from the shards holding them (:func:`~stratagem.ps.rows.fetch_rows`).
+        fresh, else pulled from the shards holding them (:func:`~stratagem.ps_service.rows.fetch_rows`).
         Makes ``name`` sparse-read."""
         var = self.variables[name]
         self.sparse_read.add(name)
@@ -237,7 +237,7 @@ class RemoteVariables:
 
     # -- pushing -------------------------------------------------------------------------------------
     def requests(self, pairs: list, *, weight: float, pull: bool, compressor=None, states=None) -> dict:
-        """Each shard's :class:`~stratagem.ps.messages.PushRequest` for the ``(gradient, variable)``
+        """Each shard's :class:`~stratagem.ps_service.messages.PushRequest` for the ``(gradient, variable)``
         ``pairs`` (every shard gets one, empty where it holds none of them, so every shard counts the
         step): dense gradients cut into their pieces (compressed with ``compressor``, each piece with
         its own error-feedback state in ``states``), ``IndexedSlices`` as rows of the pieces that hold

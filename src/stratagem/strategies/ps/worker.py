@@ -18,12 +18,14 @@ import logging
 import traceback
 from dataclasses import dataclass
 
-from stratagem.core import job_state, remote_code, values
+from stratagem.core import job_state
+from stratagem.strategies.remote_calls import functions as remote_code
+from stratagem.strategies.remote_calls import values
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import (FunctionNotFound, JobFailedError, PeerLostError, ProtocolError, StratagemError,
                                    TransportTimeout)
 from stratagem.strategies.ps.coordinator import CLOSURE_TAG, POLL, RESULT_TAG
-from stratagem.ps.protocol import ShardLostError
+from stratagem.ps_service.protocol import ShardLostError
 from stratagem.core.transport import Message
 from stratagem.training.variables import Variable
 
@@ -64,7 +66,7 @@ class Worker:
     Args:
         strategy: the worker's strategy (its transport; what a ``__strategy__`` reference names).
         workers: the tasks that run closures, in order (this one among them).
-        client: the strategy's :class:`~stratagem.ps.client.PSClient` (asked for lost shards).
+        client: the strategy's :class:`~stratagem.ps_service.client.PSClient` (asked for lost shards).
         variables: the :class:`~stratagem.strategies.ps.adopt.Adoption` of the coordinator's variables.
         timeout: seconds a send to the coordinator may take.
         watch: a :class:`~stratagem.strategies.ps.stall.StallWatch`, asked between closures (None: none).
@@ -175,7 +177,7 @@ class Worker:
             return Message(reply), None
 
     def _function(self, ref, blobs: list):
-        """The function the coordinator sent (the rules: :mod:`stratagem.core.remote_code`)."""
+        """The function the coordinator sent (the rules: :mod:`stratagem.strategies.remote_calls.functions`)."""
         where = str(self.transport.task)
         if not isinstance(ref, dict):
             raise ProtocolError(f"a closure's function is described by a {type(ref).__name__}")

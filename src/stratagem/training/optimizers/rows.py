@@ -1,5 +1,5 @@
 """Row updates for sparse gradients: :meth:`Optimizer.update_rows` (a parameter server applies an
-embedding table's row gradients with it when the rule allows; see :mod:`stratagem.ps.rows`).
+embedding table's row gradients with it when the rule allows; see :mod:`stratagem.ps_service.rows`).
 
 The rows of the variable and of its slots are gathered, the optimizer's own rule runs on them with the
 same ufuncs as the dense update, and they are scattered back; for a ``sparse_exact`` rule (a zero

@@ -1,5 +1,5 @@
 """The accepting side of the ``grpc`` transport (:mod:`stratagem.transports.grpc.transport`): the server's one
-method, whose streams are fed to the handshake's state machine (:mod:`stratagem.core.acceptor`), and
+method, whose streams are fed to the handshake's state machine (:mod:`stratagem.transport_kit.acceptor`), and
 frames from admitted peers into the mailbox.
 
 :class:`GrpcAcceptor` is owned by the transport and talks to it only through what it is given: the
@@ -26,10 +26,10 @@ from typing import Callable
 import grpc
 
 from stratagem.core import wire
-from stratagem.core.acceptor import DELIVER, Acceptor, Admitted, CutOff, GaveUp, Left, Refused, Reply
+from stratagem.transport_kit.acceptor import DELIVER, Acceptor, Admitted, CutOff, GaveUp, Left, Refused, Reply
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import ProtocolError
-from stratagem.core.mailbox import Mailbox
+from stratagem.transport_kit.mailbox import Mailbox
 from stratagem.core.transport import Message
 from stratagem.core.wire import Kind
 from stratagem.transports.framing import Reassembler, frame_bytes
@@ -71,7 +71,7 @@ class GrpcAcceptor:
 
     # -- what the transport asks (under its lock) ------------------------------------------------------
     def epoch(self, task: TaskId) -> int:
-        """How many times ``task`` was admitted (see :class:`~stratagem.core.acceptor.Admitted`)."""
+        """How many times ``task`` was admitted (see :class:`~stratagem.transport_kit.acceptor.Admitted`)."""
         return self.acceptor.epoch(task)
 
     def receiving(self, task: TaskId) -> bool:

@@ -2,7 +2,7 @@
 
 :class:`Outgoing` is our stream to a peer: the queue of frames its request generator sends, the
 handshake's progress and what failed it. :class:`Incoming` is a peer's stream into our server
-(its handshake is :mod:`stratagem.core.acceptor`'s).
+(its handshake is :mod:`stratagem.transport_kit.acceptor`'s).
 :class:`LazySend` is the handle of a large send, done once gRPC's request thread has cut the last
 chunk out of the caller's arrays (before that chunk is handed to gRPC: what happens to the bytes
 afterwards, the peer's receive and goodbye included, is no longer the send's). Nothing here imports grpc.
@@ -60,7 +60,7 @@ class LazySend(SendHandle):
 
 class Outgoing:
     """Our stream to one peer: its channel, the call, the queue of frames and its handshake (``hs``, a
-    :class:`~stratagem.core.connector.Connector`)."""
+    :class:`~stratagem.transport_kit.connector.Connector`)."""
 
     def __init__(self, task: TaskId, address: str, hs):
         self.task, self.address, self.hs = task, address, hs
@@ -175,7 +175,7 @@ class Outgoing:
 
 class Incoming:
     """One stream into our server: its requests, the responses queued for it, and its handshake
-    (``hs``, a :class:`~stratagem.core.acceptor.Connection`: who it is from and how far it got)."""
+    (``hs``, a :class:`~stratagem.transport_kit.acceptor.Connection`: who it is from and how far it got)."""
 
     def __init__(self, requests, context):
         self.requests, self.context = requests, context

@@ -18,8 +18,8 @@ buffer also carries the frame's head, up to 16 KiB), so gRPC's per-message limit
 receiver reassembles them with every limit checked before it allocates (see
 :mod:`stratagem.transports.framing`).
 
-**Handshake.** The stream starts with the protocol's handshake (``core/handshake.py``; the accepting
-side is ``core/acceptor.py``'s state machine, the connecting side ``core/connector.py``'s): HELLO →
+**Handshake.** The stream starts with the protocol's handshake (``transport_kit/handshake.py``; the accepting
+side is ``transport_kit/acceptor.py``'s state machine, the connecting side ``transport_kit/connector.py``'s): HELLO →
 WELCOME, or with a cluster secret HELLO → CHALLENGE → AUTH → WELCOME. Data is sent only after
 WELCOME. Until then the acceptor accepts nothing but the next handshake frame, under tiny control
 limits, and refuses a stream that has not completed it within ``handshake_timeout``. A peer that
@@ -38,7 +38,7 @@ four messages, not five); ``send_async`` returns a handle that completes when th
 made, after which the arrays may be reused, and ``send`` waits for it.
 
 **Receiving.** A reader thread per incoming stream files each frame into the shared
-:class:`~stratagem.core.mailbox.Mailbox`; ``recv`` waits on the mailbox. (The zmq transport lets a
+:class:`~stratagem.transport_kit.mailbox.Mailbox`; ``recv`` waits on the mailbox. (The zmq transport lets a
 waiting ``recv`` read its socket itself; here gRPC's own threads read the connection, so there is no
 socket to pump, and the reader thread is where the bytes arrive anyway.) Received arrays are owned
 by the receiver and writable, as with zmq: each buffer is filled from the messages (a buffer that
@@ -115,8 +115,9 @@ import time
 
 import grpc
 
-from stratagem.core import ports, wire
-from stratagem.core.acceptor import CONTROL_LIMITS, Acceptor
+from stratagem.core import wire
+from stratagem.transport_kit import ports
+from stratagem.transport_kit.acceptor import CONTROL_LIMITS, Acceptor
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import (
     AuthenticationError,
@@ -126,8 +127,8 @@ from stratagem.core.errors import (
     TransportClosed,
     TransportTimeout,
 )
-from stratagem.core.connector import GOODBYE, READY, Connector, Failed, Send
-from stratagem.core.mailbox import Mailbox
+from stratagem.transport_kit.connector import GOODBYE, READY, Connector, Failed, Send
+from stratagem.transport_kit.mailbox import Mailbox
 from stratagem.core.transport import COMPLETED, Message, SendHandle, Transport
 from stratagem.core.wire import Kind
 from stratagem.transports.grpc.config import (
@@ -175,7 +176,7 @@ class GrpcTransport(Transport):
     """
 
     name = "grpc"
-    elastic = True   # a restarted peer is re-accepted (core/acceptor.py: an Admitted again)
+    elastic = True   # a restarted peer is re-accepted (transport_kit/acceptor.py: an Admitted again)
 
     def __init__(self, cluster, task, *, bind_host: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None,
@@ -407,7 +408,7 @@ class GrpcTransport(Transport):
         self._outgoing_ended(peer, how)
 
     def _on_response(self, peer: Outgoing, frame: wire.Frame) -> None:
-        """One control frame of the acceptor; the rules are :class:`~stratagem.core.connector.Connector`'s."""
+        """One control frame of the acceptor; the rules are :class:`~stratagem.transport_kit.connector.Connector`'s."""
         self._carry_out(peer, peer.hs.on_frame(frame.kind, frame.meta))
 
     def _carry_out(self, peer: Outgoing, actions: list) -> None:

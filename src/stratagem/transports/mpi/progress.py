@@ -49,7 +49,7 @@ import numpy as np
 from stratagem.core import wire
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import CommunicationError, PeerLostError, ProtocolError, TransportClosed, TransportTimeout
-from stratagem.core.mailbox import Mailbox
+from stratagem.transport_kit.mailbox import Mailbox
 from stratagem.core.transport import Message
 from stratagem.core.wire import Kind, Limits
 

@@ -23,7 +23,7 @@ One sender's messages to one receiver are posted under a per-destination lock an
 messages of one pair overtake each other, so the receiver, which probes ``MPI_ANY_TAG`` and reads a
 message's data pieces before it probes again, sees every envelope in order and its data right after
 it: the contract's order per ``(src, dst, tag)`` follows. String tags travel in the envelope and
-the shared :class:`~stratagem.core.mailbox.Mailbox` files messages by ``(source, tag)``, which gives
+the shared :class:`~stratagem.transport_kit.mailbox.Mailbox` files messages by ``(source, tag)``, which gives
 any-source receives and any number of concurrent tags.
 
 Progress (:mod:`~stratagem.transports.mpi.progress`, an object the transport owns). MPI has no blocking wait with a timeout (and Open MPI's blocking
@@ -78,7 +78,7 @@ from typing import Callable, ClassVar, Mapping
 from stratagem.core import wire
 from stratagem.core.cluster import MPI_RANK_VARS, SLURM_RANK_VARS, TaskId
 from stratagem.core.errors import ConfigurationError, PluginError, TransportClosed
-from stratagem.core.mailbox import Mailbox
+from stratagem.transport_kit.mailbox import Mailbox
 from stratagem.core.transport import COMPLETED, Message, SendHandle, Transport
 from stratagem.core.wire import Kind
 from stratagem.transports.mpi import progress as mpi_progress

@@ -73,8 +73,8 @@ from stratagem.core import wire
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import (ConfigurationError, PeerLostError, PluginError, ProtocolError, TransportClosed,
                            TransportTimeout)
-from stratagem.core.mailbox import Mailbox
-from stratagem.core.reading import SharedReader
+from stratagem.transport_kit.mailbox import Mailbox
+from stratagem.transport_kit.reading import SharedReader
 from stratagem.core.transport import Message, Transport
 from stratagem.core.wire import Kind
 from stratagem.transports.shm.buffers import BufferPool

@@ -1,6 +1,6 @@
 """The accepting side of the ``zmq`` transport (:mod:`stratagem.transports.zmq.transport`): the messages
 that arrive at this task's ROUTER, fed to the handshake's state machine
-(:mod:`stratagem.core.acceptor`), whose actions this carries out.
+(:mod:`stratagem.transport_kit.acceptor`), whose actions this carries out.
 
 :class:`ZmqAcceptor` is owned by the transport and talks to it only through what it is given: the
 mailbox, the counters, and four functions (send a control frame back on a connection, forget our
@@ -30,10 +30,10 @@ from typing import Callable
 import zmq
 
 from stratagem.core import wire
-from stratagem.core.acceptor import DELIVER, Acceptor, Admitted, Connection, Dropped, GaveUp, Left, Refused, Reply
+from stratagem.transport_kit.acceptor import DELIVER, Acceptor, Admitted, Connection, Dropped, GaveUp, Left, Refused, Reply
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import ProtocolError
-from stratagem.core.mailbox import Mailbox
+from stratagem.transport_kit.mailbox import Mailbox
 from stratagem.core.transport import Message
 from stratagem.core.wire import Kind
 from stratagem.transports.framing import Reassembler

@@ -7,7 +7,7 @@ per-(src, dst, tag) ordering.
 
 Threads: whoever holds the reader lock reads the ROUTER, the connection monitors and the DEALERs
 still in their handshake: it decodes messages, runs both sides of the handshake
-(``core/acceptor.py``, ``core/connector.py``) and files data into the mailbox. A ``recv`` that has
+(``transport_kit/acceptor.py``, ``transport_kit/connector.py``) and files data into the mailbox. A ``recv`` that has
 to wait takes the reader lock itself, so a message reaches the thread that wants it without a
 hand-off between threads; it then waits in a receive on the
 ROUTER alone (a message already there costs no system call; a poll of every socket costs ZeroMQ two
@@ -24,7 +24,7 @@ Handshake: the connector sends HELLO on its DEALER; the acceptor answers on that
 (CHALLENGE, then WELCOME after AUTH with a cluster secret; WELCOME at once without one; REJECT with
 the reason when it refuses), so a forged HELLO never makes us talk to the task it names. Data flows
 after WELCOME. What the connector accepts in answer (from the task it connected to only, a CHALLENGE
-answering its own HELLO, a valid proof) is :class:`~stratagem.core.connector.Connector`'s rule,
+answering its own HELLO, a valid proof) is :class:`~stratagem.transport_kit.connector.Connector`'s rule,
 the same as grpc's.
 
 Memory before the handshake: ZeroMQ allocates a whole message part before we see it, so the ROUTER
@@ -37,7 +37,7 @@ A DEALER
 only ever receives control frames, so it refuses anything over a control frame's size. ZeroMQ keeps
 the parts of an unfinished multipart message without a bound of its own, so with a cluster secret
 every connection into the ROUTER must first pass a gate: ZMTP PLAIN credentials carrying a token
-derived from the secret (:func:`stratagem.core.handshake.connection_token`), which our ZAP handler
+derived from the secret (:func:`stratagem.transport_kit.handshake.connection_token`), which our ZAP handler
 checks before libzmq reads a single message from the connection. A peer without the secret cannot
 make a task buffer anything; the token travels in clear (it only opens the door to the handshake,
 which still authenticates with the secret). Without a secret anyone may connect, by design.
@@ -85,8 +85,9 @@ import time
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from stratagem.core import ports, wire
-from stratagem.core.acceptor import CONTROL_LIMITS, Acceptor
+from stratagem.core import wire
+from stratagem.transport_kit import ports
+from stratagem.transport_kit.acceptor import CONTROL_LIMITS, Acceptor
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import (
     AuthenticationError,
@@ -97,9 +98,9 @@ from stratagem.core.errors import (
     TransportClosed,
     TransportTimeout,
 )
-from stratagem.core.connector import READY, Connector, Failed, Send
-from stratagem.core.mailbox import Mailbox
-from stratagem.core.reading import SharedReader
+from stratagem.transport_kit.connector import READY, Connector, Failed, Send
+from stratagem.transport_kit.mailbox import Mailbox
+from stratagem.transport_kit.reading import SharedReader
 from stratagem.core.transport import COMPLETED, Message, SendHandle, Transport
 from stratagem.core.wire import Kind
 from stratagem.transports.zmq.acceptor import ZmqAcceptor
@@ -178,7 +179,7 @@ class ZmqTransport(Transport):
     """
 
     name = "zmq"
-    elastic = True   # a restarted peer is re-accepted (core/acceptor.py: an Admitted again)
+    elastic = True   # a restarted peer is re-accepted (transport_kit/acceptor.py: an Admitted again)
     whole_buffer_bytes = PART_BYTES
 
     def __init__(self, cluster, task, *, bind_host: str | None = None, io_threads: int = 1,
@@ -663,7 +664,7 @@ class ZmqTransport(Transport):
     # -- our side of the handshake: the answers to our HELLOs, read by the reader -------------------
     def _on_answer(self, peer: _Peer) -> None:
         """Read what the acceptor answered on ``peer``'s DEALER while its handshake runs; its rules are
-        :class:`~stratagem.core.connector.Connector`'s."""
+        :class:`~stratagem.transport_kit.connector.Connector`'s."""
         while peer.handshaking:
             try:
                 parts = peer.sock.recv_multipart(flags=zmq.NOBLOCK)

@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 
 from stratagem.compression.base import FLOAT_DTYPES, Compressed
 from stratagem.core.errors import ProtocolError
-from stratagem.ps.protocol import RequestRefused, piece_shape, spec_dtype
+from stratagem.ps_service.protocol import RequestRefused, piece_shape, spec_dtype
 
 
 def compress_pieces(compressor, states: Mapping[str, dict], names: Sequence[str], grads: Sequence) -> tuple[dict, list]:

@@ -1,7 +1,7 @@
 """The accepting side of the connection handshake, as a state machine that does no I/O.
 
 Every socket transport accepts connections the same way (README: "Security"): a connection must
-first say HELLO (checked by :mod:`stratagem.core.handshake`: version, cluster, a task of the
+first say HELLO (checked by :mod:`stratagem.transport_kit.handshake`: version, cluster, a task of the
 cluster that is not this one), then, with a cluster secret, answer a CHALLENGE with a valid AUTH;
 only then is it *open* and may carry DATA, until its GOODBYE. Anything else ends the connection
 with a REJECT that says why. This module holds that logic once; a transport feeds it what arrives
@@ -30,13 +30,13 @@ old connection from the loss of the task.
 
 What a connection may send next is in :attr:`Connection.expects` and :attr:`Connection.limits`, so a
 transport can refuse a frame from its header, before it reads (or allocates for) the rest: before
-it is open, only small control frames (:data:`~stratagem.core.handshake.CONTROL_LIMITS`).
+it is open, only small control frames (:data:`~stratagem.transport_kit.handshake.CONTROL_LIMITS`).
 
 The machine holds no lock: a transport calls it from one thread at a time (zmq: its reader; grpc:
 under its lock, the one that also guards its peers).
 
     >>> from stratagem.core.cluster import ClusterSpec, TaskId
-    >>> from stratagem.core import handshake
+    >>> from stratagem.transport_kit import handshake
     >>> cluster = ClusterSpec({"worker": ["h:1", "h:2"]})
     >>> acceptor = Acceptor(TaskId("worker", 1), cluster, secret=None)
     >>> conn, _ = acceptor.connect("127.0.0.1:5000")
@@ -52,10 +52,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from stratagem.core import handshake
+from stratagem.transport_kit import handshake
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import ConfigurationError, ProtocolError
-from stratagem.core.handshake import CONTROL_LIMITS
+from stratagem.transport_kit.handshake import CONTROL_LIMITS
 from stratagem.core.wire import Kind, Limits
 
 
@@ -253,7 +253,7 @@ class Acceptor:
     @property
     def token(self) -> bytes | None:
         """What a connection must show at the transport's connection gate, if it has one
-        (:func:`~stratagem.core.handshake.connection_token`; None without a secret)."""
+        (:func:`~stratagem.transport_kit.handshake.connection_token`; None without a secret)."""
         return None if self.secret is None else handshake.connection_token(self.secret, self.cluster_id)
 
     # -- what a transport tells ----------------------------------------------------------------------

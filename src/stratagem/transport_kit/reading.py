@@ -74,7 +74,7 @@ class SharedReader:
     def for_waiter(self, remaining: float | None) -> bool:
         """Read once for a waiting ``recv()`` with ``remaining`` seconds left (None: no deadline), for
         at most :data:`USER_POLL`. False if another thread is reading (it is asked to yield) or the
-        transport is stopping. (The ``pump`` of :meth:`stratagem.core.mailbox.Mailbox.get`.)"""
+        transport is stopping. (The ``pump`` of :meth:`stratagem.transport_kit.mailbox.Mailbox.get`.)"""
         if self.stopping:
             return False
         self._user_read_at = time.monotonic()  # tells the background thread to stay away

@@ -58,7 +58,7 @@ from stratagem.compression.base import FLOAT_DTYPES
 from stratagem.strategies.base import Strategy, evaluator_refusal
 from stratagem.strategies import compressing
 from stratagem.training.variables import array_module, is_device_array
-from stratagem.strategies.mirrored_elastic import ElasticTraining, check_elastic_transport, elastic_wrapper
+from stratagem.strategies.mirrored.elastic import ElasticTraining, check_elastic_transport, elastic_wrapper
 
 #: Default largest bucket of fused gradients, in bytes (before any compression).
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -84,7 +84,7 @@ class MirroredStrategy(Strategy):
         chunk_bytes, small_bytes, timeout: the replicas' :class:`~stratagem.collectives.communicator.Communicator`
             settings (default: the communicator's, and the transport's timeout).
         on_failure: ``"raise"`` (default): a lost replica makes the others raise ``PeerLostError``
-            naming it. ``"shrink"``: elastic training (:mod:`stratagem.strategies.mirrored_elastic`):
+            naming it. ``"shrink"``: elastic training (:mod:`stratagem.strategies.mirrored.elastic`):
             the training function runs in ``strategy.elastic(fn)``; when a replica is lost the
             survivors roll back to the last ``commit()``, go on without it and retry, and a restarted
             worker joins at the next commit. Needs a transport whose world can change (``zmq``,

@@ -1,5 +1,5 @@
 """The parameter-server protocol: tags, operations, piece descriptions and the errors (shared by
-:mod:`~stratagem.ps.server` and :mod:`~stratagem.ps.client`).
+:mod:`~stratagem.ps_service.server` and :mod:`~stratagem.ps_service.client`).
 
 Every request is a wire :class:`~stratagem.core.transport.Message` sent under the tag ``ps`` to a ps
 task: ``meta`` holds ``op`` (the operation), ``id`` (the requester's sequence number, echoed in the
@@ -44,7 +44,7 @@ import numpy as np
 
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import ConfigurationError, PeerLostError, StratagemError
-from stratagem.ps.placement import Piece
+from stratagem.ps_service.placement import Piece
 from stratagem.core.wire import DTYPES, dtype_name
 
 #: Tag of requests (to a ps task) and of replies (to the requester).

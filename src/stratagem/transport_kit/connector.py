@@ -1,6 +1,6 @@
 """The connecting side of the connection handshake, as a state machine that does no I/O.
 
-The counterpart of :mod:`stratagem.core.acceptor`: every socket transport (zmq, grpc, and shm's zmq
+The counterpart of :mod:`stratagem.transport_kit.acceptor`: every socket transport (zmq, grpc, and shm's zmq
 control connections) opens a connection to a peer's address the same way (README: "Security")::
 
     connector                                   acceptor
@@ -32,7 +32,7 @@ The rules, the same on every transport:
   does not decode) is a :class:`ProtocolError`, never ignored.
 
     >>> from stratagem.core.cluster import ClusterSpec, TaskId
-    >>> from stratagem.core.acceptor import Acceptor, Reply
+    >>> from stratagem.transport_kit.acceptor import Acceptor, Reply
     >>> cluster = ClusterSpec({"worker": ["h:1", "h:2"]})
     >>> a, b = TaskId("worker", 0), TaskId("worker", 1)
     >>> acceptor = Acceptor(b, cluster, secret=b"k")
@@ -55,7 +55,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from stratagem.core import handshake
+from stratagem.transport_kit import handshake
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import AuthenticationError, ConfigurationError, ProtocolError
 from stratagem.core.wire import Kind
@@ -147,7 +147,7 @@ class Connector:
     @property
     def token(self) -> bytes | None:
         """What this connection shows at the peer's connection gate, if the transport has one
-        (:func:`~stratagem.core.handshake.connection_token`; None without a secret)."""
+        (:func:`~stratagem.transport_kit.handshake.connection_token`; None without a secret)."""
         return None if self.secret is None else handshake.connection_token(self.secret, self.cluster_id)
 
     def _where(self) -> str:

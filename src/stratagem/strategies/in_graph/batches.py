@@ -1,6 +1,6 @@
 """Step arguments and results of the ``in_graph`` strategy: splitting a global batch over the replicas,
 and the replicas' results (:class:`PerReplica`). Arguments and results travel as
-:mod:`stratagem.core.values` (plain metadata plus array buffers, never pickled).
+:mod:`stratagem.strategies.remote_calls.values` (plain metadata plus array buffers, never pickled).
 
 A step's arguments are a tree: tuples, lists and dicts whose leaves are arrays (numpy, cupy, PyTorch:
 anything with a ``shape`` that slices) or plain values (numbers, strings, ``None``...). Every leaf
@@ -24,7 +24,7 @@ import numpy as np
 
 from stratagem.core.errors import ConfigurationError
 from stratagem.strategies.distribute import PerReplica  # noqa: F401 - defined there, used here
-from stratagem.core.values import to_host
+from stratagem.strategies.remote_calls.values import to_host
 
 
 def has_rows(leaf) -> bool:

@@ -36,7 +36,7 @@ from stratagem.core.wire import VERSION, Limits
 
 NONCE_BYTES = 16
 #: Limits for the frames of the handshake and the other control frames: no buffers, a small envelope.
-#: A connection is held to them until it is admitted (see :mod:`stratagem.core.acceptor`).
+#: A connection is held to them until it is admitted (see :mod:`stratagem.transport_kit.acceptor`).
 CONTROL_LIMITS = Limits(max_envelope_bytes=64 << 10, max_payload_bytes=0, max_buffers=0)
 
 

@@ -4,7 +4,7 @@
 the batch) and gives their weighted mean once enough replicas have pushed. :class:`StalenessGate`
 keeps each replica's clock (its pushes) and holds the acknowledgement of a replica more than
 ``bound`` pushes ahead of the slowest active one. Neither talks to the network: the server
-(:mod:`stratagem.ps.server`) decides when to apply and whom to answer.
+(:mod:`stratagem.ps_service.server`) decides when to apply and whom to answer.
 
     >>> import numpy as np
     >>> round_ = SyncRound()
@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from stratagem.training.optimizers.rules import compute_dtype
-from stratagem.ps.rows import add_rows, row_sum
+from stratagem.ps_service.rows import add_rows, row_sum
 from stratagem.training.sparse import IndexedSlices, densify
 
 

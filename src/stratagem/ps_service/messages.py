@@ -6,7 +6,7 @@ reads it back with :meth:`PushRequest.parse`, which checks every field of the me
 what is wrong. The last part of the server's answer reads as a :class:`PushReply` (its status, the
 shard's step, whether the chief asked to stop, the bounded-staleness clocks).
 
-On the wire (:mod:`~stratagem.ps.protocol`, operation ``push``): ``names`` (the dense pieces, one
+On the wire (:mod:`~stratagem.ps_service.protocol`, operation ``push``): ``names`` (the dense pieces, one
 buffer each, or their compressed payloads with ``compression``), then ``rows`` (two buffers each: the
 int64 rows counted from the piece's first row, and the gradient rows), ``weight`` (the pusher's share
 of the batch), ``version`` (the step the worker read), ``pull`` (send the values back) and ``skip``
@@ -31,8 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stratagem.core.transport import Message
-from stratagem.ps.compressed import compress_pieces
-from stratagem.ps.protocol import RequestRefused
+from stratagem.ps_service.compressed import compress_pieces
+from stratagem.ps_service.protocol import RequestRefused
 
 __all__ = ["PushRequest", "PushReply"]
 
@@ -61,7 +61,7 @@ class PushRequest:
         self.row_buffers += [indices, values]
 
     def compress(self, compressor, states) -> None:
-        """Replace the dense gradients by ``compressor``'s payloads (:mod:`stratagem.ps.compressed`);
+        """Replace the dense gradients by ``compressor``'s payloads (:mod:`stratagem.ps_service.compressed`);
         ``states``: each piece's error-feedback state, by piece name."""
         self.compression, self.dense = compress_pieces(compressor, states, self.names, self.dense)
 

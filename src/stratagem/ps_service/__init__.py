@@ -6,11 +6,11 @@ The service is split by job:
   explicit ``stratagem.device("/job:ps/task:1")``) and partitions large ones;
 - :mod:`.protocol` is the protocol: operations, piece descriptions, errors; :mod:`.messages` the
   push and its acknowledgement as typed objects, built and read in one place;
-- :mod:`.server` is what a ps task runs: :class:`~stratagem.ps.server.ParameterServer` (server-side
+- :mod:`.server` is what a ps task runs: :class:`~stratagem.ps_service.server.ParameterServer` (server-side
   optimizer per shard, a global step, versions; it takes the pushes and acknowledges them), with the
   bookkeeping of the ``sync`` and ``bounded`` consistency modes in :mod:`.consistency`, row updates in
   :mod:`.rows` and double-buffered replies in :mod:`.buffers`;
-- :mod:`.client` is what workers use: :class:`~stratagem.ps.client.PSClient`, requests batched per
+- :mod:`.client` is what workers use: :class:`~stratagem.ps_service.client.PSClient`, requests batched per
   shard and sent to all shards concurrently.
 
 The strategies built on it (``between_graph``, ``parameter_server``) are in :mod:`stratagem.strategies.ps`.

@@ -3,7 +3,7 @@
 A :class:`ParameterServer` holds the pieces of the variables placed on its task, the optimizer that
 updates them (rebuilt on the server from ``opt.get_config()``, with its slots kept here), and a step
 counter: the number of updates applied on this shard (``ps:0``'s is the job's *global step*). It
-answers requests (:mod:`stratagem.ps.protocol`) one at a time, from one thread, so every update
+answers requests (:mod:`stratagem.ps_service.protocol`) one at a time, from one thread, so every update
 is atomic; the shards of a job serve in parallel, one process each.
 
 How a push is applied depends on the job's mode:
@@ -20,12 +20,12 @@ How a push is applied depends on the job's mode:
 
 Replies carry the values by reference and are not waited for. An update is written over the pushed
 gradient, which becomes the piece's array, when the optimizer's rule allows it (SGD, Adam, Adagrad:
-:func:`~stratagem.ps.buffers.takes_over`), so the array a reply sends is never written again;
+:func:`~stratagem.ps_service.buffers.takes_over`), so the array a reply sends is never written again;
 otherwise an update that finds a piece's array still being sent writes the new version into another
-array of the piece (:mod:`stratagem.ps.buffers`). Either way a reply carries one version of
+array of the piece (:mod:`stratagem.ps_service.buffers`). Either way a reply carries one version of
 every piece, never a torn mix.
 
-Embedding tables move by rows (:mod:`stratagem.ps.rows`): ``pull_rows`` answers just the asked
+Embedding tables move by rows (:mod:`stratagem.ps_service.rows`): ``pull_rows`` answers just the asked
 rows (new arrays, gathered), a push may carry row gradients (int64 rows of a piece and their gradient
 rows, checked), and a push's reply leaves out the pieces the requester reads by rows (``skip``). A
 row gradient updates just those rows when the optimizer is ``sparse_exact`` (plain SGD, Adagrad: the
@@ -43,13 +43,13 @@ and every push still waiting for its sync round or staleness bound, gets that er
 replica, so the other replicas stop at once instead of training on without it.
 
 Serving two pieces over the in-process transport (the client side is
-:class:`~stratagem.ps.client.PSClient`)::
+:class:`~stratagem.ps_service.client.PSClient`)::
 
     >>> import threading
     >>> import numpy as np
     >>> from stratagem.core.cluster import ClusterSpec
-    >>> from stratagem.ps.client import PSClient
-    >>> from stratagem.ps.messages import PushRequest
+    >>> from stratagem.ps_service.client import PSClient
+    >>> from stratagem.ps_service.messages import PushRequest
     >>> from stratagem.transports.local import LocalFabric, LocalTransport
     >>> cluster, fabric = ClusterSpec({"worker": ["local:0"], "ps": ["local:1"]}), LocalFabric()
     >>> ps = LocalTransport(cluster, "ps:0", fabric=fabric); ps.start()
@@ -87,12 +87,12 @@ from stratagem.core.errors import (
 )
 from stratagem.training.optimizers.rules import from_config
 from stratagem.training.sparse import IndexedSlices, densify
-from stratagem.ps.compressed import expand_pieces
-from stratagem.ps.buffers import ReplyBuffers, takes_over
-from stratagem.ps.consistency import StalenessGate, SyncRound
-from stratagem.ps.messages import PushRequest
-from stratagem.ps.rows import check_real, read_rows, row_gradients, row_update
-from stratagem.ps.protocol import (
+from stratagem.ps_service.compressed import expand_pieces
+from stratagem.ps_service.buffers import ReplyBuffers, takes_over
+from stratagem.ps_service.consistency import StalenessGate, SyncRound
+from stratagem.ps_service.messages import PushRequest
+from stratagem.ps_service.rows import check_real, read_rows, row_gradients, row_update
+from stratagem.ps_service.protocol import (
     APPLIED,
     DROPPED,
     REPLY_TAG,
@@ -542,7 +542,7 @@ class ParameterServer:
     def _gradients(self, request: PushRequest) -> tuple[list[str], list]:
         """A push's pieces and gradients, checked: first the dense ones, then the row gradients as
         :class:`~stratagem.training.sparse.IndexedSlices`. Compressed dense gradients are decompressed
-        first (:mod:`stratagem.ps.compressed`)."""
+        first (:mod:`stratagem.ps_service.compressed`)."""
         names = self._names(request.names)
         rows = self._names(request.row_names)
         dense = request.dense
@@ -579,7 +579,7 @@ class ParameterServer:
 
     def _update(self, name: str, grad) -> None:
         optimizer = self.optimizer
-        if isinstance(grad, IndexedSlices):   # rows (ps/rows.py): exact rules on the rows, others densified
+        if isinstance(grad, IndexedSlices):   # rows (ps_service/rows.py): exact rules on the rows, others densified
             if optimizer.sparse_exact:
                 if len(grad.indices):         # a zero gradient leaves an exact rule's values as they are
                     self._replace(name, row_update(optimizer, name, grad))

@@ -1,7 +1,7 @@
 """Elastic training for the ``mirrored`` strategy: commit, roll back, shrink and grow
 (``stratagem.strategy("mirrored", on_failure="shrink")``; README: "Elastic training").
 
-:class:`ElasticTraining` is what a :class:`~stratagem.strategies.mirrored.MirroredStrategy` delegates
+:class:`ElasticTraining` is what a :class:`~stratagem.strategies.mirrored.strategy.MirroredStrategy` delegates
 to when ``on_failure="shrink"``. The membership itself is the collectives layer's
 (:class:`~stratagem.collectives.elastic.ElasticCommunicator`); this module keeps the state and the place in
 the user's program that go with it:
@@ -32,7 +32,7 @@ the two others finish the 6 steps, rolling step 3 back and doing it again withou
     >>> import numpy as np
     >>> import stratagem
     >>> from stratagem.core.cluster import ClusterSpec
-    >>> from stratagem.strategies.mirrored import MirroredStrategy
+    >>> from stratagem.strategies.mirrored.strategy import MirroredStrategy
     >>> from stratagem.transports.local import LocalFabric
     >>> cluster, fabric = ClusterSpec({"worker": ["local:0", "local:1", "local:2"]}), LocalFabric()
     >>> batches = [np.full((6, 1), float(step)) for step in range(6)]       # six global batches of 6 rows

@@ -56,7 +56,7 @@ from typing import Any, Callable
 
 from stratagem.core import user_code
 from stratagem.core.errors import ConfigurationError, FunctionNotFound
-from stratagem.core.values import type_name
+from stratagem.strategies.remote_calls.values import type_name
 
 #: How a function may travel: by name when it can (else by value), only by name, only by value.
 MODES = ("auto", "name", "value")
@@ -102,7 +102,7 @@ def by_name(fn) -> dict:
     """The wire description of ``fn`` by name (check :func:`name_problem` first).
 
     >>> by_name(describe)["module"], by_name(describe)["qualname"]
-    ('stratagem.core.remote_code', 'describe')
+    ('stratagem.strategies.remote_calls.functions', 'describe')
     """
     return {"kind": "name", "module": fn.__module__, "qualname": fn.__qualname__, "code": code_hash(fn)}
 

@@ -21,7 +21,7 @@ An exact row update writes into the piece's array in place, unless a reply still
 Splitting sorted rows over the pieces of a partitioned table (rows 0-4 on one shard, 5-9 on another)::
 
     >>> import numpy as np
-    >>> from stratagem.ps.placement import Piece
+    >>> from stratagem.ps_service.placement import Piece
     >>> pieces = [Piece("t/part_0", "t", 0, 0, 2, 0, 5, 80), Piece("t/part_1", "t", 1, 1, 2, 5, 10, 80)]
     >>> [(p.name, lo, hi, local.tolist()) for p, lo, hi, local in split_rows(np.array([1, 4, 5, 9]), pieces)]
     [('t/part_0', 0, 2, [1, 4]), ('t/part_1', 2, 4, [0, 4])]
@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from stratagem.core.errors import ProtocolError
-from stratagem.ps.protocol import RequestRefused
+from stratagem.ps_service.protocol import RequestRefused
 from stratagem.training.sparse import IndexedSlices
 from stratagem.training.variables import to_module
 
@@ -62,7 +62,7 @@ def _spans(rows: np.ndarray, pieces):
 def fetch_rows(client, pieces, rows: np.ndarray, shape: tuple, dtype) -> tuple[np.ndarray, dict]:
     """Rows ``rows`` (int64, checked; repeats and any order allowed) of a variable of ``shape`` and
     ``dtype`` stored as ``pieces``, pulled with ``client`` (a
-    :class:`~stratagem.ps.client.PSClient`): each distinct row once, one request per shard that
+    :class:`~stratagem.ps_service.client.PSClient`): each distinct row once, one request per shard that
     holds some, all shards at once. Returns a new array and the replies (their status and step)."""
     unique, inverse = np.unique(rows, return_inverse=True)
     out = np.empty((len(unique), *shape[1:]), dtype)

@@ -4,14 +4,14 @@ A :class:`PSClient` sends one request per shard (ps task) and gathers the replie
 call is sent first, to all the shards, and only then are the replies awaited, so the shards work
 concurrently. Each shard's request carries the pieces it holds (batched: one message per shard, not
 one per variable). Replies are matched to requests by id; a shard that dies while a call waits on it
-raises :class:`~stratagem.ps.protocol.ShardLostError` naming it (and the pieces it held), as soon
+raises :class:`~stratagem.ps_service.protocol.ShardLostError` naming it (and the pieces it held), as soon
 as the transport sees it gone, and a shard that does not answer within ``timeout`` raises
 ``TransportTimeout`` naming it. Calls are serialised (one in flight per client).
 
 The client also counts the acknowledgements it got, per shard and status (``acks``), for the
 accounting checks (pushes acknowledged as applied == updates the servers applied).
 
-See :mod:`stratagem.ps.server` for an example.
+See :mod:`stratagem.ps_service.server` for an example.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Callable, Iterator, Mapping, Sequence
 from stratagem.core import job_state
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import CommunicationError, PeerLostError, TransportTimeout
-from stratagem.ps.messages import PushReply, PushRequest
-from stratagem.ps.protocol import REPLY_TAG, REQUEST_TAG, RemoteError, ShardLostError
+from stratagem.ps_service.messages import PushReply, PushRequest
+from stratagem.ps_service.protocol import REPLY_TAG, REQUEST_TAG, RemoteError, ShardLostError
 from stratagem.core.transport import Message, Transport
 
 #: Longest slice a waiting call blocks in the transport before checking for lost shards.
@@ -67,7 +67,7 @@ class PSClient:
         """Send ``requests`` (``{shard index: Message}``), all first, then wait for every reply.
 
         Returns ``{shard index: reply}``; a reply that comes in parts (see
-        :mod:`~stratagem.ps.protocol`) is returned whole: the last part's status with every part's
+        :mod:`~stratagem.ps_service.protocol`) is returned whole: the last part's status with every part's
         names and buffers. A refused request raises ``RemoteError`` with the server's message (after
         every reply has arrived, so the next call starts clean).
         """
@@ -199,7 +199,7 @@ class PSClient:
                 raise self._lost(index, PeerLostError(self.shards[index], lost[self.shards[index]]))
 
     def check_shards(self) -> None:
-        """Raise :class:`~stratagem.ps.protocol.ShardLostError` if a shard is known to be gone (outside a
+        """Raise :class:`~stratagem.ps_service.protocol.ShardLostError` if a shard is known to be gone (outside a
         call: a worker waiting for its next step, the coordinator's ``join()``)."""
         self._check_lost(range(self.num_shards), ())
 
@@ -251,9 +251,9 @@ class PSClient:
         return self.call({i: Message({"op": "pull_rows", "names": list(n)}, list(r)) for i, (n, r) in rows.items()})
 
     def push(self, requests: Mapping[int, PushRequest]) -> Iterator[tuple[int, Message, bool]]:
-        """Send each shard its :class:`~stratagem.ps.messages.PushRequest`: :meth:`exchange`, whose
+        """Send each shard its :class:`~stratagem.ps_service.messages.PushRequest`: :meth:`exchange`, whose
         last part of each shard's answer is the acknowledgement
-        (:meth:`PushReply.from_meta <stratagem.ps.messages.PushReply.from_meta>`), the earlier ones
+        (:meth:`PushReply.from_meta <stratagem.ps_service.messages.PushReply.from_meta>`), the earlier ones
         the values of a ``pull``. Counts the acknowledgements in ``acks``."""
         return self.exchange({index: request.to_message() for index, request in requests.items()})
 
