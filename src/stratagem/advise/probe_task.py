@@ -276,6 +276,7 @@ def serve_ps(spec: dict, out_dir: str) -> None:
 def ps_exchange(comm, sizes: list[dict], learning_rate: float) -> list[dict]:
     """The first task's push-and-pull round trips with the ps task, one piece of each size."""
     from stratagem.ps_service.client import PSClient
+    from stratagem.ps_service.messages import PushRequest
     from stratagem.ps_service.protocol import task_key
 
     client = PSClient(comm.transport)
@@ -294,7 +295,9 @@ def ps_exchange(comm, sizes: list[dict], learning_rate: float) -> list[dict]:
         cpu = 0.0
         for i in range(int(entry["warmup"]) + int(entry["iters"])):
             start, used = time.perf_counter(), time.process_time()
-            client.push({0: ([name], [grad])}, pull=True, skip={0: others})
+            request = PushRequest(pull=True, skip=others)
+            request.add(name, grad)
+            client.push_all({0: request})
             if i >= int(entry["warmup"]):
                 times.append(time.perf_counter() - start)
                 cpu += time.process_time() - used
