@@ -40,7 +40,7 @@ def test_an_exception_a_signal_handler_raises_while_zmq_reads_ends_the_recv(capl
     "error while handling a frame: Alarm" and went on waiting, in 1 to 3 alarms of 40).
 
     (An alarm that lands between two parts of a message leaves the message half read; the next read
-    goes on with it, so no message is lost or taken apart: the transport's ``_router_message``.)"""
+    goes on with it, so no message is lost or taken apart: the transport's ``_whole_message``.)"""
     meta = {"v": list(range(30_000))}
 
     def ring(signum, frame):

@@ -236,39 +236,36 @@ class Coordinator:
         return dataset
 
     def shutdown(self) -> None:
-        with self._cond:
-            self._closing = True
-            pending, self._queue = list(self._queue), deque()
-            self._cond.notify_all()
-        for closure in pending:
-            closure.remote.set_error(CancelledError(f"{closure.remote.name} was cancelled: the strategy shut down"))
+        self._cancel_queued("the strategy shut down")
         for thread in self._threads:
             thread.join(POLL * 20)
-        lost = self.transport.lost_peers()
-        for worker in self.workers:
-            if worker not in lost:
-                try:
-                    self.transport.send(worker, CLOSURE_TAG, Message({"op": "shutdown"}), timeout=5)
-                except CommunicationError:
-                    pass
+        self._tell_workers(Message({"op": "shutdown"}), timeout=5)
 
     def abort(self, culprit, error: str) -> None:
         """The coordinator leaves because the job failed (``culprit``: the task that failed, None when
         not known; ``error``: why): cancel what is queued and tell every worker still in, so that each
         stops naming it rather than the coordinator (best effort, briefly)."""
+        self._cancel_queued("the job failed")
+        self._tell_workers(Message({"op": "abort", "culprit": None if culprit is None else str(culprit),
+                                    "error": error[:2000]}), timeout=1.0)
+
+    def _cancel_queued(self, why: str) -> None:
+        """Take nothing more, and fail every closure still queued (``why``: the reason they name)."""
         with self._cond:
             self._closing = True
             pending, self._queue = list(self._queue), deque()
             self._cond.notify_all()
         for closure in pending:
-            closure.remote.set_error(CancelledError(f"{closure.remote.name} was cancelled: the job failed"))
-        notice = Message({"op": "abort", "culprit": None if culprit is None else str(culprit),
-                          "error": error[:2000]})
+            closure.remote.set_error(CancelledError(f"{closure.remote.name} was cancelled: {why}"))
+
+    def _tell_workers(self, message: Message, timeout: float) -> None:
+        """Send ``message`` to every worker not known to be lost (best effort: one that cannot be
+        reached is left out)."""
         lost = self.transport.lost_peers()
         for worker in self.workers:
             if worker not in lost:
                 try:
-                    self.transport.send(worker, CLOSURE_TAG, notice, timeout=1.0)
+                    self.transport.send(worker, CLOSURE_TAG, message, timeout=timeout)
                 except CommunicationError:
                     pass
 

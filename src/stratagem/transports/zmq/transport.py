@@ -213,8 +213,7 @@ class ZmqTransport(Transport):
         self._handshakes: dict[zmq.Socket, _Peer] = {}   # DEALERs whose answers the reader reads
         self._poller: zmq.Poller | None = None
         self._pending_loss: dict[TaskId, tuple[float, str, _Peer]] = {}
-        self._monitor_parts: dict[zmq.Socket, list] = {}   # a monitor event half read (see _monitor_event)
-        self._router_parts: list = []                       # a message half read (see _router_message)
+        self._half_read: dict[zmq.Socket, list] = {}   # a message read halfway (see _whole_message)
         self._polled_at = 0.0
         self._router_timeout = -1  # the ROUTER's RCVTIMEO (ms), set by _receive_one
         self.address: str | None = None
@@ -536,7 +535,7 @@ class ZmqTransport(Transport):
             self._router.setsockopt(zmq.RCVTIMEO, ms)
             self._router_timeout = ms
         try:
-            parts = self._router_message(0)
+            parts = self._whole_message(self._router)
         except zmq.Again:
             return
         except zmq.ZMQError:
@@ -633,23 +632,23 @@ class ZmqTransport(Transport):
             if not router.get(_EVENTS) & _POLLIN:
                 return count > 0
             try:
-                parts = self._router_message(_NOBLOCK)
+                parts = self._whole_message(router, _NOBLOCK)
             except zmq.Again:
                 return count > 0
             self._handle(parts)
         return True
 
-    def _router_message(self, flags: int) -> list:
-        """The next whole message on the ROUTER. Its parts are read one at a time and kept when an
+    def _whole_message(self, sock: zmq.Socket, flags: int = 0, copy: bool = False) -> list:
+        """The next whole message on ``sock``. Its parts are read one at a time and kept when an
         exception stops the read halfway (one a signal handler raises in a ``recv()`` that reads in the
-        main thread): the next read goes on with that message, whose rest is never taken for a message
-        of its own. ``flags`` apply to the first part; the rest is there once the first part is."""
-        parts = self._router_parts
+        main thread): the next read of ``sock`` goes on with that message, whose rest is never taken for
+        a message of its own. ``flags`` apply to the first part; the rest is there once the first is."""
+        parts = self._half_read.setdefault(sock, [])
         if not parts:
-            parts.append(self._router.recv(flags, copy=False))
-        while parts[-1].more:
-            parts.append(self._router.recv(copy=False))
-        self._router_parts = []
+            parts.append(sock.recv(flags, copy=copy))
+        while sock.get(zmq.RCVMORE):
+            parts.append(sock.recv(copy=copy))
+        del self._half_read[sock]
         return parts
 
     def _handle(self, parts: list) -> None:
@@ -725,16 +724,8 @@ class ZmqTransport(Transport):
         return event == zmq.EVENT_MONITOR_STOPPED
 
     def _monitor_event(self, monitor: zmq.Socket) -> dict | None:
-        """The next event of a monitor socket (a message of two frames), read one frame at a time and
-        kept when half read: pyzmq's ``recv_multipart`` reads frames one by one, and an exception a
-        signal handler raises between them (the user's SIGINT or SIGALRM, in a ``recv()`` that reads
-        in the main thread) would leave the second frame to be taken for an event of its own."""
-        parts = self._monitor_parts.setdefault(monitor, [])
-        while True:
-            parts.append(monitor.recv(copy=True))
-            if not monitor.get(zmq.RCVMORE):
-                break
-        del self._monitor_parts[monitor]
+        """The next event of a monitor socket (a message of two frames; :meth:`_whole_message`)."""
+        parts = self._whole_message(monitor, copy=True)
         if len(parts) != 2 or len(parts[0]) != 6:
             # The rest of an event whose first frame was taken and lost (the exception landed after
             # pyzmq had read it): the event is gone; a lost peer is still found by its heartbeats.
