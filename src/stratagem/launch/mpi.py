@@ -374,51 +374,53 @@ def launch_mpi(command: Sequence[str], workers: int = 1, ps: int = 0, chief: boo
                     STRATAGEM_SECRET=job_secret(secret, base_env))
     cluster = ClusterResolver.from_mpi(0, n, num_ps=ps).cluster
     reports = RankReports(cluster.tasks())
-    base_env.update(reports.env())
-    job_task = TaskId("mpiexec", 0)
-    started = time.monotonic()
-    for attempt in range(LAUNCHER_RETRIES + 1):
-        # Open MPI's launcher sometimes fails before any rank runs (LAUNCHER_FLAKE): start it again.
-        failed_to_start: list = []
-        out = _WatchedSink(output if output is not None else sys.stdout, failed_to_start)
-        err = _WatchedSink(error_output if error_output is not None else sys.stderr, failed_to_start)
-        pump = OutputPump()
-        running: list = []
-        try:
-            with SignalTrap() as trap:
-                process = start_task(job_task, cmd, base_env)
-                running.append(RunningTask(job_task, process))
-                tasks = cluster.tasks()
-                color = lambda i: COLORS[i % len(COLORS)]  # noqa: E731
-                pump.add(process.stdout, _rank_reader(tasks, out.stream, out, color))
-                pump.add(process.stderr, _rank_reader(tasks, err.stream, err, color))
-                outcome = run_to_end(running, pump, trap, timeout=timeout, ps_grace=0.0, grace=grace,
-                                     started=started)
-        finally:
-            kill_and_reap(running)
-            for r in running:
-                kill_session(r.process.pid)  # ranks prterun left behind
-            pump.close()
-        if (outcome.exit_code == EXIT_OK or not failed_to_start or outcome.timed_out
-                or outcome.interrupted_by or attempt == LAUNCHER_RETRIES):
-            break
-        err.write("stratagem launch: mpiexec failed to start (an intermittent failure of Open MPI's "
-                  "launcher, before any rank ran); starting the job again\n")
-    code = running[0].process.returncode
-    reason, failed_task = outcome.reason, outcome.failed_task
-    if outcome.exit_code == EXIT_OK:
-        reason = f"all {n} MPI ranks finished successfully"
-    elif outcome.failed_task is not None:
-        how = f"was killed by {describe_signal(-code)}" if code < 0 else f"exited with code {code}"
-        reason = f"the MPI job failed: mpiexec {how} (the exit status of a failed rank; its output is above)"
-        blame = reports.first_failure()
-        if blame is not None:      # the rank that failed first, as the local launcher names a task
-            failed_task = blame.task
-            own = reports.report(blame.task)
-            what = (f"failed ({own['error'][:300]})" if own is not None
-                    else f"stopped responding or died ({blame.seen.short} lost it: {(blame.error or '')[:300]})")
-            reason = f"{blame.task.short} {what}; {reason}"
-    reports.close()
+    try:   # the ranks' reports go with the job, however it ends
+        base_env.update(reports.env())
+        job_task = TaskId("mpiexec", 0)
+        started = time.monotonic()
+        for attempt in range(LAUNCHER_RETRIES + 1):
+            # Open MPI's launcher sometimes fails before any rank runs (LAUNCHER_FLAKE): start it again.
+            failed_to_start: list = []
+            out = _WatchedSink(output if output is not None else sys.stdout, failed_to_start)
+            err = _WatchedSink(error_output if error_output is not None else sys.stderr, failed_to_start)
+            pump = OutputPump()
+            running: list = []
+            try:
+                with SignalTrap() as trap:
+                    process = start_task(job_task, cmd, base_env)
+                    running.append(RunningTask(job_task, process))
+                    tasks = cluster.tasks()
+                    color = lambda i: COLORS[i % len(COLORS)]  # noqa: E731
+                    pump.add(process.stdout, _rank_reader(tasks, out.stream, out, color))
+                    pump.add(process.stderr, _rank_reader(tasks, err.stream, err, color))
+                    outcome = run_to_end(running, pump, trap, timeout=timeout, ps_grace=0.0, grace=grace,
+                                         started=started)
+            finally:
+                kill_and_reap(running)
+                for r in running:
+                    kill_session(r.process.pid)  # ranks prterun left behind
+                pump.close()
+            if (outcome.exit_code == EXIT_OK or not failed_to_start or outcome.timed_out
+                    or outcome.interrupted_by or attempt == LAUNCHER_RETRIES):
+                break
+            err.write("stratagem launch: mpiexec failed to start (an intermittent failure of Open MPI's "
+                      "launcher, before any rank ran); starting the job again\n")
+        code = running[0].process.returncode
+        reason, failed_task = outcome.reason, outcome.failed_task
+        if outcome.exit_code == EXIT_OK:
+            reason = f"all {n} MPI ranks finished successfully"
+        elif outcome.failed_task is not None:
+            how = f"was killed by {describe_signal(-code)}" if code < 0 else f"exited with code {code}"
+            reason = f"the MPI job failed: mpiexec {how} (the exit status of a failed rank; its output is above)"
+            blame = reports.first_failure()
+            if blame is not None:      # the rank that failed first, as the local launcher names a task
+                failed_task = blame.task
+                own = reports.report(blame.task)
+                what = (f"failed ({own['error'][:300]})" if own is not None
+                        else f"stopped responding or died ({blame.seen.short} lost it: {(blame.error or '')[:300]})")
+                reason = f"{blame.task.short} {what}; {reason}"
+    finally:
+        reports.close()
     result = LaunchResult.of(outcome, cluster, running, started, reason=reason, failed_task=failed_task)
     err.write(result.summary() + "\n")
     return result
