@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 
 from stratagem.training import checkpoint
 from stratagem.strategies.ps.checkpoint import load_onto_shards, snapshot
