@@ -106,10 +106,16 @@ def test_each_strategys_steps_are_measured_through_the_strategy(measured):
         assert figure.dispatch_s > 0 and figure.dispatch_cpu_s > 0
     for figure in (steps.ps_sync, steps.ps_async, steps.ps_async_crowded, steps.coordinator, steps.coordinator_crowded):
         assert figure.serve_cpu_s > 0                               # the ps task's CPU clock, read around the steps
-    # what the model charges: the part the links do not explain, none negative
+    # what the model charges: the part the links do not explain, none negative and none above what
+    # was measured (whether anything is left depends on this machine's load, so no sign is asserted);
+    # refitting the saved raw figures charges the same
     charged = m["transports"]["zmq"]["steps"]
-    assert charged["ps_async"]["wall_s"] > 0
     assert all(0 <= c["cpu_s"] <= c["wall_s"] for c in charged.values())
+    for name in ("ps_sync", "ps_async", "ps_async_crowded", "coordinator", "coordinator_crowded"):
+        assert charged[name]["wall_s"] <= getattr(steps, name).wall_s
+    refit = probe.fit(m["raw"]).transports["zmq"].steps
+    assert charged["ps_async"]["wall_s"] == pytest.approx(refit.ps_async.wall_s)
+    assert charged["coordinator"]["dispatch_s"] == pytest.approx(refit.coordinator.dispatch_s)
     for p in doc["predictions"]:
         if p["label"] == "between_graph:async" and "ps exchange" in p["parts_ms"]:
             assert p["parts_ms"]["ps exchange"] > charged["ps_async"]["wall_s"] * 1e3
