@@ -45,6 +45,7 @@ import numpy as np
 
 from stratagem.core.errors import TransportTimeout
 from stratagem.core.transport import SendHandle
+from stratagem.training.sparse import IndexedSlices, densify
 
 log = logging.getLogger(__name__)
 
@@ -155,3 +156,74 @@ class ReplyBuffers:
                                 "buffer for the next version", self.timeout)
                     return False
         return True
+
+
+class PieceValues:
+    """The arrays of the pieces a ps task holds, and every write into them: the optimizer's updates
+    (dense, written over the gradient where :func:`takes_over` allows; row gradients on the rows
+    alone for an exact rule, densified for the others), assignments and checkpoint loads. A new
+    version never goes into an array an unfinished reply reads (``replies``: spares instead).
+
+    Reads are by name (``values[name]``); the server sends replies from these arrays and tells
+    ``replies`` about each send.
+    """
+
+    def __init__(self, replies: ReplyBuffers):
+        self.replies = replies
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._arrays[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._arrays
+
+    def create(self, name: str, value, dtype) -> None:
+        """Piece ``name`` starts as a C-ordered copy of ``value`` of ``dtype``."""
+        self._arrays[name] = np.array(value, dtype=dtype, copy=True, order="C")
+
+    def assign(self, name: str, value) -> None:
+        """Piece ``name`` becomes ``value`` (cast as numpy's ``same_kind`` allows)."""
+        self._replace(name, lambda old, target: np.copyto(target, value, casting="same_kind"))
+
+    def update(self, optimizer, name: str, grad) -> None:
+        """``optimizer``'s update of piece ``name`` with ``grad`` (an array or an
+        :class:`~stratagem.training.sparse.IndexedSlices` of rows: :mod:`stratagem.ps_service.rows`)."""
+        if isinstance(grad, IndexedSlices):
+            if optimizer.sparse_exact:
+                # The rows alone, the dense update's result. In place when no reply reads the piece
+                # (the steady state of a table read only through ``gather``: row replies are fresh
+                # copies); else the old version copied into a spare first, a pass over the piece, no
+                # more than the dense update costs. Waiting for that reply instead would hold every
+                # other request on one slow reader.
+                if len(grad.indices):         # a zero gradient leaves an exact rule's values as they are
+                    old = self._arrays[name]
+                    target = self.replies.target(name, old)
+                    if target is not old:
+                        np.copyto(target, old)
+                    optimizer.update_rows(name, target, grad.indices, grad.values)
+                    self._make_current(name, old, target)
+                return
+            grad = densify(grad)              # a rule that moves every row: the dense update
+        old = self._arrays[name]
+        if takes_over(grad, old, optimizer):
+            # The new values are written over the received gradient, which becomes the piece's array:
+            # the old one is only read (a reply may still be sending it), no spare is written (a
+            # quarter less memory traffic than updating into one), nothing waits.
+            optimizer.update_array(name, old, grad, out=grad)
+            self._arrays[name] = grad
+            return
+        target = self.replies.target(name, old)
+        optimizer.update_array(name, old, grad, out=None if target is old else target)
+        self._make_current(name, old, target)
+
+    def _replace(self, name: str, write) -> None:
+        old = self._arrays[name]
+        target = self.replies.target(name, old)
+        write(old, target)
+        self._make_current(name, old, target)
+
+    def _make_current(self, name: str, old: np.ndarray, target: np.ndarray) -> None:
+        if target is not old:
+            self._arrays[name] = target
+            self.replies.retire(name, old)

@@ -15,8 +15,8 @@ piece from the received rows and runs the ordinary dense update: only rows on th
 update's cost on the server, the dense update's result.
 
 An exact row update writes into the piece's array in place, unless a reply still sends that array
-(then into a copy: see :func:`row_update`). A ``sync`` round sums row gradients as rows
-(:func:`add_rows`, :func:`row_sum`), the dense weighted mean bit for bit.
+(then into a copy: :meth:`~stratagem.ps_service.buffers.PieceValues.update`). A ``sync`` round sums
+row gradients as rows (:func:`add_rows`, :func:`row_sum`), the dense weighted mean bit for bit.
 
 Splitting sorted rows over the pieces of a partitioned table (rows 0-4 on one shard, 5-9 on another)::
 
@@ -37,7 +37,7 @@ from stratagem.training.sparse import IndexedSlices
 from stratagem.training.variables import to_module
 
 __all__ = ["RowRequestError", "split_rows", "fetch_rows", "split_gradient", "check_rows", "check_real",
-           "read_rows", "row_gradients", "row_update", "add_rows", "row_sum"]
+           "read_rows", "row_gradients", "add_rows", "row_sum"]
 
 
 class RowRequestError(RequestRefused):
@@ -147,27 +147,6 @@ def row_gradient(name: str, shape: tuple, indices, values) -> IndexedSlices:
         raise RowRequestError(f"the row gradient of piece {name!r} has shape {tuple(values.shape)}; "
                               f"{len(indices)} row(s) of a piece of shape {shape} need {expected}")
     return IndexedSlices(values, indices, shape).merged()
-
-
-def row_update(optimizer, name: str, grad: IndexedSlices):
-    """How an exact rule (``optimizer.sparse_exact``) applies the row gradient ``grad`` of piece
-    ``name``: a ``write(old, target)`` for the server's double buffering (``target`` is ``old`` unless
-    a reply still reads it). A rule that is not exact gets the densified gradient instead: the
-    ordinary dense update (the server decides; this module calls nothing of it).
-
-    With an exact rule the rows are updated where the piece's value is. In place when no reply
-    reads it, which is the steady state of a table read only through ``gather`` (row replies are
-    fresh copies, and pushes do not send the table back). When a reply does read it (a task read the
-    table densely), the new version is the old one copied into a spare array, then the rows: a pass
-    over the piece, no more than the dense update would cost. Waiting for that reply instead would
-    hold the whole server (every other request) on one slow reader, which the double buffering is
-    there to avoid.
-    """
-    def write(old, target):
-        if target is not old:
-            np.copyto(target, old)
-        optimizer.update_rows(name, target, grad.indices, grad.values)
-    return write
 
 
 def add_rows(total, grad: IndexedSlices, scale, dtype):

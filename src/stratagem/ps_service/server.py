@@ -86,12 +86,11 @@ from stratagem.core.errors import (
     TransportTimeout,
 )
 from stratagem.training.optimizers.rules import from_config
-from stratagem.training.sparse import IndexedSlices, densify
 from stratagem.ps_service.compressed import expand_pieces
-from stratagem.ps_service.buffers import ReplyBuffers, takes_over
+from stratagem.ps_service.buffers import PieceValues, ReplyBuffers
 from stratagem.ps_service.consistency import StalenessGate, SyncRound
 from stratagem.ps_service.messages import PushRequest
-from stratagem.ps_service.rows import check_real, read_rows, row_gradients, row_update
+from stratagem.ps_service.rows import check_real, read_rows, row_gradients
 from stratagem.ps_service.protocol import (
     APPLIED,
     DROPPED,
@@ -141,7 +140,6 @@ class ParameterServer:
         #: Every task that may talk to this server: the replicas (chief and workers).
         self.members = {task_key(t) for t in self.cluster.replicas()}
         self.specs: dict[str, dict] = {}            # piece name -> spec, in creation order
-        self.values: dict[str, np.ndarray] = {}     # piece name -> its array
         self.config: dict | None = None             # mode, replicas_to_aggregate, ..., pushers, clock
         self.optimizer = None
         self.optimizer_config: dict | None = None
@@ -164,6 +162,8 @@ class ParameterServer:
         self._serving = False
         #: The value arrays unfinished replies read, and the spare arrays updates write into meanwhile.
         self.replies = ReplyBuffers(timeout if timeout is not None else transport.timeout)
+        #: The pieces' arrays (piece name -> array), written only through it.
+        self.values = PieceValues(self.replies)
 
     # -- the loop ----------------------------------------------------------------------------------
     def serve(self) -> dict:
@@ -261,16 +261,6 @@ class ParameterServer:
         self.replies.sent(handle, buffers)
         return True
 
-    def _replace(self, name: str, write) -> None:
-        """Give piece ``name`` a new version: ``write(old, target)`` writes it into ``target``, which
-        is ``old`` itself unless a reply still reads ``old`` (then a spare array, made current)."""
-        old = self.values[name]
-        target = self.replies.target(name, old)
-        write(old, target)
-        if target is not old:
-            self.values[name] = target
-            self.replies.retire(name, old)
-
     # -- membership --------------------------------------------------------------------------------
     def _check_members(self, now: float) -> bool:
         """Update who is gone; True when the server should stop."""
@@ -342,7 +332,7 @@ class ParameterServer:
                 existing.append(name)
                 continue
             self.specs[name] = dict(spec)
-            self.values[name] = np.array(value, dtype=spec_dtype(spec), copy=True, order="C")
+            self.values.create(name, value, spec_dtype(spec))
             created.append(name)
         self.config = dict(config)
         return {"created": created, "existing": existing, **self._status()}, []
@@ -388,7 +378,7 @@ class ParameterServer:
         for name, value in zip(names, buffers):
             self._check_value(self.specs[name], value, "the assigned value")
         for name, value in zip(names, buffers):
-            self._replace(name, lambda old, target, value=value: np.copyto(target, value, casting="same_kind"))
+            self.values.assign(name, value)
         return self._status(), []
 
     def _op_optimizer(self, src, request_id, meta, buffers):
@@ -431,7 +421,7 @@ class ParameterServer:
         for name, value in zip(names, buffers):
             self._check_value(self.specs[name], value, "the checkpoint value")
         for name, value in zip(names, buffers):
-            self._replace(name, lambda old, target, value=value: np.copyto(target, value, casting="same_kind"))
+            self.values.assign(name, value)
         rest = iter(buffers[len(names):])
         state_slots = {}
         for name, slot_names in slots.items():
@@ -527,7 +517,7 @@ class ParameterServer:
             self._maybe_finish_round()
             return None  # answered when the round completes
         if mode == "async" and pull is not None and len(set(names)) == len(names):
-            self._apply_streaming(src, request_id, who, names, buffers, pull)
+            self._apply(names, buffers, stream=(src, request_id, pull))
             return None  # answered part by part
         self._apply(names, buffers)
         self.counters["updates"] += 1
@@ -568,66 +558,48 @@ class ParameterServer:
         return ({"status": status, "names": names, **(extra or {}), **self._status()},
                 [self.values[n] for n in names])
 
-    def _apply(self, names: list[str], grads: list) -> None:
-        """One optimizer step over ``names`` (no names: the step still counts, as for every shard)."""
-        started = self.transport.recorder.now()
-        self.optimizer.iterations += 1
-        for name, grad in zip(names, grads):
-            self._update(name, grad)
-        self.step += 1
-        self.transport.recorder.record("optimizer", "optimizer", started, _describe_pieces, names)
+    def _apply(self, names: list[str], grads: list, stream: tuple | None = None) -> None:
+        """One optimizer step over ``names`` (no names: the step still counts, as for every shard).
 
-    def _update(self, name: str, grad) -> None:
-        optimizer = self.optimizer
-        if isinstance(grad, IndexedSlices):   # rows (ps_service/rows.py): exact rules on the rows, others densified
-            if optimizer.sparse_exact:
-                if len(grad.indices):         # a zero gradient leaves an exact rule's values as they are
-                    self._replace(name, row_update(optimizer, name, grad))
-                return
-            grad = densify(grad)
-        if takes_over(grad, self.values[name], optimizer):
-            # The new values are written over the received gradient, which becomes the piece's
-            # array: the old one is only read (a reply may still be sending it), no spare is written
-            # (a quarter less memory traffic than updating into one), nothing waits.
-            optimizer.update_array(name, self.values[name], grad, out=grad)
-            self.values[name] = grad
+        ``stream``: ``(src, request_id, want)`` of an ``async`` push that asks for the values back
+        (``want``: the pieces it leaves out). Its reply goes in parts, each as soon as its pieces are
+        updated, so that the update of the next part overlaps the transfer of this one; no other
+        request is handled in between, so every part carries the values of this step, as one reply
+        would. Pieces the reply leaves out are updated first."""
+        recorder, optimizer, values = self.transport.recorder, self.optimizer, self.values
+        started = recorder.now()
+        optimizer.iterations += 1
+        if stream is None:
+            for name, grad in zip(names, grads):
+                values.update(optimizer, name, grad)
+            self.step += 1
+            recorder.record("optimizer", "optimizer", started, _describe_pieces, names)
             return
-        self._replace(name, lambda old, target: optimizer.update_array(
-            name, old, grad, out=None if target is old else target))
-
-    def _apply_streaming(self, src: TaskId, request_id, who: str, names: list[str], grads: list,
-                         want: frozenset) -> None:
-        """An ``async`` push that asks for the values back: :meth:`_apply`, with the reply sent in
-        parts, each as soon as its pieces are updated, so that the update of the next part overlaps
-        the transfer of this one. No other request is handled in between, so every part carries the
-        values of this step, as one reply would. Pieces the reply leaves out (``want``) are updated
-        first."""
-        started = self.transport.recorder.now()
+        src, request_id, want = stream
         pieces = self._reply_pieces(want)
         grad_of = dict(zip(names, grads))
-        groups = [[pieces[i] for i in group] for group in split_parts([self.values[n].nbytes for n in pieces])]
-        self.optimizer.iterations += 1
+        groups = [[pieces[i] for i in group] for group in split_parts([values[n].nbytes for n in pieces])]
         sent = set(pieces)
         for name, grad in grad_of.items():
             if name not in sent:
-                self._update(name, grad)
+                values.update(optimizer, name, grad)
         sending = True
         for k, group in enumerate(groups):
             for name in group:
                 if name in grad_of:
-                    self._update(name, grad_of[name])
+                    values.update(optimizer, name, grad_of[name])
             if sending and k < len(groups) - 1:
                 # A requester that is gone gets no more parts; the update still completes.
                 sending = self._send_part(src, {"id": request_id, "names": group, "part": k, "parts": len(groups)},
-                                          [self.values[n] for n in group])
+                                          [values[n] for n in group])
         self.step += 1
         self.counters["updates"] += 1
-        self.transport.recorder.record("optimizer", "optimizer (reply streamed)", started, _describe_pieces, names)
-        reply_meta, _ = self._count(who, APPLIED, None)
+        recorder.record("optimizer", "optimizer (reply streamed)", started, _describe_pieces, names)
+        reply_meta, _ = self._count(task_key(src), APPLIED, None)
         if sending:
             last = {"names": groups[-1], "part": len(groups) - 1, "parts": len(groups)}
             self._send_part(src, {"id": request_id, "ok": True, **reply_meta, **last},
-                            [self.values[n] for n in groups[-1]])
+                            [values[n] for n in groups[-1]])
 
     # -- sync rounds
     def _maybe_finish_round(self) -> None:
