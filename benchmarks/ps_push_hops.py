@@ -42,12 +42,16 @@ def _stack(frame) -> list[tuple[str, str]]:
 def measure(rows: bool) -> dict:
     chains: dict[str, list] = {}
     up: list[str] = []
+    entered: dict[str, set] = {"worker:0": set(), "ps:0": set()}    # every stratagem function a push enters
+    window = threading.Event()                                      # set while the measured push runs
     depth: dict[str, list] = {"worker:0": []}
 
     def profile(frame, event, arg):
         if event != "call":
             return
         who, code = threading.current_thread().name, frame.f_code
+        if who in entered and window.is_set() and code.co_filename.startswith(SRC):
+            entered[who].add((os.path.relpath(code.co_filename, SRC), getattr(code, "co_qualname", code.co_name)))
         if who == "worker:0" and code.co_name == "send_async" and "worker" not in chains:
             chains["worker"] = _stack(frame)
         elif who == "ps:0" and code.co_name in ("update_array", "update_rows") and code.co_filename.startswith(SRC):
@@ -75,7 +79,9 @@ def measure(rows: bool) -> dict:
                     else np.ones((8, 4), np.float32))
             opt.apply_gradients([(grad, w)])        # the first push also sends the optimizer
             sys.setprofile(profile)
+            window.set()
             opt.apply_gradients([(grad, w)])
+            window.clear()
             sys.setprofile(None)
 
     threads = [threading.Thread(target=task, args=(t,), name=t) for t in ("ps:0", "worker:0")]
@@ -89,6 +95,7 @@ def measure(rows: bool) -> dict:
         chain = chain[max(i for i, (_, q) in enumerate(chain) if q == start):]
         out[side] = chain
     out["up"] = up
+    out["entered"] = {side: entered[name] for side, name in (("worker", "worker:0"), ("server", "ps:0"))}
     return out
 
 
@@ -102,6 +109,10 @@ def main() -> None:
             print(f"  {side}: {len(chain) - 1} hops through {len({m for m, _ in chain})} modules")
             for module, name in chain:
                 print(f"      {module}: {name}")
+        for side in ("worker", "server"):
+            functions = result["entered"][side]
+            print(f"  {side}: the push enters {len(functions)} stratagem functions in "
+                  f"{len({m for m, _ in functions})} modules")
         print(f"  calls from stratagem/ps back up into stratagem/strategies/ps: {len(result['up'])} "
               f"{sorted(set(result['up']))}")
 
