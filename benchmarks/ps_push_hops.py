@@ -58,7 +58,9 @@ def measure(rows: bool) -> dict:
             chains.setdefault("server", _stack(frame))
         if who == "worker:0" and code.co_filename.startswith(os.path.join(SRC, "strategies", "ps")):
             caller = frame.f_back
-            if caller is not None and caller.f_code.co_filename.startswith(os.path.join(SRC, "ps") + os.sep):
+            # the service: stratagem/ps_service/ (stratagem/ps/ in trees before issue #25's renames)
+            if caller is not None and caller.f_code.co_filename.startswith(
+                    (os.path.join(SRC, "ps_service") + os.sep, os.path.join(SRC, "ps") + os.sep)):
                 up.append(f"{caller.f_code.co_name} -> {code.co_name}")
 
     cluster, fabric = ClusterSpec({"worker": ["local:0"], "ps": ["local:1"]}), LocalFabric()
@@ -113,7 +115,7 @@ def main() -> None:
             functions = result["entered"][side]
             print(f"  {side}: the push enters {len(functions)} stratagem functions in "
                   f"{len({m for m, _ in functions})} modules")
-        print(f"  calls from stratagem/ps back up into stratagem/strategies/ps: {len(result['up'])} "
+        print(f"  calls from the ps service back up into stratagem/strategies/ps: {len(result['up'])} "
               f"{sorted(set(result['up']))}")
 
 
