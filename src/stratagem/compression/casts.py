@@ -218,7 +218,8 @@ def from_float16(half, dtype=np.float32, out=None):
     elif dtype == np.float32:
         np.take(_float16_values(), bits, out=target, mode="clip")   # ("raise" would copy: every index is valid)
     else:
-        target[...] = np.take(_float16_values(), bits, mode="clip")
+        with np.errstate(invalid="ignore"):    # (a NaN stays a NaN)
+            target[...] = np.take(_float16_values(), bits, mode="clip")
     return target.reshape(np.shape(half)) if out is None else out
 
 
