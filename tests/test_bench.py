@@ -183,6 +183,19 @@ def test_compression_adds_rows_with_their_bytes_and_time_to_loss(tmp_path):
     assert "to loss" in header
 
 
+def test_a_classifier_reports_its_test_accuracy_for_every_compressor(tmp_path):
+    code, doc, stdout, stderr = bench(tmp_path, "--model", "bench_models:build_tiny_mlp", "--strategies", "mirrored",
+                                      "--transports", "zmq", "--compression", "none,fp16", "--steps", "40")
+    assert code == 0, stdout + stderr
+    results = by_label(doc)
+    plain, fp16 = results["mirrored x zmq"]["test_accuracy"], results["mirrored x zmq + fp16"]["test_accuracy"]
+    # 4 classes: 25% by chance at the start; 40 steps of the same data take both far above it, fp16's
+    # rounding (2^-11 relative) changes a few of the 1024 points at most
+    assert plain > 0.6 and fp16 > 0.6 and abs(plain - fp16) <= 0.02, (plain, fp16)
+    header = next(line for line in stdout.splitlines() if "samples/s" in line)
+    assert "test acc" in header and f"{100 * plain:.1f}%" in stdout
+
+
 def test_a_misspelt_compressor_is_a_usage_error_naming_the_known_ones(tmp_path):
     code, document, stdout, stderr = bench(tmp_path, "--compression", "none,topkk", timeout=60)
     assert code == 2 and document is None

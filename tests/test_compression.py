@@ -9,7 +9,7 @@ import pytest
 
 import stratagem
 from stratagem.compression.base import Compressed
-from stratagem.compression.casts import from_bfloat16_bits, to_bfloat16_bits, to_float16
+from stratagem.compression.casts import from_bfloat16_bits, from_float16, to_bfloat16_bits, to_float16
 from stratagem.compression.powersgd import PowerSGDCompressor, orthogonalize
 from stratagem.compression.topk import TopKCompressor
 from stratagem.core.errors import ConfigurationError, PluginError, ProtocolError
@@ -145,6 +145,24 @@ def test_fp16_conversion_is_numpys_bit_for_bit(scale):
     np.testing.assert_array_equal(mine.view(np.uint16)[finite], reference.view(np.uint16)[finite])
     assert np.isnan(mine[~finite]).all()
     assert to_float16(np.float32(3e-6)).shape == () and to_float16(np.float32(3e-6)) == np.float16(3e-6)
+
+
+def test_fp16_widening_is_numpys_bit_for_bit_and_casts_write_into_out():
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)   # every bit pattern
+    for dtype in (np.float32, np.float16):     # every bit, NaN payloads too
+        np.testing.assert_array_equal(from_float16(every, dtype).view(f"u{np.dtype(dtype).itemsize}"),
+                                      every.astype(dtype).view(f"u{np.dtype(dtype).itemsize}"))
+    wide, number = from_float16(every, np.float64), ~np.isnan(every)    # (NaNs stay NaN, maybe quieted)
+    np.testing.assert_array_equal(wide[number].view(np.uint64), every[number].astype(np.float64).view(np.uint64))
+    assert np.isnan(wide[~number]).all()
+    x = (np.random.default_rng(6).normal(size=(40, 25)) * 1e-5).astype(np.float32)
+    buffer = np.zeros(1100, np.float16)
+    to_float16(x, out=buffer[50:1050])
+    np.testing.assert_array_equal(buffer[50:1050].view(np.uint16), x.astype(np.float16).reshape(-1).view(np.uint16))
+    assert not buffer[:50].any() and not buffer[1050:].any()
+    wide = np.zeros(1000, np.float32)
+    from_float16(buffer[50:1050], out=wide)
+    np.testing.assert_array_equal(wide, x.astype(np.float16).astype(np.float32).reshape(-1))
 
 
 def test_bf16_payload_is_half_the_bytes_and_summed_as_bfloat16():

@@ -3,7 +3,7 @@
 import os
 import time
 
-from stratagem.bench.models import Linear
+from stratagem.bench.models import MLP, Linear
 
 
 class Failing(Linear):
@@ -28,6 +28,18 @@ class Hanging(Linear):
                 pass
             time.sleep(3600)
         return super().batch(seed, replica, step, rows)
+
+
+class TinyMLP(MLP):
+    """The bench's mlp, small: 16-32-4, 64 rows a step; it has the mlp's test accuracy (chance: 25%)."""
+
+    name, batch_size, learning_rate, target_loss = "tiny-mlp", 64, 0.5, None
+    sizes = (16, 32, 4)
+    test_rows = 1024
+
+
+def build_tiny_mlp():
+    return TinyMLP()
 
 
 def build_failing():

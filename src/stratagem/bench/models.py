@@ -24,11 +24,14 @@ returns an object with these attributes (duck-typed; :class:`BenchModel` is a ba
     sparse_rows(batch) -> {name: sorted unique row ids}      # optional: which rows of which
                                                              # parameters a batch reads
     target_loss: float | None                                # optional: time-to-target's target
+    test_accuracy(params, seed) -> float                     # optional: accuracy on held-out data
 
 For a parameter named in ``sparse_rows``, ``params[name]`` holds only those rows (in that order) and
 its gradient is the gradient of those rows: strategies that can move just the rows do (the parameter
 servers), the others move the whole table. Every replica calls ``batch`` with its own ``replica``
-index, so the data is the same for every strategy.
+index, so the data is the same for every strategy. ``test_accuracy`` (the ``mlp``'s: the fraction of
+4096 points drawn apart from every batch that it classifies right) is measured after the last step
+under ``mirrored`` and ``between_graph`` (``test_accuracy`` in ``--json``, "test acc" in the table).
 
     >>> model = build_model("linear")
     >>> params = model.init_params(seed=0)
@@ -58,6 +61,8 @@ class BenchModel:
     learning_rate = 0.1
     #: The loss whose first crossing the bench times (None: half the first step's loss).
     target_loss = None
+    #: ``test_accuracy(params, seed) -> float``, the accuracy on held-out data (None: the model has none).
+    test_accuracy = None
 
     def init_params(self, seed: int) -> dict[str, np.ndarray]:
         raise NotImplementedError
@@ -152,6 +157,19 @@ class MLP(BenchModel):
             if i:
                 delta = (delta @ params[f"w{i}"].T) * (activations[i] > 0)
         return loss, grads
+
+    #: Points in the test set (drawn by their own key: no batch of any replica or step holds them).
+    test_rows = 4096
+
+    def test_accuracy(self, params, seed):
+        x = _f32(_rng(seed, 11).normal(size=(self.test_rows, self.sizes[0])))
+        labels = np.argmax(x @ self._teacher(seed), axis=1)
+        layers = len(self.sizes) - 1
+        for i in range(layers):
+            x = x @ params[f"w{i}"] + params[f"b{i}"]
+            if i < layers - 1:
+                x = np.maximum(x, 0.0)
+        return float(np.mean(np.argmax(x, axis=1) == labels))
 
 
 # -- wide -------------------------------------------------------------------------------------------
@@ -255,6 +273,8 @@ def build_model(spec: str) -> Any:
         model.sparse_rows = lambda batch: {}
     if not hasattr(model, "target_loss"):
         model.target_loss = None
+    if not hasattr(model, "test_accuracy"):
+        model.test_accuracy = None
     return model
 
 

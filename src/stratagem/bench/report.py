@@ -4,8 +4,9 @@ The table has one row per combination that ran (with a ``compression`` column wh
 compressors): samples per second (``*`` marks the fastest), the
 median step time split into compute (the model's forward and backward) and the rest (reading and
 applying the variables: communication, waiting for the others, the optimizer update), the bytes a
-global step moved over the network, the final loss, and the seconds until the loss first reached the
-target (``-``: never, within the run). Skipped, failed and timed-out combinations follow, each with
+global step moved over the network, the final loss, the test accuracy after the last step (where the
+model has one: ``test acc``), and the seconds until the loss first reached the target (``-``: never,
+within the run). Skipped, failed and timed-out combinations follow, each with
 its reason.
 """
 
@@ -37,9 +38,11 @@ def print_table(outcomes: Sequence[Outcome], header: str, console, compression: 
     console.print(header, markup=False, highlight=False)
     table = Table(box=None, pad_edge=False)
     columns = [("strategy", "left"), ("transport", "left")] + ([("compression", "left")] if compression else [])
+    accuracy = any(o.status == "ok" and o.figures.get("test_accuracy") is not None for o in outcomes)
     for name, justify in (*columns, ("samples/s", "right"),
                           ("step ms", "right"), ("compute", "right"), ("other", "right"),
                           ("bytes/step", "right"), ("final loss", "right"),
+                          *([("test acc", "right")] if accuracy else []),
                           (f"to loss {target:.3g}" if target is not None else "to target", "right")):
         table.add_column(name, justify=justify, no_wrap=True)
     for o in outcomes:
@@ -54,6 +57,7 @@ def print_table(outcomes: Sequence[Outcome], header: str, console, compression: 
                       f"{f['samples_per_s']:,.0f}" + (" *" if o is fastest else "  "),
                       f"{f['step_ms']:.1f}", f"{f['compute_ms']:.1f}", f"{f['other_ms']:.1f}",
                       human_bytes(int(round(f["bytes_per_step"]))), f"{f['final_loss']:.4g}",
+                      *([_percent(f.get("test_accuracy"))] if accuracy else []),
                       to_target + (" *" if o is first else "  "))
     console.print(table)
     if fastest is not None:
@@ -72,6 +76,10 @@ def print_table(outcomes: Sequence[Outcome], header: str, console, compression: 
                 console.print(f"  {o.combination.label}: {o.reason}", markup=False, highlight=False, soft_wrap=True)
                 for line in o.errors or o.output_tail[-4:]:
                     console.print(f"      {line}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f}%"
 
 
 def _skipped_lines(skipped: Sequence[Outcome]) -> list[str]:

@@ -163,6 +163,9 @@ def run_combination(combination: Combination, settings: RunSettings,
     except ValueError as exc:
         return Outcome(combination, "failed", str(exc), seconds=seconds)
     figures["replicas"] = records[0]["replicas"]
+    # the model's accuracy on its test set after the last step (mean over the replicas that measured it)
+    accuracies = [r["test_accuracy"] for r in records if r.get("test_accuracy") is not None]
+    figures["test_accuracy"] = sum(accuracies) / len(accuracies) if accuracies else None
     # where each task that wrote figures ran (its hostname: host0, host1... on emulated hosts)
     figures["task_hosts"] = {r["task"]: r["host"] for r in records if "task" in r and "host" in r}
     return Outcome(combination, "ok", figures=figures, seconds=seconds)

@@ -8,7 +8,8 @@ script of every task (see ``stratagem.core.user_code``), the way a user's traini
 
 What each strategy's training tasks measure, per step (see :mod:`stratagem.bench.measure`):
 
-- ``mirrored`` and ``between_graph``: every worker runs ``steps`` steps of its own batch;
+- ``mirrored`` and ``between_graph``: every worker runs ``steps`` steps of its own batch, then
+  measures the model's test accuracy, where the model has one;
 - ``in_graph``: the client (the chief) runs ``steps`` steps of the global batch, split over the
   replicas; each replica times its own compute and returns it with its loss;
 - ``parameter_server``: the coordinator schedules ``steps`` steps per worker; each step times itself
@@ -143,7 +144,9 @@ def replica_loop() -> dict:
                       "bytes": section_bytes(SPEC["strategy"], "step", traffic)})
         if progress:
             progress(step + 1, (step + 1) * MODEL.batch_size * len(strategy.cluster.replicas()))
-    return {"steps": steps}
+    # after the last update (mirrored: every replica holds it; between_graph: read from the ps tasks)
+    accuracy = MODEL.test_accuracy(step_values(variables, {}), SPEC["seed"]) if MODEL.test_accuracy else None
+    return {"steps": steps, "test_accuracy": accuracy}
 
 
 def in_graph_loop() -> dict:
