@@ -285,24 +285,28 @@ class GradientReducer:
             bucket.pending.clear()
         with self._lock:
             self._launch_ready()
-        for bucket in self._buckets:
-            self._wait(bucket.done)
         used = None
         if self.find_unused_parameters:
+            for bucket in self._buckets:
+                self._wait(bucket.done)
             flags = np.array([1.0 if (self._seen[i] or p.grad is not None) else 0.0
                               for i, p in enumerate(self._params)], np.float32)
             used = self._run_here(lambda: self._communicator().allreduce(flags, op="sum"))
-        with_grad = []
+        written = [False] * len(self._params)
         with self._torch.no_grad():
-            for index, param in enumerate(self._params):
-                if used is not None and used[index] == 0:
-                    continue                # no replica used it: it keeps no gradient, as in DDP
-                reduced = self._where[index].view(index, param.shape)
-                if param.grad is None:
-                    param.grad = reduced.clone()
-                else:
-                    param.grad.copy_(reduced)
-                with_grad.append(param)
+            for bucket in self._buckets:
+                self._wait(bucket.done)     # a bucket is copied out while the next ones are still reduced
+                for index in bucket.members:
+                    if used is not None and used[index] == 0:
+                        continue            # no replica used it: it keeps no gradient, as in DDP
+                    param = self._params[index]
+                    reduced = bucket.view(index, param.shape)
+                    if param.grad is None:
+                        param.grad = reduced.clone()
+                    else:
+                        param.grad.copy_(reduced)
+                    written[index] = True
+        with_grad = [param for index, param in enumerate(self._params) if written[index]]
         arrival, clean = list(self._arrival), not again
         self._reset_round()
         if clean and not self._rebuilt:
