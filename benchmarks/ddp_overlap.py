@@ -3,7 +3,8 @@
 to PyTorch DDP over gloo, on one rate-limited link.
 
     python benchmarks/ddp_overlap.py                          # needs root (network namespaces, tc)
-    python benchmarks/ddp_overlap.py --rate 1gbit --width 1024 --layers 4 --batch 384 --rounds 3
+    python benchmarks/ddp_overlap.py --rate 1gbit --width 1024 --layers 4 --batch 1280 --rounds 3
+    python benchmarks/ddp_overlap.py --before /tmp/base/src   # also main's stratagem, in the same rounds
 
 Two "hosts": two network namespaces (each held by an ``unshare -n`` process) joined by a veth pair
 whose both ends are shaped with ``tc qdisc add dev X root tbf rate RATE burst 256kb latency 50ms``
@@ -16,7 +17,12 @@ gradients by default, SGD) with the same bucket size (``--bucket-mb``, DDP's ``b
 - ``no-overlap``: the same with ``overlap=False`` (every bucket all-reduced in ``step()``);
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over gloo.
 
-Each round runs the three modes one after another (ranks in their namespaces, a fresh process pair
+With ``--before SRC`` (another checkout's ``src``, put on PYTHONPATH) ``overlap-before`` and
+``no-overlap-before`` run that code in the same rounds. The default batch (1280 rows per rank) makes
+the backward pass (~135 ms on one core) about as long as the all-reduce of 16 MiB at 1 Gbit/s (134 ms
+at line rate), as issue 24 asks.
+
+Each round runs the modes one after another (ranks in their namespaces, a fresh process pair
 per mode). Each rank first times forward + backward with no communication (``compute``). The table
 gives the median step per mode (the slower rank's), overlap / no-overlap, DDP / overlap (>= 1.0:
 stratagem at least as fast), and CPU seconds per step of each rank. Progress goes to stderr.
