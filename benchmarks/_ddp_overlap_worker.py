@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=384)
     parser.add_argument("--bucket-mb", type=float, default=4)
+    parser.add_argument("--chunk-mb", type=float)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--master")
@@ -85,7 +86,8 @@ def main() -> None:
         import stratagem
         import stratagem.torch
 
-        strategy = stratagem.strategy("mirrored", transport="zmq", timeout=120)
+        options = {"chunk_bytes": int(args.chunk_mb * (1 << 20))} if args.chunk_mb else {}
+        strategy = stratagem.strategy("mirrored", transport="zmq", timeout=120, **options)
         opt = stratagem.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
                                                    model.named_parameters(), strategy=strategy,
                                                    overlap=args.mode == "overlap", bucket_bytes=bucket_bytes)

@@ -3,7 +3,8 @@
 to PyTorch DDP over gloo, on one rate-limited link.
 
     python benchmarks/ddp_overlap.py                          # needs root (network namespaces, tc)
-    python benchmarks/ddp_overlap.py --rate 1gbit --width 1024 --layers 4 --batch 384 --rounds 3
+    python benchmarks/ddp_overlap.py --rate 1gbit --width 1024 --layers 4 --batch 1280 --rounds 3
+    python benchmarks/ddp_overlap.py --before /tmp/base/src   # also main's stratagem, in the same rounds
 
 Two "hosts": two network namespaces (each held by an ``unshare -n`` process) joined by a veth pair
 whose both ends are shaped with ``tc qdisc add dev X root tbf rate RATE burst 256kb latency 50ms``
@@ -16,7 +17,12 @@ gradients by default, SGD) with the same bucket size (``--bucket-mb``, DDP's ``b
 - ``no-overlap``: the same with ``overlap=False`` (every bucket all-reduced in ``step()``);
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over gloo.
 
-Each round runs the three modes one after another (ranks in their namespaces, a fresh process pair
+With ``--before SRC`` (another checkout's ``src``, put on PYTHONPATH) ``overlap-before`` and
+``no-overlap-before`` run that code in the same rounds. The default batch (1280 rows per rank) makes
+the backward pass (~135 ms on one core) about as long as the all-reduce of 16 MiB at 1 Gbit/s (134 ms
+at line rate), as issue 24 asks.
+
+Each round runs the modes one after another (ranks in their namespaces, a fresh process pair
 per mode). Each rank first times forward + backward with no communication (``compute``). The table
 gives the median step per mode (the slower rank's), overlap / no-overlap, DDP / overlap (>= 1.0:
 stratagem at least as fast), and CPU seconds per step of each rank. Progress goes to stderr.
@@ -35,6 +41,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_ddp_overlap_worker.py")
 MODES = ("overlap", "no-overlap", "ddp")
+#: With --before SRC: stratagem's two modes from another checkout (SRC on PYTHONPATH), in the same rounds.
+BEFORE_MODES = ("overlap-before", "no-overlap-before")
 #: Addresses inside the two namespaces only.
 SUBNET = f"10.231.{os.getpid() % 250}"
 
@@ -80,9 +88,12 @@ class Hosts:
             ns.wait(timeout=30)
 
 
-def run_mode(hosts: Hosts, mode: str, port: int, worker_args: list[str], timeout: float) -> list[dict]:
+def run_mode(hosts: Hosts, mode: str, port: int, worker_args: list[str], timeout: float,
+             before: str | None = None) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATAGEM_", "TF_CONFIG"))}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    if mode.endswith("-before"):
+        mode, env["PYTHONPATH"] = mode[:-len("-before")], before
     cluster = {"worker": [f"{hosts.addresses[0]}:{port}", f"{hosts.addresses[1]}:{port + 1}"]}
     procs = []
     try:
@@ -114,20 +125,29 @@ def main() -> None:
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=384)
+    parser.add_argument("--batch", type=int, default=1280)
     parser.add_argument("--bucket-mb", type=float, default=4)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--chunk-mb", type=float, help="stratagem's chunk_bytes (default: the strategy's)")
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="a subset of " + ",".join(MODES + BEFORE_MODES) + " (the -before ones need --before)")
+    parser.add_argument("--before", metavar="SRC", help="also run stratagem's modes from this checkout's src "
+                        "(PYTHONPATH), as overlap-before and no-overlap-before, in the same rounds")
     parser.add_argument("--json")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("ddp_overlap.py makes network namespaces and shapes a veth pair: run it as root")
     worker_args = ["--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch),
                    "--bucket-mb", str(args.bucket_mb), "--steps", str(args.steps)]
+    if args.chunk_mb:
+        worker_args += ["--chunk-mb", str(args.chunk_mb)]
+    wanted = args.modes.split(",") + (list(BEFORE_MODES) if args.before else [])
+    modes = [m for m in MODES + BEFORE_MODES if m in wanted]
+    if any(m in BEFORE_MODES for m in modes) and not args.before:
+        raise SystemExit("the -before modes need --before SRC")
     hosts = Hosts(args.rate)
-    modes = [m for m in MODES if m in args.modes.split(",")]
     runs: dict[str, list[list[dict]]] = {mode: [] for mode in modes}
     load = []
     try:
@@ -136,7 +156,7 @@ def main() -> None:
             for mode in modes:
                 load.append(os.getloadavg()[0])
                 log(f"round {round_ + 1}/{args.rounds}: {mode} (load {load[-1]:.1f})")
-                runs[mode].append(run_mode(hosts, mode, port, worker_args, args.timeout))
+                runs[mode].append(run_mode(hosts, mode, port, worker_args, args.timeout, args.before))
                 port += 10
     finally:
         hosts.close()
@@ -154,18 +174,23 @@ def main() -> None:
           f"{args.steps} timed steps x {args.rounds} rounds; load average {min(load):.1f}-{max(load):.1f} "
           f"on {os.cpu_count()} cores")
     print("| mode | step (ms, median) | per round (ms) | compute alone (ms) | in opt.step() (ms, rank 0) "
-          "| CPU s/step rank 0, 1 |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          "| CPU s/step rank 0, 1 | buckets |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for mode in modes:
         row = rows[mode]
         inside = ", ".join("-" if s is None else f"{s * 1e3:.0f}" for s in row["step_call_s"])
         print(f"| {mode} | {row['step_s'] * 1e3:.0f} | {', '.join(f'{s * 1e3:.0f}' for s in row['rounds'])} | "
-              f"{row['compute_s'] * 1e3:.0f} | {inside} | {row['cpu_s'][0]:.2f}, {row['cpu_s'][1]:.2f} |")
-    if modes != list(MODES):
-        return
-    overlap, plain, ddp = (rows[m]["step_s"] for m in MODES)
-    print(f"\noverlap / no-overlap = {overlap / plain:.2f} (target <= 0.75); "
-          f"DDP / overlap = {ddp / overlap:.2f} (target >= 1.0)")
+              f"{row['compute_s'] * 1e3:.0f} | {inside} | {row['cpu_s'][0]:.2f}, {row['cpu_s'][1]:.2f} | "
+              f"{row['buckets'] or '-'} |")
+    for suffix in ("", "-before"):
+        names = ("overlap" + suffix, "no-overlap" + suffix, "ddp")
+        if not all(name in rows for name in names):
+            continue
+        overlap, plain, ddp = (rows[name] for name in names)
+        by_round = ", ".join(f"{a / b:.2f}" for a, b in zip(overlap["rounds"], plain["rounds"]))
+        print(f"\n{names[0]} / {names[1]} = {overlap['step_s'] / plain['step_s']:.2f} (target <= 0.75; by round "
+              f"{by_round}); DDP / {names[0]} = {ddp['step_s'] / overlap['step_s']:.2f} (target >= 1.0; by round "
+              f"{', '.join(f'{a / b:.2f}' for a, b in zip(ddp['rounds'], overlap['rounds']))})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows, "load": load}, f, indent=1)

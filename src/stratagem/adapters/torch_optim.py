@@ -96,8 +96,9 @@ class DistributedOptimizer:
         strategy: the strategy (default: the one whose ``scope()`` is active).
         overlap: under ``mirrored`` with several replicas, all-reduce buckets of gradients while the
             backward pass runs (default True, as DDP); False: all of them in ``step()``.
-        bucket_bytes: the largest bucket of gradients, in bytes (default: the strategy's
-            ``bucket_bytes``, 25 MiB; DDP's ``bucket_cap_mb``).
+        bucket_bytes: the size of a bucket of gradients, in bytes (default: the strategy's
+            ``bucket_bytes``, 25 MiB): a bucket is closed once it holds at least this many, as
+            DDP's ``bucket_cap_mb``.
         find_unused_parameters: a parameter that got no gradient in a step counts as zeros in the
             reduction (one that no replica used keeps ``grad=None``); without it (default), such a
             parameter is an error naming it (DDP's option).

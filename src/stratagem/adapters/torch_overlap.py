@@ -1,8 +1,8 @@
 """Gradients all-reduced while the backward pass runs, as PyTorch's DDP does, for ``DistributedOptimizer``
 under ``mirrored``.
 
-:class:`GradientReducer` lays the parameters out in flat buckets of at most ``bucket_bytes`` (one
-dtype and device per bucket), in reverse parameter order at first: the order in which a backward pass
+:class:`GradientReducer` lays the parameters out in flat buckets (one dtype and device per bucket,
+each closed once it holds ``bucket_bytes``, as DDP's ``bucket_cap_mb``), in reverse parameter order at first: the order in which a backward pass
 usually produces the gradients. A post-accumulate-grad hook on every parameter copies its gradient,
 times this replica's weight (its share of the global batch), into its bucket; when a bucket is full it
 is handed to one background thread that all-reduces it (a sum) through the reducer's own communicator
@@ -78,7 +78,7 @@ class GradientReducer:
         named: ``[(name, parameter), ...]`` in the optimizer's order (parameters that do not require a
             gradient are left out).
         strategy: the ``mirrored`` strategy (more than one replica).
-        bucket_bytes: the largest bucket, in bytes.
+        bucket_bytes: a bucket is closed once it holds at least this many bytes (DDP's rule).
         overlap: reduce during the backward pass (hooks), else all at ``synchronize()``.
         find_unused_parameters: a missing gradient counts as zeros instead of being an error.
     """
@@ -113,19 +113,22 @@ class GradientReducer:
 
     # -- layout ---------------------------------------------------------------------------------------
     def _layout(self, order: list[int]) -> None:
-        """Buckets of at most ``bucket_bytes`` along ``order``, one open bucket per dtype and device."""
+        """Buckets along ``order``, one open bucket per dtype and device, each closed once it holds at
+        least ``bucket_bytes`` (DDP's rule for ``bucket_cap_mb``: the parameter that reaches the cap
+        goes in, so a layer's bias and weight, whose gradients arrive together, share a bucket
+        rather than the bias making a bucket of its own, a whole all-reduce for a few bytes)."""
         open_runs: dict[tuple, tuple[list[int], int]] = {}
         runs: list[list[int]] = []
         for index in order:
             param = self._params[index]
             key = (str(param.dtype), str(param.device))
-            nbytes = param.numel() * param.element_size()
             run, used = open_runs.get(key, (None, 0))
-            if run is None or used + nbytes > self._bucket_bytes:
+            if run is None:
                 run, used = [], 0
                 runs.append(run)
             run.append(index)
-            open_runs[key] = (run, used + nbytes)
+            used += param.numel() * param.element_size()
+            open_runs[key] = (run, used) if used < self._bucket_bytes else (None, 0)
         self._buckets = [_Bucket(run, self._params, self._torch) for run in runs]
         self._where = {index: bucket for bucket in self._buckets for index in bucket.members}
 
@@ -282,24 +285,28 @@ class GradientReducer:
             bucket.pending.clear()
         with self._lock:
             self._launch_ready()
-        for bucket in self._buckets:
-            self._wait(bucket.done)
         used = None
         if self.find_unused_parameters:
+            for bucket in self._buckets:
+                self._wait(bucket.done)
             flags = np.array([1.0 if (self._seen[i] or p.grad is not None) else 0.0
                               for i, p in enumerate(self._params)], np.float32)
             used = self._run_here(lambda: self._communicator().allreduce(flags, op="sum"))
-        with_grad = []
+        written = [False] * len(self._params)
         with self._torch.no_grad():
-            for index, param in enumerate(self._params):
-                if used is not None and used[index] == 0:
-                    continue                # no replica used it: it keeps no gradient, as in DDP
-                reduced = self._where[index].view(index, param.shape)
-                if param.grad is None:
-                    param.grad = reduced.clone()
-                else:
-                    param.grad.copy_(reduced)
-                with_grad.append(param)
+            for bucket in self._buckets:
+                self._wait(bucket.done)     # a bucket is copied out while the next ones are still reduced
+                for index in bucket.members:
+                    if used is not None and used[index] == 0:
+                        continue            # no replica used it: it keeps no gradient, as in DDP
+                    param = self._params[index]
+                    reduced = bucket.view(index, param.shape)
+                    if param.grad is None:
+                        param.grad = reduced.clone()
+                    else:
+                        param.grad.copy_(reduced)
+                    written[index] = True
+        with_grad = [param for index, param in enumerate(self._params) if written[index]]
         arrival, clean = list(self._arrival), not again
         self._reset_round()
         if clean and not self._rebuilt:
