@@ -6,7 +6,8 @@ launch`` on emulated hosts, one task per host (:func:`stratagem.testing.faults.r
 3 s), and strikes worker:1's host link when the chief starts step 3 (``EmulatedHosts.set_link``):
 
 - cut for good: the others fail naming worker:1 a peer timeout after the cut (those the launcher has
-  not stopped first), and the job is over within the peer timeout plus 10 s;
+  not stopped first), and the job is over within the peer timeout plus 10 s; under ``parameter_server``,
+  where nobody else fails, the launcher still names the cut-off worker, not the coordinator it blames;
 - cut for a third of the peer timeout, then restored: the job waits and finishes as without the cut
   (TCP resends 0.2, 0.6, 1.4 s after the cut: a cut of 1 s is bridged 1.4 s after it began; a cut of
   half the timeout, 1.5 s, only 3 s after: lost, as a peer silent for its timeout must be);
@@ -60,6 +61,17 @@ def test_a_worker_cut_off_for_good_is_lost_and_named_by_every_other_task():
         assert 0.9 * PEER_TIMEOUT <= outcome.noticed[task] <= 2 * PEER_TIMEOUT + 3, _report(outcome)
     assert outcome.ended is not None and outcome.ended <= PEER_TIMEOUT + 10, _report(outcome)
     assert not outcome.trained, _report(outcome)
+
+
+def test_a_parameter_server_worker_cut_off_for_good_is_named_though_only_it_fails():
+    """The coordinator and ps:0 lose worker:1 and go on without it (its closures run elsewhere); only
+    worker:1 fails, blaming the coordinator it can no longer hear. The launcher names worker:1, from the
+    peers each task noted it lost (worker:1 lost them all, they lost it); it named worker:0 before."""
+    outcome = run_fault("parameter_server", "zmq", "worker:1", "link_cut", peer_timeout=PEER_TIMEOUT, steps=40)
+    assert outcome.exit_code == 1, _report(outcome)
+    assert outcome.launcher_culprit == "worker:1", _report(outcome)
+    assert outcome.reason.startswith("worker:1 "), _report(outcome)
+    assert outcome.ended is not None and outcome.ended <= PEER_TIMEOUT + 10, _report(outcome)
 
 
 def test_a_link_cut_shorter_than_the_peer_timeout_is_no_loss():

@@ -279,10 +279,12 @@ class Outcome:
     failed_task: TaskId | None = None
     timed_out: bool = False
     interrupted_by: int | None = None
+    #: False while the evidence may still change which task failed first (``failures.Blame.settled``).
+    settled: bool = True
 
 
 def first_failure(tasks: list[RunningTask], restarts: Restarts | None = None,
-                  reports: FailureReports | None = None) -> Outcome | None:
+                  reports: FailureReports | None = None, until: float | None = None) -> Outcome | None:
     """The task that failed first, if one failed on its own (non-zero exit or killed by a signal we
     did not send): with the tasks' failure ``reports``, the one the earliest failure blames, which may
     still run (stopped, or still ending); without them, the first seen exiting
@@ -304,8 +306,10 @@ def first_failure(tasks: list[RunningTask], restarts: Restarts | None = None,
     def may_blame(task: TaskId) -> bool:   # a task of this job that did not finish cleanly, nor is restarted
         return task in known and known[task].poll() != 0 and (restarts is None or not restarts.covers(task))
 
-    blame = failures.first_failure(failed, reports, in_job=may_blame, voters=[t.task for t in tasks])
+    blame = failures.first_failure(failed, reports, in_job=may_blame, voters=[t.task for t in tasks], until=until)
     code = known[blame.task].poll()
+    if known[blame.task].stopped_by_launcher:
+        code = None   # judged again after the stop: how it ended is the launcher's doing, not its failure
     own = reports.report(blame.task) if reports is not None and code is None else None
     if code is not None:
         how = f"was killed by {describe_signal(-code)}" if code < 0 else f"exited with code {code}"
@@ -313,7 +317,10 @@ def first_failure(tasks: list[RunningTask], restarts: Restarts | None = None,
         how = f"failed ({own['error']})"
     else:
         how = f"stopped responding ({blame.seen.short} lost it: {blame.error})"
-    return Outcome(f"{blame.task.short} {how}; stopped the other tasks", EXIT_TASK_FAILED, blame.task)
+    if blame.by_losses:
+        how += " (cut off: every loss of a peer the tasks noted involves it)"
+    return Outcome(f"{blame.task.short} {how}; stopped the other tasks", EXIT_TASK_FAILED, blame.task,
+                   settled=blame.settled)
 
 
 def supervise(tasks: list[RunningTask], pump: OutputPump, trap: SignalTrap, *,
@@ -324,6 +331,7 @@ def supervise(tasks: list[RunningTask], pump: OutputPump, trap: SignalTrap, *,
     ``reports``: where the tasks report their failures (to name the one that failed first)."""
     deadline = started + timeout if timeout is not None else None
     ps_deadline = None
+    unsettled_until = None   # how long an unsettled blame waits for the losses still to come
     while True:
         pump.pump(POLL_INTERVAL)
         now = time.monotonic()
@@ -342,7 +350,15 @@ def supervise(tasks: list[RunningTask], pump: OutputPump, trap: SignalTrap, *,
         drivers = [t for t in tasks if t.task.job not in SERVING_JOBS]
         failure = first_failure(tasks, restarts, reports)
         if failure:
-            return failure
+            if failure.settled or len(over) == len(tasks) or (deadline is not None and now >= deadline):
+                return failure
+            # Which task failed first is not clear yet (a cut-off task names a live peer): the other
+            # tasks' losses are still coming, a heartbeat interval apart. Wait for them, a moment.
+            if unsettled_until is None:
+                unsettled_until = now + failures.evidence_wait(reports, [t.task for t in tasks])
+            if now >= unsettled_until:
+                return failure
+            continue
         if len(over) == len(tasks):
             what = f"all {len(tasks)} tasks" if len(tasks) > 1 else "the task"
             left = [t.task.short for t in tasks if t.tolerated]
@@ -393,13 +409,15 @@ def run_to_end(tasks: list[RunningTask], pump: OutputPump, trap: SignalTrap, *, 
     and let the last output arrive; say why the job ended."""
     outcome = supervise(tasks, pump, trap, timeout=timeout, ps_grace=ps_grace, started=started, restarts=restarts,
                         reports=reports)
+    stopping = time.time()
     stop(tasks, pump, trap, grace)
     pump.drain(DRAIN_SECONDS, POLL_INTERVAL)
     if outcome.failed_task is not None and reports is not None:
         # Judged again with the reports written while the job was being stopped: when a link is cut,
         # the cut-off task may fail first naming a peer, and its peers' reports naming it come a few
         # tenths of a second later (see failures.first_failure: the most named of a circle of blame).
-        again = first_failure(tasks, restarts, reports)
+        # Not with what was written after the stop began: stopped tasks lose each other.
+        again = first_failure(tasks, restarts, reports, until=stopping)
         if again is not None:
             outcome = again
     return outcome

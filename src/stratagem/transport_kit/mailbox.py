@@ -13,6 +13,7 @@ import time
 from collections import defaultdict, deque
 from typing import Callable
 
+from stratagem.core import failures
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import PeerLostError, TransportClosed, TransportTimeout
 from stratagem.core.timeline import OFF
@@ -164,10 +165,13 @@ class Mailbox:
         """Declare ``task`` gone; its waiters raise once its pending messages are consumed. Declared
         again before a new process of it came (each of its connections ends on its own): still one loss."""
         with self._cond:
-            if task not in self._lost:
+            new = task not in self._lost
+            if new:
                 self._losses[task] = self._losses.get(task, 0) + 1
                 self._lost[task] = reason
             self._cond.notify_all()
+        if new:   # for the launcher, which tells a cut-off task from the peers it lost by everyone's losses
+            failures.note_lost(task, reason)
 
     def mark_alive(self, task: TaskId, *, replaced: bool = False) -> None:
         """A new incarnation of ``task`` connected: stop reporting it lost. ``replaced``: it took the
