@@ -9,8 +9,8 @@ steps/s under each consistency mode.
                                                           # issue 14's targets (~15 minutes)
     python benchmarks/ps.py --part throughput --link 10gbit   # behind a 10 Gbit/s loopback (~3 min)
     python benchmarks/ps.py --part mlp --modes async sync bounded --json results-ps.json
-    python benchmarks/ps.py --part throughput --hosts --link 250mbit --workers 4 --ps 1 2 4 --kinds ps raw raw-ps \
-        --raw-ps-ways inplace/adopt/pieces --partition-bytes 1M --warmup 1 --rounds 2   # issue 22, 5c (~8 min)
+    python benchmarks/ps.py --part throughput --hosts --link 250mbit --worker-link 1gbit --workers 4 --ps 1 2 4 \
+        --kinds ps raw-ps --raw-ps-ways inplace/adopt/pieces --warmup 1 --rounds 1   # issue 22, 5c (~4 min)
 
 **Throughput.** A model of ``--params`` float32 parameters (default 10M: a 5M, a 4M and a 1M weight
 matrix plus biases, 40 MB) lives on ``--ps`` tasks (1, 2 and 4). Each of ``--workers`` workers (2),
@@ -19,8 +19,8 @@ steps weigh on the short raw runs, whose figures then differ from those of long 
 every gradient and gets every shard's new values back, i.e. one round trip per shard carrying the
 model's bytes each way, the shards served concurrently. The jobs (``--kinds``):
 
-- ``ours`` (``--kinds ps``): stratagem, ``between_graph``, ``mode="async"``, greedy placement (the two big matrices
-  partitioned over the shards, each piece cut to at most 4 MiB, what the zmq transport delivers
+- ``ours`` (``--kinds ps``): stratagem, ``between_graph``, ``mode="async"``, greedy placement (the three
+  matrices partitioned over the shards, each piece cut to at most 4 MiB, what the zmq transport delivers
   whole), ``opt.apply_gradients`` with plain SGD and ``pull_with_push``: the servers apply SGD (over
   the received gradients), then answer with the values, which the workers adopt or copy into their
   variables.
@@ -75,10 +75,19 @@ launch --hosts``: a network namespace per host, joined by a bridge, each host's 
 both ways with ``tc tbf``): the workers on hosts 0..W-1, the ps tasks on the next ones, and the raw
 paths' clients and servers on the same hosts. A ps task's link then carries every worker's pushes
 and pulls for its shard, a worker's link the whole model each way: with 1 ps the ps link is the
-bottleneck, and ps tasks add links. Steps per worker: about ``--seconds`` (8) of the links' time.
-The scaling table gives each contender's GB/s against the 1-ps cell, the links' bound (the busiest
-link's bytes one way at RATE, pushes coming in while pulls go out: full duplex), and the cores each role's tasks used (mean per task) and the machine's busy cores.
-``--partition-bytes`` (default 4 MiB) is the strategy's ``partition_bytes``: variables above it
+bottleneck, and ps tasks add links. ``--worker-link RATE`` gives the workers' hosts links of
+their own rate (``--link`` is then the ps tasks' hosts'). Steps per worker: about ``--seconds`` (8)
+of the links' time. The scaling table gives each contender's GB/s against the 1-ps cell, the links'
+bound (the busiest link's bytes one way at its rate, pushes coming in while pulls go out: full
+duplex), the links' model (the same, but a worker's link carries its push and then its pull, one
+way at a time: a worker waits for its replies before it pushes again, and the replies start once
+its pushes, which run to every shard at once, are in), the model's GB/s over the contender's at 1 ps
+(the growth the links leave room for), and the cores each role's tasks used (mean per task) and the
+machine's busy cores. With equal links and 4 workers, 4 ps tasks load a worker's link as much as a
+ps task's, and the model caps them at 4 links' worth, while 1 ps task moves between 1 link's worth
+(every worker pushing, then every worker pulling) and 2 (pushes and pulls overlapping): the growth
+from 1 to 4 ps tasks can then be 4x only when the 1-ps cell is at its worst. ``--partition-bytes``
+(default: the strategies' default, 1 MiB) is the strategy's ``partition_bytes``: variables above it
 are split over the ps tasks.
 
 **MLP.** The MLP 784-512-512-10 of ``mlp_training.py`` (670K parameters, numpy forward/backward,
