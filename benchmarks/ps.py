@@ -9,8 +9,8 @@ steps/s under each consistency mode.
                                                           # issue 14's targets (~15 minutes)
     python benchmarks/ps.py --part throughput --link 10gbit   # behind a 10 Gbit/s loopback (~3 min)
     python benchmarks/ps.py --part mlp --modes async sync bounded --json results-ps.json
-    python benchmarks/ps.py --part throughput --hosts --link 250mbit --workers 4 --ps 1 2 4 --kinds ps raw raw-ps \
-        --raw-ps-ways inplace/adopt/pieces --partition-bytes 1M --warmup 1 --rounds 2   # issue 22, 5c (~8 min)
+    python benchmarks/ps.py --part throughput --hosts --link 250mbit --worker-link 1gbit --workers 4 --ps 1 2 4 \
+        --kinds ps raw-ps --raw-ps-ways inplace/adopt/pieces --warmup 1 --rounds 1   # issue 22, 5c (~4 min)
 
 **Throughput.** A model of ``--params`` float32 parameters (default 10M: a 5M, a 4M and a 1M weight
 matrix plus biases, 40 MB) lives on ``--ps`` tasks (1, 2 and 4). Each of ``--workers`` workers (2),
@@ -19,8 +19,8 @@ steps weigh on the short raw runs, whose figures then differ from those of long 
 every gradient and gets every shard's new values back, i.e. one round trip per shard carrying the
 model's bytes each way, the shards served concurrently. The jobs (``--kinds``):
 
-- ``ours`` (``--kinds ps``): stratagem, ``between_graph``, ``mode="async"``, greedy placement (the two big matrices
-  partitioned over the shards, each piece cut to at most 4 MiB, what the zmq transport delivers
+- ``ours`` (``--kinds ps``): stratagem, ``between_graph``, ``mode="async"``, greedy placement (the three
+  matrices partitioned over the shards, each piece cut to at most 4 MiB, what the zmq transport delivers
   whole), ``opt.apply_gradients`` with plain SGD and ``pull_with_push``: the servers apply SGD (over
   the received gradients), then answer with the values, which the workers adopt or copy into their
   variables.
@@ -75,10 +75,19 @@ launch --hosts``: a network namespace per host, joined by a bridge, each host's 
 both ways with ``tc tbf``): the workers on hosts 0..W-1, the ps tasks on the next ones, and the raw
 paths' clients and servers on the same hosts. A ps task's link then carries every worker's pushes
 and pulls for its shard, a worker's link the whole model each way: with 1 ps the ps link is the
-bottleneck, and ps tasks add links. Steps per worker: about ``--seconds`` (8) of the links' time.
-The scaling table gives each contender's GB/s against the 1-ps cell, the links' bound (the busiest
-link's bytes one way at RATE, pushes coming in while pulls go out: full duplex), and the cores each role's tasks used (mean per task) and the machine's busy cores.
-``--partition-bytes`` (default 4 MiB) is the strategy's ``partition_bytes``: variables above it
+bottleneck, and ps tasks add links. ``--worker-link RATE`` gives the workers' hosts links of
+their own rate (``--link`` is then the ps tasks' hosts'). Steps per worker: about ``--seconds`` (8)
+of the links' time. The scaling table gives each contender's GB/s against the 1-ps cell, the links'
+bound (the busiest link's bytes one way at its rate, pushes coming in while pulls go out: full
+duplex), the links' model (the same, but a worker's link carries its push and then its pull, one
+way at a time: a worker waits for its replies before it pushes again, and the replies start once
+its pushes, which run to every shard at once, are in), the model's GB/s over the contender's at 1 ps
+(the growth the links leave room for), and the cores each role's tasks used (mean per task) and the
+machine's busy cores. With equal links and 4 workers, 4 ps tasks load a worker's link as much as a
+ps task's, and the model caps them at 4 links' worth, while 1 ps task moves between 1 link's worth
+(every worker pushing, then every worker pulling) and 2 (pushes and pulls overlapping): the growth
+from 1 to 4 ps tasks can then be 4x only when the 1-ps cell is at its worst. ``--partition-bytes``
+(default: the strategies' default, 1 MiB) is the strategy's ``partition_bytes``: variables above it
 are split over the ps tasks.
 
 **MLP.** The MLP 784-512-512-10 of ``mlp_training.py`` (670K parameters, numpy forward/backward,
@@ -327,7 +336,7 @@ def pid_files(out: str) -> dict[int, str]:
 
 def launch_job(mode: str, spec: dict, ps: int, workers: int, timeout: float, meter: bool = False, hosts=None):
     """Run a child job under stratagem's launcher (on emulated hosts, one task per host, with
-    ``hosts``: a link rate); return the workers' records (and, with ``meter``, the CPU spent over
+    ``hosts``: the links' rates, ``(ps hosts', workers')``); return the workers' records (and, with ``meter``, the CPU spent over
     their timed window)."""
     from stratagem.launch.launcher import launch
 
@@ -339,7 +348,7 @@ def launch_job(mode: str, spec: dict, ps: int, workers: int, timeout: float, met
         with CpuMeter(lambda: pid_files(out)) as cpu:
             result = launch([sys.executable, os.path.abspath(__file__), "--child", mode, spec_path, out],
                             workers=workers, ps=ps, timeout=timeout, output=sys.stderr, error_output=errors,
-                            env=THREADS, hosts=hosts_spec(workers + ps, hosts) if hosts else None)
+                            env=THREADS, hosts=hosts_spec(workers + ps, hosts, workers) if hosts else None)
         if not result.ok:
             raise RuntimeError(f"{mode} job failed: {result.reason}\n{errors.getvalue()[-3000:]}")
         records = [json.load(open(os.path.join(out, f"worker:{i}.json"))) for i in range(workers)]
@@ -353,7 +362,7 @@ def raw_job(layout: tuple, warmup: int, iters: int, timeout: float, duplex: bool
     """A bare pyzmq path (:mod:`_ps_raw`): a server per entry of ``layout`` (:func:`frames_per_server`)
     and ``workers`` clients,
     each client sending every server its frames and getting the same back; with ``work``, the minimal
-    PS (its ``server`` and ``client`` ways: see :mod:`_ps_raw`). With ``hosts`` (a link rate), each
+    PS (its ``server`` and ``client`` ways: see :mod:`_ps_raw`). With ``hosts`` (the links' rates), each
     process on an emulated host of its own, as ``launch_job`` places ours: clients on hosts
     0..workers-1, servers on the next ones."""
     from stratagem.testing.world import free_ports
@@ -375,7 +384,7 @@ def raw_job(layout: tuple, warmup: int, iters: int, timeout: float, duplex: bool
             from stratagem.launch.hosts import EmulatedHosts
             from stratagem.testing.hosts import Hosts
 
-            network = EmulatedHosts(hosts_spec(workers + ps, hosts)).start()
+            network = EmulatedHosts(hosts_spec(workers + ps, hosts, workers)).start()
             place = Hosts(network)
             spec["client_addresses"] = {str(i): place.addresses[i] for i in range(workers)}
             spec["server_addresses"] = {str(i): place.addresses[workers + i] for i in range(ps)}
@@ -482,7 +491,6 @@ def qdisc_stats() -> str:
 
 # -- the throughput part ----------------------------------------------------------------------------------------
 
-PARTITION_BYTES = 4 << 20
 KINDS = ("ps", "raw", "raw-duplex", "raw-ps")
 OURS = "ours"
 #: The ways of the minimal pyzmq PS: ``server/client/frames`` (see :mod:`_ps_raw` and
@@ -508,7 +516,7 @@ def contenders(args) -> list[tuple[str, dict]]:
 
 
 def run_job(args, shapes, how: dict, ps: int, workers: int):
-    hosts = args.link if args.hosts else None
+    hosts = links(args) if args.hosts else None
     iters = hosts_iters(args, shapes, ps, workers) if hosts else args.iters
     if how["kind"] == "ps":
         spec = {"shapes": shapes, "partition_bytes": args.partition_bytes, "warmup": args.warmup, "iters": iters}
@@ -534,7 +542,8 @@ def run_throughput(args) -> dict:
         for workers, ps in (reversed(cells) if flip else cells):
             for label, how in (reversed(jobs) if flip else jobs):
                 iters = hosts_iters(args, shapes, ps, workers) if args.hosts else args.iters
-                where = f", each task on its own host, links {args.link}" if args.hosts else ""
+                where = (f", each task on its own host, links {'/'.join(dict.fromkeys(links(args)))}"
+                         if args.hosts else "")
                 log(f"[round {round_index + 1}] {label} with {workers} workers, {ps} ps task(s), "
                     f"{total / 1e6:.1f}M parameters, {iters} steps{where} (load {os.getloadavg()[0]:.2f})")
                 try:
@@ -598,8 +607,11 @@ def summarize(args, rounds: list[dict], jobs, cells, total: int) -> dict:
     steps = f"{args.iters} steps per worker"
     if args.hosts:
         steps = f"steps per worker for about {args.seconds:g} s of the links' time"
-        link = (f", every task on an emulated host of its own, each host's link {args.link} both ways "
-                f"({parse_rate(args.link) / 1e6:.0f} MB/s)")
+        ps_rate, worker_rate = links(args)
+        link = (f", every task on an emulated host of its own, each host's link both ways at {ps_rate} "
+                f"({parse_rate(ps_rate) / 1e6:.0f} MB/s)"
+                + (f", the workers' at {worker_rate}" if worker_rate != ps_rate else "")
+                + f", partition_bytes {args.partition_bytes}")
     print(f"\nPush + pull of a {total / 1e6:.1f}M-parameter float32 model ({total * 4 / 1e6:.0f} MB each way per "
           f"step), {steps}, {args.rounds} round(s) in alternating order{link}; "
           f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in args.loadavg_before)} before. "
@@ -639,12 +651,20 @@ def hosts_scaling(args, rows: list[dict], rounds: list[dict]) -> list[str]:
     """Issue 22, 5c (``--hosts``): the table of throughput against ps tasks per contender, with each
     task's cores (every figure the median over the rounds), and the verdicts: ours grows >= 1.8x from
     1 to 2 ps tasks and >= 3.2x from 1 to 4 (the median of the rounds' ratios, a round's cells
-    against the same round's), ours >= 0.9x the minimal pyzmq PS."""
-    print(f"\nScaling over ps tasks (links {args.link}, one task per host); cores per task: mean of the role's "
-          f"tasks over the timed window (median over the rounds); host: the machine's busy cores then\n")
+    against the same round's), ours >= 0.9x the minimal pyzmq PS.
+
+    Beside each cell: the links' bound (:func:`hosts_step_s`) and model (:func:`hosts_model_step_s`)
+    in GB/s, and the model's ceiling on the growth: the model's GB/s at this many ps tasks over the
+    contender's measured GB/s at 1 ps task (with equal links, the workers' links cap 4 ps tasks at
+    4 links' worth, while 1 ps task moves between 1 and 2 links' worth: how much above 1 sets the
+    growth that can be had)."""
+    ps_rate, worker_rate = links(args)
+    print(f"\nScaling over ps tasks (links: ps tasks' hosts {ps_rate}, workers' hosts {worker_rate}; one task per "
+          f"host); cores per task: mean of the role's tasks over the timed window (median over the rounds); host: "
+          f"the machine's busy cores then\n")
     print("| workers | ps tasks | contender | GB/s median (min-max) | x the 1-ps cell | links' bound GB/s | x bound "
-          "| cores per worker | cores per ps | host busy cores |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| links' model GB/s | x model | model / 1-ps cell | cores per worker | cores per ps | host busy cores |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     lines = []
     for workers in args.workers:
         cell = {r["ps"]: r for r in rows if r["workers"] == workers}
@@ -656,11 +676,14 @@ def hosts_scaling(args, rows: list[dict], rounds: list[dict]) -> list[str]:
                 if not st:
                     continue
                 layout = frames_per_server(model_shapes(args.params), ps, args.partition_bytes)
-                # Full duplex: the busiest link's bytes one way at the rate (pushes in while pulls go out).
-                bound = 2 * sum(sum(sizes) for sizes in layout[0]) * workers / hosts_step_s(args.link, layout, workers)
+                moved = 2 * sum(sum(sizes) for sizes in layout[0]) * workers
+                bound = moved / hosts_step_s(links(args), layout, workers)
+                model = moved / hosts_model_step_s(links(args), layout, workers)
                 grow = st["gbps"]["median"] / base["gbps"]["median"] if base else float("nan")
+                ceiling = model / 1e9 / base["gbps"]["median"] if base else float("nan")
                 print(f"| {workers} | {ps} | {label} | {st['gbps']['median']:.3f} ({st['gbps']['min']:.3f}-"
                       f"{st['gbps']['max']:.3f}) | {grow:.2f} | {bound / 1e9:.3f} | {st['gbps']['median'] / bound * 1e9:.2f} | "
+                      f"{model / 1e9:.3f} | {st['gbps']['median'] / model * 1e9:.2f} | {ceiling:.2f} | "
                       f"{st['worker_task_cores']['median']:.2f} | {st['ps_task_cores']['median']:.2f} | "
                       f"{st['host_cores']['median']:.2f} |")
         ours = {}
@@ -750,28 +773,53 @@ DEFAULT_ITERS = 80
 
 # -- emulated hosts (--hosts) ------------------------------------------------------------------------------------
 
-def hosts_spec(count: int, rate: str):
-    """``count`` emulated hosts, every link ``rate`` both ways (one task per host, round-robin in the
-    cluster's order: the workers on hosts 0..workers-1, the ps tasks on the next ones)."""
+def links(args) -> tuple[str, str]:
+    """The emulated hosts' link rates: ``(the ps tasks' hosts', the workers' hosts')`` (``--link``,
+    ``--worker-link``, which defaults to ``--link``)."""
+    return args.link, args.worker_link or args.link
+
+
+def hosts_spec(count: int, rates: tuple[str, str], workers: int):
+    """``count`` emulated hosts (one task per host, round-robin in the cluster's order: the workers
+    on hosts 0..workers-1, the ps tasks on the next ones), each link both ways at ``rates``: the ps
+    tasks' hosts at ``rates[0]``, the workers' at ``rates[1]``."""
     from stratagem.launch.hosts import HostsSpec
 
-    return HostsSpec.parse(count, link=rate)
+    ps_rate, worker_rate = rates
+    faster = [f"{HostsSpec.name(i)}={worker_rate}" for i in range(workers)] if worker_rate != ps_rate else []
+    return HostsSpec.parse(count, link=ps_rate, link_of=faster)
 
 
-def hosts_step_s(rate: str, layout: tuple, workers: int) -> float:
-    """The links' time for one step of every worker, when each task has a host of its own: the
-    busiest link, a ps task's (every worker's bytes for its shard, each way) or a worker's (the
-    whole model each way); full duplex, so one direction counts."""
+def hosts_link_s(rates: tuple[str, str], layout: tuple, workers: int) -> tuple[float, float]:
+    """Seconds one step of every worker keeps each kind of link busy one way, when each task has a
+    host of its own: the busiest ps task's (every worker's bytes for its shard) and a worker's (the
+    whole model)."""
     frames, _ = layout
-    busiest = max(max(workers * sum(sizes) for sizes in frames), sum(sum(sizes) for sizes in frames))
-    return busiest / parse_rate(rate)
+    shard = max(sum(sizes) for sizes in frames)
+    return workers * shard / parse_rate(rates[0]), sum(sum(sizes) for sizes in frames) / parse_rate(rates[1])
+
+
+def hosts_step_s(rates: tuple[str, str], layout: tuple, workers: int) -> float:
+    """The links' bound on one step of every worker: the busier link one way (full duplex: pushes
+    come in while pulls go out, on every link at once)."""
+    return max(hosts_link_s(rates, layout, workers))
+
+
+def hosts_model_step_s(rates: tuple[str, str], layout: tuple, workers: int) -> float:
+    """The links' model of one step of every worker: as :func:`hosts_step_s`, but a worker's link
+    carries its push and then its pull, one way at a time (a worker waits for its shards' replies,
+    which each shard sends once the worker's push to it is in, and the pushes to the shards run in
+    parallel and end together), while a ps task's link carries some workers' pushes in as it sends
+    the others' pulls out (full duplex)."""
+    ps_s, worker_s = hosts_link_s(rates, layout, workers)
+    return max(ps_s, 2 * worker_s)
 
 
 def hosts_iters(args, shapes, ps: int, workers: int) -> int:
     """Steps per worker for about ``--seconds`` of links' time (given ``--iters`` wins)."""
     if args.iters_given:
         return args.iters
-    step = hosts_step_s(args.link, frames_per_server(shapes, ps, args.partition_bytes), workers)
+    step = hosts_step_s(links(args), frames_per_server(shapes, ps, args.partition_bytes), workers)
     return max(3, round(args.seconds / step))
 
 
@@ -780,6 +828,14 @@ def link_iters(rate: str, params: int) -> int:
     fewer steps are as stable."""
     step_bytes = WORKERS * 2 * 4 * params
     return int(min(DEFAULT_ITERS, max(10, round(3.0 * parse_rate(rate) / step_bytes))))
+
+
+def default_partition_bytes() -> int:
+    """The strategies' default ``partition_bytes`` (of the stratagem on the path: the script also
+    measures older revisions)."""
+    from stratagem.strategies.ps.base import DEFAULT_PARTITION_BYTES
+
+    return DEFAULT_PARTITION_BYTES
 
 
 def parse_args(argv=None):
@@ -804,9 +860,13 @@ def parse_args(argv=None):
     parser.add_argument("--hosts", action="store_true",
                         help="with --link: every task (and every raw path's process) on an emulated host of its "
                              "own (stratagem launch --hosts), each host's link shaped to RATE both ways")
-    parser.add_argument("--partition-bytes", type=parse_count, default=PARTITION_BYTES,
-                        help="variables larger than this are partitioned over the ps tasks (default 4194304: "
-                             "4 MiB; the model's 4 MB w3 then stays whole, on one ps task)")
+    parser.add_argument("--worker-link", metavar="RATE",
+                        help="with --hosts: the workers' hosts' links (default --link, which then sets the ps "
+                             "tasks' hosts' links alone), e.g. 1gbit against --link 250mbit: ps tasks' links the "
+                             "bottleneck, as in a cluster whose parameter servers are its bottleneck")
+    parser.add_argument("--partition-bytes", type=parse_count, default=None,
+                        help="variables larger than this are partitioned over the ps tasks (default: the "
+                             "strategies' default, 1 MiB since issue 22 5c; 16 MiB before)")
     parser.add_argument("--seconds", type=float, default=8.0,
                         help="with --hosts: steps per worker for about this many seconds of the links' time "
                              "(default 8)")
@@ -819,6 +879,12 @@ def parse_args(argv=None):
         parse_rate(args.link)
     if args.hosts and not args.link:
         parser.error("--hosts needs --link RATE (each emulated host's link rate), e.g. --hosts --link 1gbit")
+    if args.worker_link:
+        if not args.hosts:
+            parser.error("--worker-link RATE is the workers' hosts' links: it needs --hosts --link RATE")
+        parse_rate(args.worker_link)
+    if args.partition_bytes is None:
+        args.partition_bytes = default_partition_bytes()
     args.iters_given = args.iters is not None
     if args.iters is None:
         args.iters = link_iters(args.link, args.params) if args.link else DEFAULT_ITERS

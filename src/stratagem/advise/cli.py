@@ -74,7 +74,7 @@ ASSUMPTIONS = (
     "every task has its own link, each ps's link is shared by all the workers it serves",
     "the model's compute and the ps's update as measured here, on an idle core",
     "ring all-reduce (2(n-1) latencies: no tree or hierarchical algorithm at large n)",
-    "variables placed as the strategies place them (round-robin; none partitioned below 16 MiB)",
+    "variables placed as the strategies place them (round-robin; those over 1 MiB split, one slice per ps task)",
 )
 
 

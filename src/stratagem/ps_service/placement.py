@@ -14,9 +14,15 @@ puts each on the shard holding the fewest bytes so far, so loads stay even (TF's
 ``GreedyLoadBalancingStrategy``): with variables placed in any order, no shard ends more than the
 largest single piece above the lightest.
 
-A variable larger than the strategy's ``partition_bytes`` is *partitioned*: split along its first axis
-into slices (like ``np.array_split``), each placed as its own piece, so that one huge embedding does
-not sit on one shard. :func:`fixed_size_partitioner` gives a fixed number of slices,
+A variable larger than the strategy's ``partition_bytes`` (default :data:`DEFAULT_PARTITION_BYTES`,
+1 MiB) is *partitioned*: split along its first axis into slices (like ``np.array_split``), each
+placed as its own piece, so that one huge embedding does not sit on one shard; by default into one
+slice per ps task, so every shard holds an even share of every large variable, and only variables of
+at most 1 MiB are placed whole: with ``greedy`` the shards' loads differ by at most that much
+(``round_robin`` deals the whole ones by count). The threshold was 16 MiB until issue 22 (5c): a
+40 MB model of 20, 16 and 4 MB matrices then sat on 4 ps tasks as 5 + 21 + 5 + 9 MB, the 16 MB and
+4 MB matrices whole, so the busiest ps task's link carried half the model and 4 ps tasks moved it
+at most 1.9x as fast as one. :func:`fixed_size_partitioner` gives a fixed number of slices,
 :func:`min_slice_partitioner` as many as keep each slice above a minimum size. Workers reassemble the
 slices, so a partitioned variable reads and checkpoints like any other.
 
@@ -53,10 +59,15 @@ from stratagem.core.errors import ConfigurationError
 __all__ = [
     "device", "replica_device_setter", "DeviceSetter", "RoundRobin", "GreedyByBytes", "Placer", "Piece",
     "fixed_size_partitioner", "min_slice_partitioner", "current_placement", "make_policy", "POLICIES",
+    "DEFAULT_PARTITION_BYTES",
 ]
 
 #: Names of the built-in placement policies accepted by ``placement=`` and ``ps_strategy=``.
 POLICIES = ("round_robin", "greedy")
+
+#: The strategies' default ``partition_bytes``: variables larger than this are split over the ps tasks
+#: (one slice each), so that only variables of at most this much are placed whole (see the module doc).
+DEFAULT_PARTITION_BYTES = 1 << 20
 
 #: The innermost active ``device()`` / ``replica_device_setter()`` context: a TaskId or a DeviceSetter.
 _CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("stratagem_device", default=None)

@@ -40,7 +40,7 @@ cluster's ``ps`` tasks:
 Options (besides every strategy's): ``mode`` (``"async"``, ``"sync"``, ``"bounded"``),
 ``replicas_to_aggregate``, ``total_replicas``, ``staleness`` (see :mod:`stratagem.ps_service.server`),
 ``placement`` (``"round_robin"`` or ``"greedy"``), ``partition_bytes`` (variables larger than this are
-split across shards; default 16 MiB; ``None`` never), ``partitioner`` (how many slices: default one per
+split across shards; default 1 MiB; ``None`` never), ``partitioner`` (how many slices: default one per
 ps task; a slice larger than the transport's ``whole_buffer_bytes`` is further cut into row slices on
 the same shard, see :mod:`stratagem.ps_service.placement`), ``timeout`` (seconds a request to the shards may
 take; default the transport's), ``checkpoint_dir`` (the chief restores the latest checkpoint found
@@ -59,7 +59,7 @@ import time
 from stratagem.training import checkpoint
 from stratagem.strategies.ps.checkpoint import load_onto_shards, snapshot
 from stratagem.core.errors import ConfigurationError, ProtocolError, TransportTimeout
-from stratagem.ps_service.placement import Placer
+from stratagem.ps_service.placement import DEFAULT_PARTITION_BYTES, Placer
 from stratagem.ps_service.client import PSClient
 from stratagem.ps_service.protocol import check_mode, describe_spec, piece_spec, same_spec, task_key
 from stratagem.ps_service.server import ParameterServer
@@ -68,8 +68,6 @@ from stratagem.strategies import compressing
 from stratagem.strategies.ps.remote import RemoteVariables
 from stratagem.core.wire import dtype_name
 
-#: Default size above which a variable is partitioned across the ps tasks.
-DEFAULT_PARTITION_BYTES = 16 << 20
 #: Seconds between polls while a task waits for the chief to initialise the variables.
 READY_POLL = 0.1
 
