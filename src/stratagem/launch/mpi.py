@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -300,8 +301,47 @@ class RankReports:
             return None
         return first_failure(failed, self, in_job=lambda task: task in self.tasks, voters=self.tasks)
 
+    def any(self) -> bool:
+        """Whether a rank has reported a failure."""
+        try:
+            return any(name.endswith(".json") for name in os.listdir(self.directory))
+        except OSError:
+            return False
+
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+#: Seconds ``stratagem launch --mpi`` lets an MPI job run on after a rank reported a failure (its peers
+#: notice and end meanwhile) before it stops mpiexec: under ULFM the survivors may go on without the
+#: failed rank, and a rank stopped for good (SIGSTOP) would keep mpiexec waiting for ever.
+RANK_FAILURE_GRACE = 10.0
+
+
+class _FailureStop:
+    """A thread that sends mpiexec SIGTERM once ``grace`` seconds have passed since a rank reported a
+    failure (:class:`RankReports`), if it still runs; the job then fails as it does when mpiexec ends
+    on its own, naming the rank that failed first. As the local launcher stops a job whose task failed."""
+
+    def __init__(self, process: subprocess.Popen, reports: RankReports, grace: float):
+        self._process, self._reports, self._grace = process, reports, grace
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stratagem-mpi-failure-stop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        failed_at = None
+        while not self._done.wait(0.2) and self._process.poll() is None:
+            if failed_at is None and self._reports.any():
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at >= self._grace:
+                with contextlib.suppress(ProcessLookupError):
+                    self._process.send_signal(signal.SIGTERM)
+                return
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(5)
 
 
 def _rank_reader(tasks: list[TaskId], stream: TextIO, sink, color_of):
@@ -368,10 +408,12 @@ def launch_mpi(command: Sequence[str], workers: int = 1, ps: int = 0, chief: boo
             err = _WatchedSink(error_output if error_output is not None else sys.stderr, failed_to_start)
             pump = OutputPump()
             running: list = []
+            failure_stop = None
             try:
                 with SignalTrap() as trap:
                     process = start_task(job_task, cmd, base_env)
                     running.append(RunningTask(job_task, process))
+                    failure_stop = _FailureStop(process, reports, RANK_FAILURE_GRACE)
                     tasks = cluster.tasks()
                     color = lambda i: COLORS[i % len(COLORS)]  # noqa: E731
                     pump.add(process.stdout, _rank_reader(tasks, out.stream, out, color))
@@ -379,6 +421,8 @@ def launch_mpi(command: Sequence[str], workers: int = 1, ps: int = 0, chief: boo
                     outcome = run_to_end(running, pump, trap, timeout=timeout, ps_grace=0.0, grace=grace,
                                          started=started)
             finally:
+                if failure_stop is not None:
+                    failure_stop.close()
                 kill_and_reap(running)
                 for r in running:
                     kill_session(r.process.pid)  # ranks prterun left behind

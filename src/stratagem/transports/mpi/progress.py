@@ -419,10 +419,15 @@ class MpiProgress:
             self._check_guards(time.monotonic())
             time.sleep(_WATCH_SLEEP)
 
+    def failed(self, task: TaskId) -> bool:
+        """Whether MPI (ULFM) reported ``task``'s process failed."""
+        return task in self._failed
+
     def await_departures(self) -> dict[TaskId, str]:
         """At the end of the script, the transport closed (its goodbye sent): read heartbeats and
         goodbyes until every peer has said goodbye or is lost; return the peers lost otherwise (no
-        heartbeat for ``peer_timeout``, its process failed), in the order they were lost, with why.
+        heartbeat for ``peer_timeout``; its process failed, even after a goodbye), in the order they
+        were lost, with why.
 
         ``MPI_Finalize`` waits for every rank, and under ULFM its agreement never completes once a rank
         stalled or died (it spins, holding the GIL), so a rank must not enter it before its peers are
@@ -437,7 +442,7 @@ class MpiProgress:
                 lost = self._mailbox.lost()
                 if peers <= lost.keys() | self._goodbyes:
                     return {task: why for task, why in lost.items()
-                            if task in peers and task not in self._goodbyes}
+                            if task in peers and (task not in self._goodbyes or task in self._failed)}
                 if not self._read_one():
                     self.housekeeping()
                     time.sleep(_BACKGROUND_SLEEP)

@@ -73,6 +73,7 @@ there is no connection to authenticate; a cluster secret is accepted and not use
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -295,6 +296,8 @@ class MpiTransport(Transport):
         self._comm = comm
         self.coll_comm = coll
         self.progress.begin(comm)
+        if self._base is None:
+            atexit.register(self._before_finalize)   # runs before mpi4py's MPI_Finalize, registered earlier
         self._background = threading.Thread(target=self.progress.read_in_background, daemon=True,
                                             name=f"stratagem-mpi-{self.task.short}")
         self._background.start()
@@ -333,13 +336,7 @@ class MpiTransport(Transport):
     def _end_at_exit(self, error) -> None:
         self.close()
         if error is None:
-            # A normal end: mpi4py's MPI_Finalize comes next, and it waits for every rank. Wait here
-            # instead, hearing the peers' heartbeats, until each has left or is lost; if one is lost
-            # (stalled, or dead under ULFM), finalizing would wait for it for ever: end without it.
-            stranded = self.progress.await_departures()
-            if stranded:
-                self._end_without(stranded)
-            return
+            return      # the peers are waited for before MPI_Finalize (_before_finalize)
         # After an uncaught exception the process must end like a crash: mpi4py's MPI_Finalize
         # (its own atexit callback, next) waits for every other rank to finalize too, so this
         # rank would stay alive and silent until its peers time out on it (30 s), or forever.
@@ -350,6 +347,17 @@ class MpiTransport(Transport):
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(1)
+
+    def _before_finalize(self) -> None:
+        """At exit, before mpi4py's ``MPI_Finalize``, which waits for every rank of the world (an
+        ``atexit`` callback of a transport of ``MPI.COMM_WORLD``, which holds it: a task that served
+        inside ``stratagem.strategy()`` has dropped its strategy and transport by then). Close, then
+        wait, hearing the peers' heartbeats, until each has left or is lost; if one is lost (stalled,
+        or dead under ULFM), finalizing would wait for it for ever: end without it."""
+        self.close()
+        stranded = self.progress.await_departures()
+        if stranded:
+            self._end_without(stranded)
 
     def _end_without(self, stranded: Mapping[TaskId, str]) -> None:
         """End the process (status 1) without ``MPI_Finalize``, which would wait for ever for the peers
@@ -392,10 +400,11 @@ class MpiTransport(Transport):
         for handle in list(self._in_flight):
             with contextlib.suppress(Exception):
                 handle.wait(max(0.0, deadline - time.monotonic()))
-        lost = self._mailbox.lost()
         requests = []
         for task in self._tasks:
-            if task != self.task and task not in lost:
+            # Peers that left already get one too: they wait at exit for every peer to leave
+            # (progress.await_departures). Not those whose process MPI reports dead.
+            if task != self.task and not self.progress.failed(task):
                 with self._send_locks[task], self.mpi_lock, contextlib.suppress(Exception):
                     requests.append(self._comm.Isend([b"g", self.MPI.BYTE], self._rank_of[task], TAG_GOODBYE))
         requests += self.progress.small_requests()
