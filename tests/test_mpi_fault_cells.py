@@ -52,8 +52,31 @@ def test_an_mpi_job_fails_naming_the_rank_that_failed(strategy, culprit, fault):
     from stratagem.testing.faults import run_fault
 
     peer_timeout = 2.0
-    outcome = run_fault(strategy, "mpi", culprit, fault, peer_timeout=peer_timeout, limit=60.0, steps=20)
+    outcome = run_fault(strategy, "mpi", culprit, fault, peer_timeout=peer_timeout, limit=60.0, steps=10)
     assert outcome.exit_code == 1, outcome.reason + outcome.output[-3000:]     # not 0, nor 124 (--timeout)
     assert outcome.launcher_culprit == culprit, outcome.reason + outcome.output[-3000:]
     wrong = {task: named for task, named in outcome.named.items() if task != culprit and culprit not in named}
     assert not wrong, outcome.output[-3000:]
+
+
+def test_the_ranks_that_end_first_wait_for_a_slow_one_and_the_job_succeeds():
+    """Slow is not dead at the end of a job either: worker:0 ends its script two peer timeouts after
+    the others. They wait for it before ``MPI_Finalize`` (hearing its heartbeats), rather than take it
+    for lost, and the job succeeds."""
+    import io
+    import os
+    from pathlib import Path
+
+    from stratagem.launch.mpi import launch_mpi
+    from stratagem.testing.strategy_contract import clean_env
+
+    env: dict = {k: None for k in os.environ if k not in clean_env()}
+    env.update(clean_env(), STRATAGEM_PEER_TIMEOUT="1")
+    output = io.StringIO()
+    script = Path(__file__).parent / "scripts" / "mpi_slow_end.py"
+    result = launch_mpi([sys.executable, str(script)], workers=3, env=env, timeout=60, output=output,
+                        error_output=output)
+    text = output.getvalue()
+    assert result.exit_code == 0, result.reason + text[-3000:]
+    assert all(f"[worker:{i}] done worker:{i} [3.0, 3.0, 3.0, 3.0]" in text for i in range(3)), text[-3000:]
+    assert "would wait for ever" not in text, text[-3000:]
