@@ -443,9 +443,13 @@ class MpiProgress:
                 if peers <= lost.keys() | self._goodbyes:
                     return {task: why for task, why in lost.items()
                             if task in peers and (task not in self._goodbyes or task in self._failed)}
-                if not self._read_one():
+                try:
+                    if self._read_one():
+                        continue
                     self.housekeeping()
-                    time.sleep(_BACKGROUND_SLEEP)
+                except Exception:  # never leave the wait on a bad message: log it, and keep hearing
+                    log.exception("%s: reading while waiting for the peers to leave failed", self.task)
+                time.sleep(_BACKGROUND_SLEEP)
 
     @contextlib.contextmanager
     def reading(self, timeout: float | None):
