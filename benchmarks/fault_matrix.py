@@ -44,7 +44,7 @@ ALL_FAULTS = FAULTS + tuple(LINK_FAULTS)
 CULPRITS = {"worker": "worker:1", "chief": "worker:0", "ps": "ps:0"}
 
 
-def expected(strategy: str, culprit: str, fault: str, peer_timeout: float = 3.0) -> str:
+def expected(strategy: str, culprit: str, fault: str, peer_timeout: float = 3.0, transport: str = "") -> str:
     """The outcome a user should get, decided before the run: ``finishes`` or ``fails``.
 
     - A pause shorter than the peer timeout is not a loss: every job finishes as without it.
@@ -74,7 +74,14 @@ def expected(strategy: str, culprit: str, fault: str, peer_timeout: float = 3.0)
       worker notices that it lost the ps, and then it exits 0 saying the job had finished without it.
       (With a job that runs on for longer than the peer timeout after the cut, that worker fails instead,
       naming ps:0, and the job fails: not a cell of this matrix.)
+    - Over ``mpi`` a job cannot end without a rank: ``MPI_Finalize`` waits for every rank, so a rank
+      stalled past the peer timeout is a loss even where nobody waits for it during training. The
+      ranks that are done wait for it, hearing heartbeats, and when it is lost they end without
+      finalizing, naming it (``transports/mpi``): the ``between_graph`` and ``parameter_server``
+      worker:1 stalls fail the job naming worker:1.
     """
+    if transport == "mpi" and fault == "sigstop_long":
+        return "fails"
     if fault == "sigstop_short" or fault == "link_slow":
         return "finishes"
     if fault in ("link_cut_short", "link_cut") and culprit == "worker:1" and strategy == "between_graph":
@@ -191,7 +198,7 @@ def main() -> None:
             records.append(_record(base, "finishes", "finishes" if base.exit_code == 0 else "fails", []))
         no_hosts = why_no_hosts() if set(faults) & set(LINK_FAULTS) else None
         for strategy, culprit, fault in cells(strategies, faults, roles):
-            want = expected(strategy, culprit, fault, args.peer_timeout)
+            want = expected(strategy, culprit, fault, args.peer_timeout, transport)
             if fault in LINK_FAULTS and (no_hosts or transport in ("shm", "mpi")):
                 why = no_hosts or ("shm connects the tasks of one host only (it refuses others, saying so)"
                                    if transport == "shm" else "an MPI job runs in one private network namespace")

@@ -10,9 +10,10 @@ with the reason; run ``mpiexec`` yourself then (and across hosts: see the README
 
 Every rank is a process of the job's session (``start_new_session``); once ``mpiexec`` is gone,
 whatever is left of the session is killed, so no rank outlives the job even if ``prterun`` died
-without stopping its ranks. Under ``stratagem launch --mpi`` each rank also dies with ``prterun``
-(``PR_SET_PDEATHSIG``), and ``prterun`` with the launcher, so a launcher killed outright leaves
-nothing behind either.
+without stopping its ranks. Under ``stratagem launch --mpi`` each rank runs under
+:mod:`stratagem.launch.mpi_rank`, so it dies with ``prterun`` (``PR_SET_PDEATHSIG``), and ``prterun``
+with the launcher, so a launcher killed outright leaves nothing behind either; and a rank that exits
+non-zero or is killed reports it, so that the launcher names it.
 
     from stratagem.launch.mpi import run_mpi_job
     job = run_mpi_job(2, ["python3", "-c", "from mpi4py import MPI; print(MPI.COMM_WORLD.rank)"], timeout=60)
@@ -22,6 +23,7 @@ nothing behind either.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import re
@@ -30,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -42,6 +45,7 @@ from stratagem.launch.failures import first_failure
 from stratagem.launch.job import DEFAULT_GRACE, check_options, check_transport, job_env, job_secret
 from stratagem.launch.supervisor import (
     EXIT_OK,
+    EXIT_TASK_FAILED,
     LaunchResult,
     RunningTask,
     SignalTrap,
@@ -54,31 +58,11 @@ from stratagem.launch.task_output import COLORS, OutputPump, PipeReader, Sink, t
 
 #: ``sh -c`` script run by ``unshare``: bring loopback up, then become the command.
 _NETNS_SCRIPT = 'ip link set lo up 2>/dev/null || exit 97; exec "$@"'
-#: Run before each rank's command (Linux): the rank gets SIGKILL when its parent, Open MPI's launcher,
-#: dies (PR_SET_PDEATHSIG survives exec), so no rank outlives a launcher that was killed outright.
-#: After prctl it checks that neither its parent nor the job's mpiexec (the leader of the session
-#: the launch gave the job) has died already: a rank forked just before mpiexec was killed may read
-#: its parent only after that death, when the parent it reads is init, which never dies.
-_DIE_WITH_MPIEXEC = (
-    "import ctypes, os, signal, sys\n"
-    "parent = os.getppid()\n"
-    "ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
-    "def alive(pid):\n"
-    "    try:\n"
-    "        with open(f'/proc/{pid}/stat', 'rb') as f:\n"
-    "            return f.read().rpartition(b')')[2].split()[0] not in (b'Z', b'X')\n"
-    "    except (OSError, IndexError):\n"
-    "        return False\n"
-    "if os.getppid() != parent or not alive(os.getsid(0)):\n"
-    "    os._exit(1)  # mpiexec died before prctl took effect\n"
-    "os.execvp(sys.argv[1], sys.argv[1:])\n"
-)
-
-
 def die_with_mpiexec(command: Sequence[str]) -> list[str]:
-    """``command`` as a rank of ``stratagem launch --mpi`` runs it: it gets SIGKILL when its parent
-    (mpiexec) dies, and does not start at all if mpiexec, the leader of its session, is gone."""
-    return [sys.executable, "-c", _DIE_WITH_MPIEXEC, *command]
+    """``command`` as a rank of ``stratagem launch --mpi`` runs it (:mod:`stratagem.launch.mpi_rank`): it
+    gets SIGKILL when its parent (mpiexec) dies, does not start at all if mpiexec, the leader of its
+    session, is gone, and a failure no exception hook saw (``sys.exit(3)``, SIGKILL) is reported."""
+    return [sys.executable, "-m", "stratagem.launch.mpi_rank", *command]
 
 
 #: Output tag Open MPI 5 puts before every line with ``--output tag``: ``[1,3]<stdout>: ``.
@@ -317,8 +301,47 @@ class RankReports:
             return None
         return first_failure(failed, self, in_job=lambda task: task in self.tasks, voters=self.tasks)
 
+    def any(self) -> bool:
+        """Whether a rank has reported a failure."""
+        try:
+            return any(name.endswith(".json") for name in os.listdir(self.directory))
+        except OSError:
+            return False
+
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+#: Seconds ``stratagem launch --mpi`` lets an MPI job run on after a rank reported a failure (its peers
+#: notice and end meanwhile) before it stops mpiexec: under ULFM the survivors may go on without the
+#: failed rank, and a rank stopped for good (SIGSTOP) would keep mpiexec waiting for ever.
+RANK_FAILURE_GRACE = 10.0
+
+
+class _FailureStop:
+    """A thread that sends mpiexec SIGTERM once ``grace`` seconds have passed since a rank reported a
+    failure (:class:`RankReports`), if it still runs; the job then fails as it does when mpiexec ends
+    on its own, naming the rank that failed first. As the local launcher stops a job whose task failed."""
+
+    def __init__(self, process: subprocess.Popen, reports: RankReports, grace: float):
+        self._process, self._reports, self._grace = process, reports, grace
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stratagem-mpi-failure-stop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        failed_at = None
+        while not self._done.wait(0.2) and self._process.poll() is None:
+            if failed_at is None and self._reports.any():
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at >= self._grace:
+                with contextlib.suppress(ProcessLookupError):
+                    self._process.send_signal(signal.SIGTERM)
+                return
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(5)
 
 
 def _rank_reader(tasks: list[TaskId], stream: TextIO, sink, color_of):
@@ -385,10 +408,12 @@ def launch_mpi(command: Sequence[str], workers: int = 1, ps: int = 0, chief: boo
             err = _WatchedSink(error_output if error_output is not None else sys.stderr, failed_to_start)
             pump = OutputPump()
             running: list = []
+            failure_stop = None
             try:
                 with SignalTrap() as trap:
                     process = start_task(job_task, cmd, base_env)
                     running.append(RunningTask(job_task, process))
+                    failure_stop = _FailureStop(process, reports, RANK_FAILURE_GRACE)
                     tasks = cluster.tasks()
                     color = lambda i: COLORS[i % len(COLORS)]  # noqa: E731
                     pump.add(process.stdout, _rank_reader(tasks, out.stream, out, color))
@@ -396,6 +421,8 @@ def launch_mpi(command: Sequence[str], workers: int = 1, ps: int = 0, chief: boo
                     outcome = run_to_end(running, pump, trap, timeout=timeout, ps_grace=0.0, grace=grace,
                                          started=started)
             finally:
+                if failure_stop is not None:
+                    failure_stop.close()
                 kill_and_reap(running)
                 for r in running:
                     kill_session(r.process.pid)  # ranks prterun left behind
@@ -407,12 +434,19 @@ def launch_mpi(command: Sequence[str], workers: int = 1, ps: int = 0, chief: boo
                       "launcher, before any rank ran); starting the job again\n")
         code = running[0].process.returncode
         reason, failed_task = outcome.reason, outcome.failed_task
-        if outcome.exit_code == EXIT_OK:
+        blame = reports.first_failure() if outcome.exit_code == EXIT_OK else None
+        if outcome.exit_code == EXIT_OK and blame is None:
             reason = f"all {n} MPI ranks finished successfully"
-        elif outcome.failed_task is not None:
-            how = f"was killed by {describe_signal(-code)}" if code < 0 else f"exited with code {code}"
-            reason = f"the MPI job failed: mpiexec {how} (the exit status of a failed rank; its output is above)"
-            blame = reports.first_failure()
+        elif blame is not None:
+            # mpiexec ended well although a rank failed: under ULFM the others went on without it.
+            outcome = dataclasses.replace(outcome, exit_code=EXIT_TASK_FAILED, failed_task=job_task)
+            reason = ("the MPI job failed: mpiexec exited with code 0, the other ranks having gone on "
+                      "without it (ULFM)")
+        if outcome.exit_code != EXIT_OK and outcome.failed_task is not None:
+            if blame is None:
+                how = f"was killed by {describe_signal(-code)}" if code < 0 else f"exited with code {code}"
+                reason = f"the MPI job failed: mpiexec {how} (the exit status of a failed rank; its output is above)"
+                blame = reports.first_failure()
             if blame is not None:      # the rank that failed first, as the local launcher names a task
                 failed_task = blame.task
                 own = reports.report(blame.task)

@@ -148,6 +148,7 @@ class PSClient:
         by_task = {self.shards[index]: index for index in ids}
         done: set[int] = set()
         errors: dict[int, str] = {}
+        culprits: list[str] = []    # the task a refusing shard says failed the job
         received = 0
         deadline = None if timeout is None else time.monotonic() + timeout
         # The timeline charges the time until each reply to the shard it came from (the receives here
@@ -178,6 +179,8 @@ class PSClient:
             received += reply.nbytes
             if "error" in reply.meta:
                 errors[index] = reply.meta["error"]
+                if reply.meta.get("culprit"):
+                    culprits.append(str(reply.meta["culprit"]))
                 done.add(index)
             else:
                 last = reply.meta.get("part", 0) + 1 >= reply.meta.get("parts", 1)
@@ -189,7 +192,8 @@ class PSClient:
                 waiting_since = recorder.now()   # using the values was not waiting
             self._check_lost(ids, done)
         if errors:
-            raise RemoteError("; ".join(f"{self.shards[i]}: {errors[i]}" for i in sorted(errors)))
+            raise RemoteError("; ".join(f"{self.shards[i]}: {errors[i]}" for i in sorted(errors)),
+                              culprit=culprits[0] if culprits else None)
         return received
 
     def _check_lost(self, ids, done) -> None:

@@ -88,7 +88,11 @@ def split_parts(sizes, part_bytes: int | None = None) -> list[list[int]]:
 
 class RequestRefused(Exception):
     """A request the server refuses; its message goes back to the requester (as a ``RemoteError``)
-    and the server keeps serving."""
+    and the server keeps serving. ``culprit``: the task whose failure failed the job, when that is why."""
+
+    def __init__(self, message: str, culprit: str | None = None):
+        super().__init__(message)
+        self.culprit = culprit
 
 
 class ShardLostError(PeerLostError):
@@ -116,7 +120,17 @@ class ShardLostError(PeerLostError):
 
 
 class RemoteError(StratagemError):
-    """A ps task refused a request; the message is the server's, prefixed with the task."""
+    """A ps task refused a request; the message is the server's, prefixed with the task. When the
+    server refused because the job failed, ``culprit`` names the task that failed (the launcher
+    follows it: :mod:`stratagem.core.failures`)."""
+
+    def __init__(self, message: str, culprit: str | None = None):
+        super().__init__(message)
+        if culprit is not None:
+            self.culprit = culprit
+
+    def __reduce__(self):
+        return (type(self), (str(self), getattr(self, "culprit", None)))
 
 
 def piece_spec(piece: Piece, shape, dtype) -> dict:

@@ -220,10 +220,12 @@ class ParameterServer:
             if handler is None:
                 raise RequestRefused(f"unknown operation {op!r}")
             if self.failed is not None and op not in ("bye", "stats"):
-                raise RequestRefused(self._failed_text())
+                raise RequestRefused(self._failed_text(), culprit=self.failed[0])
             result = handler(src, request_id, meta, message.buffers)
         except (RequestRefused, ConfigurationError) as exc:
-            self._send(src, {"id": request_id, "error": str(exc), "error_type": "RemoteError"})
+            culprit = getattr(exc, "culprit", None)
+            self._send(src, {"id": request_id, "error": str(exc), "error_type": "RemoteError",
+                             **({"culprit": culprit} if culprit else {})})
             return
         except Exception as exc:  # noqa: BLE001 - a bad request must never take the server down
             log.exception("%s: error while handling %r from %s", self.task, op, src)
@@ -450,7 +452,7 @@ class ParameterServer:
         if error and self.failed is None:
             self.failed = (who, str(error))
             log.error("%s: %s", self.task, self._failed_text())
-            self._fail_waiters(self._failed_text())
+            self._fail_waiters(self._failed_text(), culprit=who)
         if src == self.cluster.chief:
             self._chief_bye_at = time.monotonic()
         self._membership_changed()
@@ -625,14 +627,15 @@ class ParameterServer:
             reply_meta, values = self._count(who, APPLIED, pull, {"clock": clock, "min_clock": floor})
             self._send(src, {"id": request_id, "ok": True, **reply_meta}, values)
 
-    def _fail_waiters(self, error: str) -> None:
+    def _fail_waiters(self, error: str, culprit: str | None = None) -> None:
         """The job failed: every push still waiting (held by the staleness bound, or in a pending sync
         round, whose gradients are discarded) gets ``error`` instead of its acknowledgement."""
         waiting = [waiter for waiter, *_ in self._gate.release_all()] if self._gate is not None else []
         round_, self._round = self._round, SyncRound()
         waiting += [waiter for waiter, _ in round_.waiters]
         for src, request_id, _ in waiting:
-            self._send(src, {"id": request_id, "error": error, "error_type": "RemoteError"})
+            self._send(src, {"id": request_id, "error": error, "error_type": "RemoteError",
+                             **({"culprit": culprit} if culprit else {})})
 
     def _stop_waiters(self) -> None:
         """On stop: held bounded replies go out (their pushes were applied); a pending sync round is

@@ -26,7 +26,8 @@ Link faults run the job on emulated hosts (:mod:`stratagem.launch.hosts`: one ta
 
 Over ``transport="mpi"`` the job is one ``mpiexec`` (``stratagem launch --mpi``: every rank in one
 private network namespace, ULFM where the Open MPI has it); the launcher supervises mpiexec alone, so
-its ``returncodes`` hold ``mpiexec:0`` and the culprit it names is ``mpiexec:0``, never a rank. Link
+its ``returncodes`` hold ``mpiexec:0``, and the culprit it names is the rank that failed first, from
+the ranks' failure reports (:mod:`stratagem.launch.mpi_rank` reports an exit no hook saw). Link
 faults do not apply to it.
 """
 

@@ -488,8 +488,15 @@ class Coordinator:
             self.blamed = (task, error)
             return error
         error = ClosureError(f"step function {name} failed on {worker}: {meta.get('error_type')}: {meta['error']}")
-        # A shard's refusal (the job failed elsewhere: its text says where) is not this worker's fault.
-        self.blamed = (None if meta.get("error_type") == "RemoteError" else worker, error)
+        # A shard's refusal (the job failed elsewhere) is not this worker's fault: it names the task
+        # that failed, which the error carries to the launcher (core/failures.py) and the workers.
+        try:
+            culprit = TaskId.parse(str(meta["culprit"])) if meta.get("culprit") else None
+        except ValueError:
+            culprit = None
+        if culprit is not None:
+            error.culprit = culprit
+        self.blamed = (culprit if culprit is not None or meta.get("error_type") == "RemoteError" else worker, error)
         return error
 
     def _failed(self, closure: _Closure, error: BaseException, worker) -> None:

@@ -22,6 +22,7 @@ from stratagem.core import job_state
 from stratagem.strategies.remote_calls import functions as remote_code
 from stratagem.strategies.remote_calls import values
 from stratagem.core.cluster import TaskId
+from stratagem.core.failures import culprit_of
 from stratagem.core.errors import (FunctionNotFound, JobFailedError, PeerLostError, ProtocolError, StratagemError,
                                    TransportTimeout)
 from stratagem.strategies.ps.coordinator import CLOSURE_TAG, POLL, RESULT_TAG
@@ -174,6 +175,9 @@ class Worker:
             last = traceback.format_exc(limit=-3)
             log.debug("closure failed on %s:\n%s", self.transport.task, last)
             reply.update(error=f"{exc}", error_type=type(exc).__name__, traceback=last[-4000:])
+            culprit = culprit_of(exc)      # a shard's refusal names the task that failed the job
+            if culprit is not None:
+                reply["culprit"] = culprit
             return Message(reply), None
 
     def _function(self, ref, blobs: list):

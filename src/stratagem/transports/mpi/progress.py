@@ -9,7 +9,11 @@ messages, heartbeats, and progress for sends in flight) and lets go the moment a
 
 Liveness: heartbeats every ``peer_timeout / 4`` seconds to every peer, a peer silent for
 ``peer_timeout`` is lost; a goodbye marks it lost at once; so does MPI's report of a failed process
-(ULFM: ``MPI_ERR_PROC_FAILED``, then ``MPI_Comm_get_failed``/``MPI_Comm_ack_failed``). A native
+(ULFM: ``MPI_ERR_PROC_FAILED``, then ``MPI_Comm_get_failed``/``MPI_Comm_ack_failed``). Silence while
+this process did not listen (stopped, starved, or its transport closed) is its own: it does not count
+against the peers, so a process that wakes from a stall does not take every peer for lost at once. A
+peer that said goodbye still gets heartbeats until its process ends: at the end of its script it waits
+for every peer to leave or be lost before ``MPI_Finalize`` (:meth:`MpiProgress.await_departures`). A native
 collective hears goodbyes too (a member that left in the middle of it never completes it): the
 goodbye travels on another communicator than the collective's data, so it may overtake the last data
 of a member that completed its part and then left; the collective therefore raises only if it is
@@ -167,12 +171,15 @@ class MpiProgress:
         self._wake = threading.Event()    # set by a thread that wants the role: the background lets go
         self._last_heard: dict[TaskId, float] = {}
         self._next_heartbeat = 0.0
+        self._housekept_at = 0.0           # the last housekeeping (see its own-silence rule)
         self._small_sends: list = []       # (request, frame) of inline sends still in flight
         self._small_lock = threading.Lock()
         self._abandoned: list = []         # requests given up on, with the memory MPI may still read
         self._refused: set[TaskId] = set()  # peers that broke the protocol
         self._heartbeats_read_at = 0.0
         self._departed: dict[TaskId, float] = {}   # peers whose goodbye a collective heard, and when
+        self._goodbyes: set[TaskId] = set()        # peers that said goodbye (however it was heard)
+        self._failed: set[TaskId] = set()          # peers MPI (ULFM) reports failed
         self.guards: set = set()          # guarded blocking calls in progress (see Guard)
         self._watch_drained_at = 0.0
         self._retired_at = 0.0
@@ -188,6 +195,7 @@ class MpiProgress:
         now = time.monotonic()
         self._last_heard = {t: now for t in self._tasks if t != self.task}
         self._next_heartbeat = now
+        self._housekept_at = now
 
     def track(self, request, frame) -> None:
         """An inline send in flight (``frame``, the memory MPI reads, is kept until it completes)."""
@@ -346,6 +354,7 @@ class MpiProgress:
         except (NotImplementedError, MPI.Exception, AttributeError):
             return []
         failed = [self._tasks[r] for r in ranks if r is not None and 0 <= r < len(self._tasks)]
+        self._failed.update(failed)
         for task in failed:
             if self._mailbox.is_lost(task) is None:
                 log.warning("%s: MPI reports the process of %s failed", self.task, task)
@@ -410,6 +419,38 @@ class MpiProgress:
             self._check_guards(time.monotonic())
             time.sleep(_WATCH_SLEEP)
 
+    def failed(self, task: TaskId) -> bool:
+        """Whether MPI (ULFM) reported ``task``'s process failed."""
+        return task in self._failed
+
+    def await_departures(self) -> dict[TaskId, str]:
+        """At the end of the script, the transport closed (its goodbye sent): read heartbeats and
+        goodbyes until every peer has said goodbye or is lost; return the peers lost otherwise (no
+        heartbeat for ``peer_timeout``; its process failed, even after a goodbye), in the order they
+        were lost, with why.
+
+        ``MPI_Finalize`` waits for every rank, and under ULFM its agreement never completes once a rank
+        stalled or died (it spins, holding the GIL), so a rank must not enter it before its peers are
+        done. A peer that is slow but alive goes on sending heartbeats (to a peer that said goodbye
+        too), so it is waited for as long as it runs; one stopped is lost ``peer_timeout`` after it
+        was last heard, as during training."""
+        if self._comm is None:
+            return {}
+        peers = set(self._last_heard)
+        with self._reader:         # nobody else reads any more (the transport is closed)
+            while True:
+                lost = self._mailbox.lost()
+                if peers <= lost.keys() | self._goodbyes:
+                    return {task: why for task, why in lost.items()
+                            if task in peers and (task not in self._goodbyes or task in self._failed)}
+                try:
+                    if self._read_one():
+                        continue
+                    self.housekeeping()
+                except Exception:  # never leave the wait on a bad message: log it, and keep hearing
+                    log.exception("%s: reading while waiting for the peers to leave failed", self.task)
+                time.sleep(_BACKGROUND_SLEEP)
+
     @contextlib.contextmanager
     def reading(self, timeout: float | None):
         """Hold the reader role (a native collective: nobody else polls the communicator meanwhile)."""
@@ -473,6 +514,7 @@ class MpiProgress:
         elif mpi_tag == TAG_ENVELOPE:
             return self._file(task, data)
         elif mpi_tag == TAG_GOODBYE:
+            self._goodbyes.add(task)
             self._mailbox.mark_lost(task, f"{task} closed its transport")
         elif mpi_tag != TAG_HEARTBEAT:
             self._refuse(task, f"sent an unexpected MPI message (tag {mpi_tag})")
@@ -548,6 +590,7 @@ class MpiProgress:
                 if tag == TAG_GOODBYE:
                     # Not marked lost yet: its data sent before the goodbye may still be unread.
                     self._departed.setdefault(task, time.monotonic())
+                    self._goodbyes.add(task)
         self.housekeeping()
 
     def _departed_reason(self, task: TaskId) -> str | None:
@@ -569,6 +612,14 @@ class MpiProgress:
         """Retire finished small sends, send heartbeats when due, and declare silent peers lost."""
         MPI = self.MPI
         now = time.monotonic()
+        gap, self._housekept_at = now - self._housekept_at, now
+        if gap > self.peer_timeout / 4:
+            # Nobody here listened meanwhile (this process was stopped or starved, or its transport was
+            # closed): the silence was ours, so it does not count against the peers. A process that
+            # wakes from a stall does not take every peer for lost at once; they speak up, or stay
+            # silent for a whole peer timeout from now.
+            for task in self._last_heard:
+                self._last_heard[task] += gap
         if self.guards:
             self._check_guards(now)
         if self._small_sends and now - self._retired_at > 0.001:
@@ -590,9 +641,12 @@ class MpiProgress:
         lost = self._mailbox.lost()
         heartbeats = []
         for task, heard in self._last_heard.items():
-            if task in lost:
+            # A peer that said goodbye still gets heartbeats until its process ends: at the end of
+            # its script it waits for every peer to leave or be lost (await_departures), and tells
+            # the slow from the stalled by them.
+            if task in lost and (task not in self._goodbyes or task in self._failed):
                 continue
-            if now - heard > self.peer_timeout:
+            if task not in lost and now - heard > self.peer_timeout:
                 log.warning("%s: nothing from %s for %.1f s; declaring it lost", self.task, task, now - heard)
                 self._mailbox.mark_lost(task, f"no heartbeat from {task} for {self.peer_timeout:g} s "
                                               f"(its process hung, died, or aborted its transport)")

@@ -44,6 +44,13 @@ reported lost (``PeerLostError`` naming its task):
 * after ``peer_timeout`` seconds without a heartbeat (a hung process, or a transport aborted while
   its process lives on). Heartbeats go every ``peer_timeout / 4`` seconds to every peer.
 
+At the end of a script that ended normally (``sys.exit`` included), ``MPI_Finalize`` (mpi4py's, at
+exit) waits for every rank, and under ULFM never completes once a rank stalled or died. So the
+transport first waits, hearing heartbeats, until every peer has said goodbye or is lost: a slow peer
+is waited for as long as it lives. If one is lost (stopped past the peer timeout, or dead), the rank
+ends without finalizing (exit status 1), having reported that peer as the culprit to the launcher
+(``STRATAGEM_FAILURE_FILE``), so the job ends naming it instead of spinning in ``MPI_Finalize``.
+
 Collectives. :meth:`MpiTransport.native_collectives` offers MPI's own all-reduce, broadcast,
 all-gather, reduce-scatter and barrier (see ``mpi_collectives.py``), each checked first against
 the other ranks' call and bounded by the communicator's timeout like core's. Under ULFM with
@@ -66,6 +73,7 @@ there is no connection to authenticate; a cluster secret is accepted and not use
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -75,7 +83,7 @@ import threading
 import time
 from typing import Callable, ClassVar, Mapping
 
-from stratagem.core import wire
+from stratagem.core import failures, wire
 from stratagem.core.cluster import MPI_RANK_VARS, SLURM_RANK_VARS, TaskId
 from stratagem.core.errors import ConfigurationError, PluginError, TransportClosed
 from stratagem.transport_kit.mailbox import Mailbox
@@ -288,6 +296,8 @@ class MpiTransport(Transport):
         self._comm = comm
         self.coll_comm = coll
         self.progress.begin(comm)
+        if self._base is None:
+            atexit.register(self._before_finalize)   # runs before mpi4py's MPI_Finalize, registered earlier
         self._background = threading.Thread(target=self.progress.read_in_background, daemon=True,
                                             name=f"stratagem-mpi-{self.task.short}")
         self._background.start()
@@ -325,17 +335,44 @@ class MpiTransport(Transport):
 
     def _end_at_exit(self, error) -> None:
         self.close()
-        if error is not None:
-            # After an uncaught exception the process must end like a crash: mpi4py's MPI_Finalize
-            # (its own atexit callback, next) waits for every other rank to finalize too, so this
-            # rank would stay alive and silent until its peers time out on it (30 s), or forever.
-            # Ending here, the peers' MPI (ULFM) reports this rank failed and they raise
-            # PeerLostError naming it at once; without ULFM, mpiexec ends the job.
-            self.recorder.flush_now(error)   # os._exit runs no exit callback: the timeline is written here
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):
-                    stream.flush()
-            os._exit(1)
+        if error is None:
+            return      # the peers are waited for before MPI_Finalize (_before_finalize)
+        # After an uncaught exception the process must end like a crash: mpi4py's MPI_Finalize
+        # (its own atexit callback, next) waits for every other rank to finalize too, so this
+        # rank would stay alive and silent until its peers time out on it (30 s), or forever.
+        # Ending here, the peers' MPI (ULFM) reports this rank failed and they raise
+        # PeerLostError naming it at once; without ULFM, mpiexec ends the job.
+        self.recorder.flush_now(error)   # os._exit runs no exit callback: the timeline is written here
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
+
+    def _before_finalize(self) -> None:
+        """At exit, before mpi4py's ``MPI_Finalize``, which waits for every rank of the world (an
+        ``atexit`` callback of a transport of ``MPI.COMM_WORLD``, which holds it: a task that served
+        inside ``stratagem.strategy()`` has dropped its strategy and transport by then). Close, then
+        wait, hearing the peers' heartbeats, until each has left or is lost; if one is lost (stalled,
+        or dead under ULFM), finalizing would wait for it for ever: end without it."""
+        self.close()
+        stranded = self.progress.await_departures()
+        if stranded:
+            self._end_without(stranded)
+
+    def _end_without(self, stranded: Mapping[TaskId, str]) -> None:
+        """End the process (status 1) without ``MPI_Finalize``, which would wait for ever for the peers
+        in ``stranded`` (task -> why it is lost): say so, and report the first as the culprit to the
+        launcher (:mod:`stratagem.core.failures`)."""
+        culprit, why = next(iter(stranded.items()))
+        message = (f"{self.task}: the script ended, but MPI_Finalize would wait for ever for {culprit}, lost "
+                   f"({why}); ending this rank without it (exit status 1)")
+        print(f"stratagem: {message}", file=sys.stderr, flush=True)
+        failures.report_failure(f"PeerLostError: {message}", str(culprit))
+        self.recorder.flush_now(message)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
 
     def _shutdown(self, graceful: bool) -> None:
         if self._comm is None:
@@ -363,10 +400,11 @@ class MpiTransport(Transport):
         for handle in list(self._in_flight):
             with contextlib.suppress(Exception):
                 handle.wait(max(0.0, deadline - time.monotonic()))
-        lost = self._mailbox.lost()
         requests = []
         for task in self._tasks:
-            if task != self.task and task not in lost:
+            # Peers that left already get one too: they wait at exit for every peer to leave
+            # (progress.await_departures). Not those whose process MPI reports dead.
+            if task != self.task and not self.progress.failed(task):
                 with self._send_locks[task], self.mpi_lock, contextlib.suppress(Exception):
                     requests.append(self._comm.Isend([b"g", self.MPI.BYTE], self._rank_of[task], TAG_GOODBYE))
         requests += self.progress.small_requests()
