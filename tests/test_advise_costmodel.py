@@ -368,20 +368,25 @@ def test_across_a_shaped_link_the_stream_is_paced_by_the_wire_less_the_token_buc
 
     spec = HostsSpec.parse(2, link="100mbit")
     wire = 100e6 / 8 * 1448 / 1514              # payload bytes/s of the link
-    credit = (96 << 10) * 8 / 100e6             # the bucket's 96 KiB at 100 Mbit/s: 7.86 ms
+    burst = (96 << 10) * 1448 / 1514            # the bucket's 96 KiB of frames, in payload: 7.9 ms of wire
 
     sync = cm.Setup("between_graph", "sync", "zmq", 2, 1)
     link = hosts.shaped(ZMQ, sync, spec).exchange
     # 1 of the 2 workers is remote: its bytes, half of the round's, cross at the wire's rate (not
-    # added to the 1 GB/s measured here: pipelined); pushes in, replies out, each after an idle gap
-    assert link.bandwidth_Bps == pytest.approx(wire / 0.5) and link.credit_s == pytest.approx(credit)
+    # added to the 1 GB/s measured here: pipelined); pushes in, replies out, each after an idle gap,
+    # starts with the bucket's bytes at the speed measured here (the round's 2 x burst of them)
+    assert link.bandwidth_Bps == pytest.approx(wire / 0.5)
+    credit = burst / wire - 2 * burst / 1e9
+    assert link.credit_s == pytest.approx(credit)
     fan_in = 2 * 200e-6 + 2 * (2 * 1e6 / (wire / 0.5) - credit)
     assert predict("between_graph", "sync", 2, ps=1, transport=hosts.shaped(ZMQ, sync, spec)).parts["ps fan-in"] \
         == pytest.approx(fan_in)
 
     ring = cm.Setup("mirrored", None, "zmq", 2)
-    # one flow each way on each link; the bucket refills while the replicas compute (11 + 2 ms > 7.86)
+    # one flow each way on each link; the bucket refills while the replicas compute (11 + 2 ms > 7.9)
     p = predict("mirrored", None, 2, transport=hosts.shaped(ZMQ, ring, spec))
-    assert p.parts["all-reduce"] == pytest.approx(1e6 / wire - credit + 2 * 100e-6)
-    # a bucket that refilled for less than its depth gives what it refilled
-    assert cm.ring_allreduce_s(1e6, 2, cm.Link(0.0, wire, credit), idle_s=0.002) == pytest.approx(1e6 / wire - 0.002)
+    assert p.parts["all-reduce"] == pytest.approx(1e6 / wire - (burst / wire - burst / 1e9) + 2 * 100e-6)
+    # a bucket that refilled for 2 ms gives the credit of what refilled: 2 ms of wire, less its bytes here
+    shaped = hosts.shaped(ZMQ, ring, spec).allreduce
+    assert cm.ring_allreduce_s(1e6, 2, shaped, idle_s=0.002) == pytest.approx(
+        1e6 / wire - (0.002 - 0.002 * wire / 1e9) + 2 * 100e-6)

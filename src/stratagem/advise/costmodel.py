@@ -99,11 +99,12 @@ MODES = ("sync", "async")
 class Link:
     """Moving ``b`` bytes takes ``latency_s + b / bandwidth_Bps`` seconds.
 
-    ``credit_s``: on a shaped link (a token bucket: :mod:`stratagem.advise.hosts`), the seconds of
-    wire time the first transfer in one direction saves when the link idled before it: the bucket
-    filled up meanwhile, and its depth in bytes passes at once. A step's traffic is one such transfer
-    per direction where the direction idles between steps (a sync ps round's pushes, then its
-    replies; an all-reduce while the replicas compute); 0 on links that are not shaped.
+    On a shaped link (a token bucket: :mod:`stratagem.advise.hosts`), ``burst_bytes``: the bucket's
+    depth in payload bytes, which pass at once (at the speed measured here, not the wire's) when the
+    link idled long enough to refill it; ``credit_s``: the wire time those bytes save. A step's
+    traffic is one such transfer per direction where the direction idles between steps (a sync ps
+    round's pushes, then its replies; an all-reduce while the replicas compute); both 0 on links that
+    are not shaped.
 
     >>> Link(50e-6, 1e9).time(1_000_000)
     0.00105
@@ -112,25 +113,30 @@ class Link:
     latency_s: float
     bandwidth_Bps: float
     credit_s: float = 0.0
+    burst_bytes: float = 0.0
 
     def time(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bandwidth_Bps
 
     def scaled(self, factor: float) -> "Link":
         """The link ``factor`` times slower (latency up, bandwidth down)."""
-        return Link(self.latency_s * factor, self.bandwidth_Bps / factor, self.credit_s * factor)
+        return Link(self.latency_s * factor, self.bandwidth_Bps / factor, self.credit_s * factor, self.burst_bytes)
 
     def bytes_s(self, nbytes: float, idle_s: float | None = None) -> float:
-        """Seconds ``nbytes`` take on the link after an idle gap: ``nbytes / bw`` less the bucket's
-        credit (the bucket refills at the link's rate: after ``idle_s`` idle seconds, at most that
-        much of it; None: all of it), never below 0.
+        """Seconds ``nbytes`` take on the link after an idle gap: ``nbytes / bw``, less the credit of
+        the bucket's bytes among them (all of it if ``idle_s`` is None, else what refilled at the
+        link's rate in ``idle_s``), never faster than the bytes move here.
 
-        >>> link = Link(0.0, 1e6, credit_s=0.002)          # 10 ms of bytes, a 2 ms bucket
-        >>> round(link.bytes_s(10_000), 6), round(link.bytes_s(10_000, idle_s=0.001), 6)   # refilled for 1 ms
+        >>> link = Link(0.0, 1e6, credit_s=0.002, burst_bytes=2_500)   # 10 ms of bytes, 2 ms saved by 2.5 KB
+        >>> round(link.bytes_s(10_000), 6), round(link.bytes_s(10_000, idle_s=0.00125), 6)  # half refilled
         (0.008, 0.009)
+        >>> round(link.bytes_s(1_250), 6)           # a transfer smaller than the bucket saves its share
+        0.00025
         """
-        credit = self.credit_s if idle_s is None else min(self.credit_s, max(0.0, idle_s))
-        return max(0.0, nbytes / self.bandwidth_Bps - credit)
+        if self.credit_s <= 0 or self.burst_bytes <= 0:
+            return nbytes / self.bandwidth_Bps
+        filled = self.burst_bytes if idle_s is None else min(self.burst_bytes, max(0.0, idle_s) * self.bandwidth_Bps)
+        return nbytes / self.bandwidth_Bps - self.credit_s * min(nbytes, filled) / self.burst_bytes
 
 
 @dataclass(frozen=True)
@@ -1015,7 +1021,7 @@ def with_link(transport: TransportFigures, latency_s: float | None = None,
 
     >>> t = with_link(TransportFigures("zmq", Link(1e-4, 1e9), Link(2e-4, 2e9)), bandwidth_Bps=3e9)
     >>> t.allreduce, t.p2p
-    (Link(latency_s=0.0001, bandwidth_Bps=3000000000.0, credit_s=0.0), Link(latency_s=0.0002, bandwidth_Bps=3000000000.0, credit_s=0.0))
+    (Link(latency_s=0.0001, bandwidth_Bps=3000000000.0, credit_s=0.0, burst_bytes=0.0), Link(latency_s=0.0002, bandwidth_Bps=3000000000.0, credit_s=0.0, burst_bytes=0.0))
     """
     def swap(link: Link | None) -> Link | None:
         if link is None:

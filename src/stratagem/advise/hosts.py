@@ -48,8 +48,8 @@ modelled, not measured:
     >>> link = shaped(t, s, spec).exchange
     >>> round(link.latency_s, 6), round(link.bandwidth_Bps / 1e6, 1)   # the wire decides: 11.96e6 / 0.5
     (0.0001, 23.9)
-    >>> round(link.credit_s * 1e3, 2)      # the token bucket's 96 KiB at 100 Mbit/s
-    7.86
+    >>> round(link.credit_s * 1e3, 2)      # the bucket's 96 KiB of frames pass at once: 7.9 ms of wire
+    7.68
 """
 
 from __future__ import annotations
@@ -124,25 +124,26 @@ def ps_flows(setup: cm.Setup, spec: HostsSpec) -> float:
     return worst
 
 
-def bucket_credit_s(setup: cm.Setup, spec: HostsSpec) -> float:
-    """Wire seconds the token bucket's depth is worth on the slowest link the job uses (its depth is
-    counted in frame bytes at the link's rate: :func:`stratagem.launch.hosts.bucket_bytes`); 0 where
-    the links are not shaped."""
+def bucket_payload(setup: cm.Setup, spec: HostsSpec) -> float:
+    """Payload bytes of the token bucket's depth on the slowest link the job uses (its depth is
+    counted in frame bytes: :func:`stratagem.launch.hosts.bucket_bytes`); 0 where the links are not
+    shaped."""
     used = {h for hosts in placement(setup, spec).values() for h in hosts}
     rates = [spec.rate_of(h) for h in used]
     if not rates or any(r is None for r in rates):
         return 0.0
-    rate = min(rates)
-    return bucket_bytes(rate) * 8 / rate
+    return bucket_bytes(min(rates)) * PAYLOAD
 
 
-def _over(link: cm.Link | None, flows: float, wire: float | None, latency: float, credit_s: float) -> cm.Link | None:
+def _over(link: cm.Link | None, flows: float, wire: float | None, latency: float, burst: float) -> cm.Link | None:
     """``link`` (measured here) across the hosts: ``flows`` transfers share the wire's ``wire`` bytes/s.
 
     A stream is pipelined: the sender copies a piece into its socket while the one before is on the
     wire and the receiver reads the one before that, so the slower of the two sets the rate: the
     wire's share, ``wire / flows``, or the rate measured here (the copies at both ends and the
-    kernel's work). The token bucket's credit counts only where the wire decides."""
+    kernel's work). Where the wire decides, the token bucket's ``burst`` bytes pass at the rate
+    measured here: the credit is their time on the wire less that. (The link counts every worker's
+    bytes, ``flows`` of each crossing: the bucket's bytes are ``burst / flows`` of them.)"""
     if link is None:
         return None
     if wire is None or flows <= 0:
@@ -150,16 +151,17 @@ def _over(link: cm.Link | None, flows: float, wire: float | None, latency: float
     share = wire / flows
     if share >= link.bandwidth_Bps:
         return cm.Link(link.latency_s + latency, link.bandwidth_Bps)
-    return cm.Link(link.latency_s + latency, share, credit_s)
+    counted = burst / flows
+    return cm.Link(link.latency_s + latency, share, burst / wire - counted / link.bandwidth_Bps, counted)
 
 
 def shaped(t: cm.TransportFigures, setup: cm.Setup, spec: HostsSpec) -> cm.TransportFigures:
     """``t`` (measured here) with its links across ``spec``'s hosts, for ``setup``'s placement."""
     wire, latency = wire_Bps(setup, spec), spec.latency or 0.0
-    credit = bucket_credit_s(setup, spec)
-    return dataclasses.replace(t, allreduce=_over(t.allreduce, ring_flows(setup, spec), wire, latency, credit),
-                               p2p=_over(t.p2p, 1.0, wire, latency, credit),
-                               ps=_over(t.ps, ps_flows(setup, spec), wire, latency, credit))
+    burst = bucket_payload(setup, spec)
+    return dataclasses.replace(t, allreduce=_over(t.allreduce, ring_flows(setup, spec), wire, latency, burst),
+                               p2p=_over(t.p2p, 1.0, wire, latency, burst),
+                               ps=_over(t.ps, ps_flows(setup, spec), wire, latency, burst))
 
 
 def host_for(cluster: DescribedCluster, setup: cm.Setup, measured_host: cm.Host) -> cm.Host:
