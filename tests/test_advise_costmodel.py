@@ -378,6 +378,7 @@ def test_across_a_shaped_link_the_stream_is_paced_by_the_wire_less_the_token_buc
     assert link.bandwidth_Bps == pytest.approx(wire / 0.5)
     credit = burst / wire - 2 * burst / 1e9
     assert link.credit_s == pytest.approx(credit)
+    assert hosts.shaped(ZMQ, sync, spec, emulated=False).exchange.credit_s == 0   # a real link: no bucket
     fan_in = 2 * 200e-6 + 2 * (2 * 1e6 / (wire / 0.5) - credit)
     assert predict("between_graph", "sync", 2, ps=1, transport=hosts.shaped(ZMQ, sync, spec)).parts["ps fan-in"] \
         == pytest.approx(fan_in)

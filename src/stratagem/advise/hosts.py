@@ -21,7 +21,8 @@ modelled, not measured:
   direction idles, up to its depth (:func:`stratagem.launch.hosts.bucket_bytes`: 96 KiB at 100mbit,
   250 KB at 1gbit), and that much passes at once when the traffic starts again: each direction's
   first transfer of a step saves ``depth / rate`` of wire time (``Link.credit_s``; 7.9 ms at
-  100mbit, 2 ms at 1gbit), where the wire decides. A sync ps round gets it on its pushes and on its
+  100mbit, 2 ms at 1gbit), where the wire decides. Only on emulated hosts (without
+  ``--cores-per-host``): a real link of that rate sends no faster after a pause. A sync ps round gets it on its pushes and on its
   replies (each direction idles while the other works); an all-reduce once (both directions at
   once), as far as the bucket refilled while the replicas computed.
 
@@ -155,10 +156,12 @@ def _over(link: cm.Link | None, flows: float, wire: float | None, latency: float
     return cm.Link(link.latency_s + latency, share, burst / wire - counted / link.bandwidth_Bps, counted)
 
 
-def shaped(t: cm.TransportFigures, setup: cm.Setup, spec: HostsSpec) -> cm.TransportFigures:
-    """``t`` (measured here) with its links across ``spec``'s hosts, for ``setup``'s placement."""
+def shaped(t: cm.TransportFigures, setup: cm.Setup, spec: HostsSpec, emulated: bool = True) -> cm.TransportFigures:
+    """``t`` (measured here) with its links across ``spec``'s hosts, for ``setup``'s placement;
+    ``emulated``: the links are ``stratagem launch --hosts``'s token buckets, whose depth passes at
+    once after an idle gap (a real link of that rate has no such credit: ``--cores-per-host``)."""
     wire, latency = wire_Bps(setup, spec), spec.latency or 0.0
-    burst = bucket_payload(setup, spec)
+    burst = bucket_payload(setup, spec) if emulated else 0.0
     return dataclasses.replace(t, allreduce=_over(t.allreduce, ring_flows(setup, spec), wire, latency, burst),
                                p2p=_over(t.p2p, 1.0, wire, latency, burst),
                                ps=_over(t.ps, ps_flows(setup, spec), wire, latency, burst))
@@ -177,7 +180,9 @@ def predict(cluster: DescribedCluster, measured, workers: int, ps_counts: Sequen
             strategies: Sequence[str]) -> tuple[list, tuple]:
     """Predictions for ``workers`` on the described cluster, fastest first, and ``(best, reason)``."""
     setups = cm.setups_for(workers, list(measured.transports), ps_counts, strategies=strategies)
-    predictions = sorted((cm.predict(s, measured.work, shaped(measured.transports[s.transport], s, cluster.hosts),
+    emulated = cluster.cores_per_host is None
+    predictions = sorted((cm.predict(s, measured.work, shaped(measured.transports[s.transport], s, cluster.hosts,
+                                                              emulated),
                                      host_for(cluster, s, measured.host)) for s in setups),
                          key=lambda p: -p.samples_per_s)
     return predictions, cm.recommend(predictions, measured.work, measured.convergence)
