@@ -423,21 +423,32 @@ def ring_allreduce_s(nbytes: float, n: int, link: Link, idle_s: float | None = N
     return link.bytes_s(2 * (n - 1) / n * nbytes, idle_s) + 2 * (n - 1) * link.latency_s
 
 
-def fan_in_s(shard_bytes: float, workers: int, link: Link) -> float:
+def fan_in_s(shard_bytes: float, workers: int, link: Link, idle_s: float | None = None) -> float:
     """One synchronous exchange with a shard of ``shard_bytes``: every worker pushes its gradient and
     gets the values back over the shard's link, one after another: ``2 * alpha + w * 2B / bw``.
 
     On a shaped link the pushes come in while the way out idles, then the replies go out while the
-    way in idles: each direction starts on a full token bucket once a round (two credits,
-    :meth:`Link.bytes_s`).
+    way in idles: each direction starts on the token bucket once a round (two credits,
+    :meth:`Link.bytes_s`), refilled while the other direction worked and for ``idle_s`` more (the
+    workers' compute; None: full). Each direction's time ``x`` is then a fixed point: the bucket
+    refills at the link's rate for ``idle_s + x``, so ``x = plain - k (idle_s + x)`` with ``k`` the
+    credit per byte refilled, until the bucket is full: a round of messages smaller than the bucket
+    takes one direction's wire time, not two.
 
     >>> fan_in_s(1e6, 4, Link(10e-6, 1e9))
     0.00802
+    >>> link = Link(0.0, 1e5, credit_s=1.0, burst_bytes=1e5)     # a bucket deeper than the messages
+    >>> round(fan_in_s(2e3, 2, link, idle_s=0.0), 6)              # 40 ms of bytes each way, at once: 20 + 20
+    0.04
     """
     if workers < 1:
         return 0.0
-    half = link.bytes_s(workers * shard_bytes)      # the pushes in, then as many bytes of replies out
-    return 2 * link.latency_s + 2 * half
+    nbytes = workers * shard_bytes                  # the pushes in, then as many bytes of replies out
+    x = link.bytes_s(nbytes)                        # with the whole bucket
+    if idle_s is not None and link.credit_s > 0 and link.burst_bytes > 0:
+        k = link.credit_s * link.bandwidth_Bps / link.burst_bytes
+        x = max(x, (nbytes / link.bandwidth_Bps - k * idle_s) / (1 + k))
+    return 2 * link.latency_s + 2 * x
 
 
 def round_trip_s(nbytes: float, link: Link) -> float:
@@ -654,13 +665,14 @@ def _ps_sync(setup: Setup, work: Workload, t: TransportFigures, share, straggle)
     biggest = max(shards)
     coordinator = setup.strategy == "parameter_server"
     link = t.exchange
-    wall = fan_in_s(biggest, n, link)
+    compute = share(n) * (work.data_s + straggle(n) * work.compute_s)
+    wall = fan_in_s(biggest, n, link, idle_s=compute)
     serve = _cpu(t.cpu.serve, biggest, round_trip_s(biggest, link))          # the busiest shard, per push
     serve_all = sum(_cpu(t.cpu.serve, b, round_trip_s(b, link)) for b in shards)
     worker = _cpu(t.cpu.exchange, S, round_trip_s(biggest, link))           # a worker, all its shards
     extra = _serve_extra(setup, t)     # the ps's CPU per step beyond a bare push, on every shard
     serve, serve_all = serve + extra, serve_all + p * extra
-    parts = {"compute": share(n) * (work.data_s + straggle(n) * work.compute_s),
+    parts = {"compute": compute,
              "ps fan-in": phase(wall, n * serve + worker, n * (serve_all + worker), share)}
     if t.ps is None:   # the p2p link moves the bytes; the shard's adds and update come on top
         parts["ps update"] = share(p) * biggest * (n * work.add_s_per_byte + work.update_s_per_byte)
