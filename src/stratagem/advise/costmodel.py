@@ -30,7 +30,10 @@ job share one scheduling group under Linux's autogroup, so they get one share be
 task on the critical path computes or copies ``cpu`` takes ``wall + cpu * (slowdown - 1)``, at the
 slowdown of the tasks busy on average in it (:func:`phase`); computing is all CPU, a transfer partly.
 A synchronous step also waits for the slowest of its ``k`` replicas (``Host.straggle``, measured in
-lockstep). With one task per host (``colocated=False``) nothing is shared.
+lockstep on ``loss_and_grads`` calls: the factor is charged on the compute it was measured on, not on
+the drawing of the batch before it, which a model like ``wide`` spends ten times as long on; a
+meeting's lag is a rank waiting for its time slice and the barrier, which a longer draw does not
+lengthen). With one task per host (``colocated=False``) nothing is shared.
 
 **Strategies** (what one step costs; ``n`` workers, ``S`` parameter bytes; ``data``, ``compute``: a
 replica drawing its batch and running forward and backward; ``update``, ``add``: per byte, the
@@ -96,19 +99,44 @@ MODES = ("sync", "async")
 class Link:
     """Moving ``b`` bytes takes ``latency_s + b / bandwidth_Bps`` seconds.
 
+    On a shaped link (a token bucket: :mod:`stratagem.advise.hosts`), ``burst_bytes``: the bucket's
+    depth in payload bytes, which pass at once (at the speed measured here, not the wire's) when the
+    link idled long enough to refill it; ``credit_s``: the wire time those bytes save. A step's
+    traffic is one such transfer per direction where the direction idles between steps (a sync ps
+    round's pushes, then its replies; an all-reduce while the replicas compute); both 0 on links that
+    are not shaped.
+
     >>> Link(50e-6, 1e9).time(1_000_000)
     0.00105
     """
 
     latency_s: float
     bandwidth_Bps: float
+    credit_s: float = 0.0
+    burst_bytes: float = 0.0
 
     def time(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bandwidth_Bps
 
     def scaled(self, factor: float) -> "Link":
         """The link ``factor`` times slower (latency up, bandwidth down)."""
-        return Link(self.latency_s * factor, self.bandwidth_Bps / factor)
+        return Link(self.latency_s * factor, self.bandwidth_Bps / factor, self.credit_s * factor, self.burst_bytes)
+
+    def bytes_s(self, nbytes: float, idle_s: float | None = None) -> float:
+        """Seconds ``nbytes`` take on the link after an idle gap: ``nbytes / bw``, less the credit of
+        the bucket's bytes among them (all of it if ``idle_s`` is None, else what refilled at the
+        link's rate in ``idle_s``), never faster than the bytes move here.
+
+        >>> link = Link(0.0, 1e6, credit_s=0.002, burst_bytes=2_500)   # 10 ms of bytes, 2 ms saved by 2.5 KB
+        >>> round(link.bytes_s(10_000), 6), round(link.bytes_s(10_000, idle_s=0.00125), 6)  # half refilled
+        (0.008, 0.009)
+        >>> round(link.bytes_s(1_250), 6)           # a transfer smaller than the bucket saves its share
+        0.00025
+        """
+        if self.credit_s <= 0 or self.burst_bytes <= 0:
+            return nbytes / self.bandwidth_Bps
+        filled = self.burst_bytes if idle_s is None else min(self.burst_bytes, max(0.0, idle_s) * self.bandwidth_Bps)
+        return nbytes / self.bandwidth_Bps - self.credit_s * min(nbytes, filled) / self.burst_bytes
 
 
 @dataclass(frozen=True)
@@ -379,8 +407,11 @@ def even_shards(nbytes: int, ps: int) -> tuple:
     return tuple(base + (i < extra) for i in range(ps))
 
 
-def ring_allreduce_s(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce of ``nbytes`` over ``n`` tasks: ``2(n-1)/n * bytes / bw + 2(n-1) * alpha``.
+def ring_allreduce_s(nbytes: float, n: int, link: Link, idle_s: float | None = None) -> float:
+    """Ring all-reduce of ``nbytes`` over ``n`` tasks: ``2(n-1)/n * bytes / bw + 2(n-1) * alpha``;
+    on a shaped link, less one bucket's credit (every task sends and receives at once, each
+    direction of each link once; the bucket refills for ``idle_s`` between all-reduces, while the
+    replicas compute: :meth:`Link.bytes_s`).
 
     >>> ring_allreduce_s(1e6, 4, Link(10e-6, 1e9))   # 1.5 ms of bytes + 6 latencies
     0.00156
@@ -389,19 +420,35 @@ def ring_allreduce_s(nbytes: float, n: int, link: Link) -> float:
     """
     if n < 2:
         return 0.0
-    return 2 * (n - 1) / n * nbytes / link.bandwidth_Bps + 2 * (n - 1) * link.latency_s
+    return link.bytes_s(2 * (n - 1) / n * nbytes, idle_s) + 2 * (n - 1) * link.latency_s
 
 
-def fan_in_s(shard_bytes: float, workers: int, link: Link) -> float:
+def fan_in_s(shard_bytes: float, workers: int, link: Link, idle_s: float | None = None) -> float:
     """One synchronous exchange with a shard of ``shard_bytes``: every worker pushes its gradient and
     gets the values back over the shard's link, one after another: ``2 * alpha + w * 2B / bw``.
 
+    On a shaped link the pushes come in while the way out idles, then the replies go out while the
+    way in idles: each direction starts on the token bucket once a round (two credits,
+    :meth:`Link.bytes_s`), refilled while the other direction worked and for ``idle_s`` more (the
+    workers' compute; None: full). Each direction's time ``x`` is then a fixed point: the bucket
+    refills at the link's rate for ``idle_s + x``, so ``x = plain - k (idle_s + x)`` with ``k`` the
+    credit per byte refilled, until the bucket is full: a round of messages smaller than the bucket
+    takes one direction's wire time, not two.
+
     >>> fan_in_s(1e6, 4, Link(10e-6, 1e9))
     0.00802
+    >>> link = Link(0.0, 1e5, credit_s=1.0, burst_bytes=1e5)     # a bucket deeper than the messages
+    >>> round(fan_in_s(2e3, 2, link, idle_s=0.0), 6)              # 40 ms of bytes each way, at once: 20 + 20
+    0.04
     """
     if workers < 1:
         return 0.0
-    return 2 * link.latency_s + workers * 2 * shard_bytes / link.bandwidth_Bps
+    nbytes = workers * shard_bytes                  # the pushes in, then as many bytes of replies out
+    x = link.bytes_s(nbytes)                        # with the whole bucket
+    if idle_s is not None and link.credit_s > 0 and link.burst_bytes > 0:
+        k = link.credit_s * link.bandwidth_Bps / link.burst_bytes
+        x = max(x, (nbytes / link.bandwidth_Bps - k * idle_s) / (1 + k))
+    return 2 * link.latency_s + 2 * x
 
 
 def round_trip_s(nbytes: float, link: Link) -> float:
@@ -500,10 +547,10 @@ def _mirrored(setup: Setup, work: Workload, t: TransportFigures, share, straggle
     n, S = setup.workers, work.param_bytes
     slow = share(n)
     pack = S * work.add_s_per_byte if n > 1 else 0.0
-    parts = {"compute": slow * straggle(n) * (work.data_s + work.compute_s),
+    parts = {"compute": slow * (work.data_s + straggle(n) * work.compute_s),
              "update": slow * (pack + S * work.update_s_per_byte)}
     if n > 1:
-        wall = ring_allreduce_s(S, n, t.allreduce)
+        wall = ring_allreduce_s(S, n, t.allreduce, idle_s=parts["compute"] + parts["update"])   # the links idle meanwhile
         cpu = ring_allreduce_s(S, n, t.cpu.allreduce) if t.cpu.allreduce is not None else wall
         parts["all-reduce"] = phase(wall, cpu, n * cpu, share)
     return parts
@@ -618,13 +665,14 @@ def _ps_sync(setup: Setup, work: Workload, t: TransportFigures, share, straggle)
     biggest = max(shards)
     coordinator = setup.strategy == "parameter_server"
     link = t.exchange
-    wall = fan_in_s(biggest, n, link)
+    compute = share(n) * (work.data_s + straggle(n) * work.compute_s)
+    wall = fan_in_s(biggest, n, link, idle_s=compute)
     serve = _cpu(t.cpu.serve, biggest, round_trip_s(biggest, link))          # the busiest shard, per push
     serve_all = sum(_cpu(t.cpu.serve, b, round_trip_s(b, link)) for b in shards)
     worker = _cpu(t.cpu.exchange, S, round_trip_s(biggest, link))           # a worker, all its shards
     extra = _serve_extra(setup, t)     # the ps's CPU per step beyond a bare push, on every shard
     serve, serve_all = serve + extra, serve_all + p * extra
-    parts = {"compute": share(n) * straggle(n) * (work.data_s + work.compute_s),
+    parts = {"compute": compute,
              "ps fan-in": phase(wall, n * serve + worker, n * (serve_all + worker), share)}
     if t.ps is None:   # the p2p link moves the bytes; the shard's adds and update come on top
         parts["ps update"] = share(p) * biggest * (n * work.add_s_per_byte + work.update_s_per_byte)
@@ -985,7 +1033,7 @@ def with_link(transport: TransportFigures, latency_s: float | None = None,
 
     >>> t = with_link(TransportFigures("zmq", Link(1e-4, 1e9), Link(2e-4, 2e9)), bandwidth_Bps=3e9)
     >>> t.allreduce, t.p2p
-    (Link(latency_s=0.0001, bandwidth_Bps=3000000000.0), Link(latency_s=0.0002, bandwidth_Bps=3000000000.0))
+    (Link(latency_s=0.0001, bandwidth_Bps=3000000000.0, credit_s=0.0, burst_bytes=0.0), Link(latency_s=0.0002, bandwidth_Bps=3000000000.0, credit_s=0.0, burst_bytes=0.0))
     """
     def swap(link: Link | None) -> Link | None:
         if link is None:

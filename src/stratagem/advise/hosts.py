@@ -12,10 +12,19 @@ modelled, not measured:
 - **A link** carries ``RATE`` bits/s each way (``--link``; ``--link-of`` a slower host: the slowest
   host that holds a task of the job sets the pace), of which :data:`PAYLOAD` is payload (Ethernet,
   IP and TCP headers take the rest), plus a one-way latency (``--latency``; none by default).
-- **A byte that crosses a link** costs what it costs here (the measured per-byte figure: the copies
-  on both ends) plus its time on the wire: ``1 / bw = 1 / bw_here + flows / wire``, where ``flows``
-  is how many of the job's transfers share the busiest host's link at once. A call costs the latency
-  measured here plus the link's.
+- **A byte that crosses a link** moves at the slower of what it costs here (the measured per-byte
+  figure: the copies on both ends) and its share of the wire: ``bw = min(bw_here, wire / flows)``,
+  where ``flows`` is how many of the job's transfers share the busiest host's link at once. A
+  stream is pipelined (a piece is copied while the one before is on the wire), so the two do not
+  add up. A call costs the latency measured here plus the link's.
+- **The token bucket** (``tc tbf``, as ``stratagem launch --hosts`` shapes a link) fills while its
+  direction idles, up to its depth (:func:`stratagem.launch.hosts.bucket_bytes`: 96 KiB at 100mbit,
+  250 KB at 1gbit), and that much passes at once when the traffic starts again: each direction's
+  first transfer of a step saves ``depth / rate`` of wire time (``Link.credit_s``; 7.9 ms at
+  100mbit, 2 ms at 1gbit), where the wire decides. Only on emulated hosts (without
+  ``--cores-per-host``): a real link of that rate sends no faster after a pause. A sync ps round gets it on its pushes and on its
+  replies (each direction idles while the other works); an all-reduce once (both directions at
+  once), as far as the bucket refilled while the replicas computed.
 
   - all-reduce (a ring in rank order, so consecutive workers sit on different hosts): each host's link
     carries one ring flow per worker on it; with every worker on one host, none.
@@ -38,8 +47,10 @@ modelled, not measured:
     0.5
     >>> t = cm.TransportFigures("zmq", cm.Link(1e-4, 1e9), cm.Link(1e-4, 1e9), ps=cm.Link(1e-4, 1e9))
     >>> link = shaped(t, s, spec).exchange
-    >>> round(link.latency_s, 6), round(link.bandwidth_Bps / 1e6, 1)   # 1 / (1/1e9 + 0.5 / 11.96e6)
-    (0.0001, 23.4)
+    >>> round(link.latency_s, 6), round(link.bandwidth_Bps / 1e6, 1)   # the wire decides: 11.96e6 / 0.5
+    (0.0001, 23.9)
+    >>> round(link.credit_s * 1e3, 2)      # the bucket's 96 KiB of frames pass at once: 7.9 ms of wire
+    7.68
 """
 
 from __future__ import annotations
@@ -49,7 +60,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from stratagem.advise import costmodel as cm
-from stratagem.launch.hosts import HostsSpec, format_rate, plan_cluster
+from stratagem.launch.hosts import HostsSpec, bucket_bytes, format_rate, plan_cluster
 
 #: The share of a link's bits that is payload: a 1448-byte TCP segment in a 1514-byte Ethernet frame
 #: (the token bucket counts the headers too).
@@ -114,20 +125,46 @@ def ps_flows(setup: cm.Setup, spec: HostsSpec) -> float:
     return worst
 
 
-def _over(link: cm.Link | None, flows: float, wire: float | None, latency: float) -> cm.Link | None:
+def bucket_payload(setup: cm.Setup, spec: HostsSpec) -> float:
+    """Payload bytes of the token bucket's depth on the slowest link the job uses (its depth is
+    counted in frame bytes: :func:`stratagem.launch.hosts.bucket_bytes`); 0 where the links are not
+    shaped."""
+    used = {h for hosts in placement(setup, spec).values() for h in hosts}
+    rates = [spec.rate_of(h) for h in used]
+    if not rates or any(r is None for r in rates):
+        return 0.0
+    return bucket_bytes(min(rates)) * PAYLOAD
+
+
+def _over(link: cm.Link | None, flows: float, wire: float | None, latency: float, burst: float) -> cm.Link | None:
+    """``link`` (measured here) across the hosts: ``flows`` transfers share the wire's ``wire`` bytes/s.
+
+    A stream is pipelined: the sender copies a piece into its socket while the one before is on the
+    wire and the receiver reads the one before that, so the slower of the two sets the rate: the
+    wire's share, ``wire / flows``, or the rate measured here (the copies at both ends and the
+    kernel's work). Where the wire decides, the token bucket's ``burst`` bytes pass at the rate
+    measured here: the credit is their time on the wire less that. (The link counts every worker's
+    bytes, ``flows`` of each crossing: the bucket's bytes are ``burst / flows`` of them.)"""
     if link is None:
         return None
     if wire is None or flows <= 0:
         return cm.Link(link.latency_s + (latency if flows > 0 else 0.0), link.bandwidth_Bps)
-    return cm.Link(link.latency_s + latency, 1.0 / (1.0 / link.bandwidth_Bps + flows / wire))
+    share = wire / flows
+    if share >= link.bandwidth_Bps:
+        return cm.Link(link.latency_s + latency, link.bandwidth_Bps)
+    counted = burst / flows
+    return cm.Link(link.latency_s + latency, share, burst / wire - counted / link.bandwidth_Bps, counted)
 
 
-def shaped(t: cm.TransportFigures, setup: cm.Setup, spec: HostsSpec) -> cm.TransportFigures:
-    """``t`` (measured here) with its links across ``spec``'s hosts, for ``setup``'s placement."""
+def shaped(t: cm.TransportFigures, setup: cm.Setup, spec: HostsSpec, emulated: bool = True) -> cm.TransportFigures:
+    """``t`` (measured here) with its links across ``spec``'s hosts, for ``setup``'s placement;
+    ``emulated``: the links are ``stratagem launch --hosts``'s token buckets, whose depth passes at
+    once after an idle gap (a real link of that rate has no such credit: ``--cores-per-host``)."""
     wire, latency = wire_Bps(setup, spec), spec.latency or 0.0
-    return dataclasses.replace(t, allreduce=_over(t.allreduce, ring_flows(setup, spec), wire, latency),
-                               p2p=_over(t.p2p, 1.0, wire, latency),
-                               ps=_over(t.ps, ps_flows(setup, spec), wire, latency))
+    burst = bucket_payload(setup, spec) if emulated else 0.0
+    return dataclasses.replace(t, allreduce=_over(t.allreduce, ring_flows(setup, spec), wire, latency, burst),
+                               p2p=_over(t.p2p, 1.0, wire, latency, burst),
+                               ps=_over(t.ps, ps_flows(setup, spec), wire, latency, burst))
 
 
 def host_for(cluster: DescribedCluster, setup: cm.Setup, measured_host: cm.Host) -> cm.Host:
@@ -143,7 +180,9 @@ def predict(cluster: DescribedCluster, measured, workers: int, ps_counts: Sequen
             strategies: Sequence[str]) -> tuple[list, tuple]:
     """Predictions for ``workers`` on the described cluster, fastest first, and ``(best, reason)``."""
     setups = cm.setups_for(workers, list(measured.transports), ps_counts, strategies=strategies)
-    predictions = sorted((cm.predict(s, measured.work, shaped(measured.transports[s.transport], s, cluster.hosts),
+    emulated = cluster.cores_per_host is None
+    predictions = sorted((cm.predict(s, measured.work, shaped(measured.transports[s.transport], s, cluster.hosts,
+                                                              emulated),
                                      host_for(cluster, s, measured.host)) for s in setups),
                          key=lambda p: -p.samples_per_s)
     return predictions, cm.recommend(predictions, measured.work, measured.convergence)

@@ -268,15 +268,16 @@ def missing_tools() -> str | None:
     return None
 
 
-def _burst(rate: int) -> int:
-    """The token bucket's depth: 2 ms at the rate, and at least 96 KiB, so a full 64 KiB segment
-    (GSO) passes whole."""
+def bucket_bytes(rate: int) -> int:
+    """The token bucket's depth (``burst``, bytes of frames): 2 ms at the rate, and at least 96 KiB, so
+    a full 64 KiB segment (GSO) passes whole. A link that idled that long sends this much at once
+    (``stratagem advise --hosts`` counts it: :mod:`stratagem.advise.hosts`)."""
     return max(rate // 8 // 500, 96 << 10)
 
 
 def _shaping(dev: str, rate: int | None, delay: float | None) -> list[str]:
     """``tc -batch`` lines shaping ``dev``'s egress (nothing if neither rate nor delay)."""
-    tbf = f"tbf rate {rate}bit burst {_burst(rate)} latency {QUEUE_MS}ms" if rate else ""
+    tbf = f"tbf rate {rate}bit burst {bucket_bytes(rate)} latency {QUEUE_MS}ms" if rate else ""
     if delay:
         lines = [f"qdisc add dev {dev} root handle 1: netem delay {delay * 1e6:.0f}us limit 100000"]
         if tbf:
@@ -291,7 +292,7 @@ def _reshaping(dev: str, rate: int | None, delayed: bool) -> str:
     where = "parent 1:1 handle 10:" if delayed else "root"
     if rate is None:
         return f"qdisc replace dev {dev} {where} pfifo"
-    return f"qdisc replace dev {dev} {where} tbf rate {rate}bit burst {_burst(rate)} latency {QUEUE_MS}ms"
+    return f"qdisc replace dev {dev} {where} tbf rate {rate}bit burst {bucket_bytes(rate)} latency {QUEUE_MS}ms"
 
 
 class EmulatedHosts:
