@@ -49,6 +49,12 @@ LOSSES_SUFFIX = ".lost"
 SAID_GOODBYE = "closed its transport"
 
 
+def said_goodbye(task) -> str:
+    """The reason every transport gives for a peer ``task`` that said goodbye (closed its transport):
+    built here only, so that :func:`note_lost` knows it whatever the transport."""
+    return f"{task} {SAID_GOODBYE}"
+
+
 def culprit_of(error: BaseException | None) -> str | None:
     """The task ``error`` blames for itself, as text (``/job:worker/task:1``), or None if it names none.
 

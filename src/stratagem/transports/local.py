@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 
+from stratagem.core.failures import said_goodbye
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import ConfigurationError, PeerLostError, TransportClosed
 from stratagem.transport_kit.mailbox import Mailbox
@@ -106,7 +107,7 @@ class LocalTransport(Transport):
     def _shutdown(self, graceful: bool) -> None:
         if self._mailbox is not None:
             self._mailbox = None
-            self.fabric.leave(self.task, f"{self.task} closed its transport" if graceful else f"{self.task} died")
+            self.fabric.leave(self.task, said_goodbye(self.task) if graceful else f"{self.task} died")
 
     def _box(self) -> Mailbox:
         if self._mailbox is None:

@@ -25,6 +25,7 @@ from typing import Callable
 
 import grpc
 
+from stratagem.core.failures import said_goodbye
 from stratagem.core import wire
 from stratagem.transport_kit.acceptor import DELIVER, Acceptor, Admitted, CutOff, GaveUp, Left, Refused, Reply
 from stratagem.core.cluster import TaskId
@@ -197,7 +198,7 @@ class GrpcAcceptor:
             elif isinstance(action, Admitted):
                 stream.timer.cancel()
             elif isinstance(action, Left):
-                self._declare_lost(action.task, f"{action.task} closed its transport", action.epoch)
+                self._declare_lost(action.task, said_goodbye(action.task), action.epoch)
             elif isinstance(action, GaveUp):
                 log.warning("%s: %s gave up on its connection: %s", self.task, conn.describe(), action.reason)
                 stream.out.put(None)

@@ -115,6 +115,7 @@ import time
 
 import grpc
 
+from stratagem.core.failures import said_goodbye
 from stratagem.core import wire
 from stratagem.transport_kit import ports
 from stratagem.transport_kit.acceptor import CONTROL_LIMITS, Acceptor
@@ -258,7 +259,7 @@ class GrpcTransport(Transport):
             self._mailbox.close("closed before it started")
             return
         lost = self._mailbox.lost()
-        self._mailbox.close(f"{self.task} closed its transport")  # wakes waiting recv() calls at once
+        self._mailbox.close(said_goodbye(self.task))  # wakes waiting recv() calls at once
         deadline = time.monotonic() + (self._linger if graceful else 0.0)
         closed = TransportClosed(f"{self.task}: transport closed")
         if graceful:
@@ -443,7 +444,7 @@ class GrpcTransport(Transport):
             self._retire(peer)
             return
         if peer.goodbye:
-            reason = f"{peer.task} closed its transport"
+            reason = said_goodbye(peer.task)
         elif peer.welcomed:
             reason = (f"connection to {peer.task} at {peer.address} was lost ({how}; the process died, "
                       f"or the network failed)")

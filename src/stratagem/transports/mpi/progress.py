@@ -50,6 +50,7 @@ from typing import Callable
 
 import numpy as np
 
+from stratagem.core.failures import said_goodbye
 from stratagem.core import wire
 from stratagem.core.cluster import TaskId
 from stratagem.core.errors import CommunicationError, PeerLostError, ProtocolError, TransportClosed, TransportTimeout
@@ -515,7 +516,7 @@ class MpiProgress:
             return self._file(task, data)
         elif mpi_tag == TAG_GOODBYE:
             self._goodbyes.add(task)
-            self._mailbox.mark_lost(task, f"{task} closed its transport")
+            self._mailbox.mark_lost(task, said_goodbye(task))
         elif mpi_tag != TAG_HEARTBEAT:
             self._refuse(task, f"sent an unexpected MPI message (tag {mpi_tag})")
         return False
@@ -598,8 +599,8 @@ class MpiProgress:
         left = self._departed.get(task)
         if left is None or time.monotonic() - left < DEPARTED_GRACE:
             return None
-        self._mailbox.mark_lost(task, f"{task} closed its transport")
-        return f"{task} closed its transport"
+        self._mailbox.mark_lost(task, said_goodbye(task))
+        return said_goodbye(task)
 
     def _refuse(self, task: TaskId, reason: str) -> None:
         """A peer broke the protocol: its stream cannot be trusted any more, so it is lost."""

@@ -83,6 +83,7 @@ import threading
 import time
 from typing import Callable, ClassVar, Mapping
 
+from stratagem.core.failures import said_goodbye
 from stratagem.core import failures, wire
 from stratagem.core.cluster import MPI_RANK_VARS, SLURM_RANK_VARS, TaskId
 from stratagem.core.errors import ConfigurationError, PluginError, TransportClosed
@@ -381,7 +382,7 @@ class MpiTransport(Transport):
         if graceful:
             self._flush_and_say_goodbye()
         self.progress.stop()
-        self._mailbox.close(f"{self.task} closed its transport")  # wakes waiting recv() calls
+        self._mailbox.close(said_goodbye(self.task))  # wakes waiting recv() calls
         if self._background is not None:
             self._background.join(timeout=10)
         # The communicators are not freed: peers may still send to us (heartbeats, a goodbye), and

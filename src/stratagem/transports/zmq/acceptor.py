@@ -29,6 +29,7 @@ from typing import Callable
 
 import zmq
 
+from stratagem.core.failures import said_goodbye
 from stratagem.core import wire
 from stratagem.transport_kit.acceptor import DELIVER, Acceptor, Admitted, Connection, Dropped, GaveUp, Left, Refused, Reply
 from stratagem.core.cluster import TaskId
@@ -158,7 +159,7 @@ class ZmqAcceptor:
                 self.reject(routing_id, action.reason)
             elif isinstance(action, Left):
                 self._pieces.pop(routing_id, None)
-                self._peer_gone(action.task, f"{action.task} closed its transport")
+                self._peer_gone(action.task, said_goodbye(action.task))
             elif isinstance(action, GaveUp):
                 log.warning("%s: %s gave up on its connection: %s", self.task, conn.describe(), action.reason)
             elif action is DELIVER:

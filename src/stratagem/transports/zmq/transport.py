@@ -85,6 +85,7 @@ import time
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from stratagem.core.failures import said_goodbye
 from stratagem.core import wire
 from stratagem.transport_kit import ports
 from stratagem.transport_kit.acceptor import CONTROL_LIMITS, Acceptor
@@ -286,7 +287,7 @@ class ZmqTransport(Transport):
             return
         # The reader stops first: it may be reading DEALERs in their handshake, which are closed below.
         self._reading.stop()
-        self._mailbox.close(f"{self.task} closed its transport")  # wakes waiting recv() calls
+        self._mailbox.close(said_goodbye(self.task))  # wakes waiting recv() calls
         got_reader = self._reading.lock.acquire(timeout=10)
         try:
             with self._peers_lock:
