@@ -38,6 +38,8 @@ tasks). Every host must have as many members as the others.
 from __future__ import annotations
 
 import importlib
+import queue
+import threading
 import zlib
 from typing import Sequence
 
@@ -46,7 +48,7 @@ import numpy as np
 from stratagem.collectives import algorithms as coll
 from stratagem.collectives.session import CollectiveCall, CollectiveSession, fingerprint
 from stratagem.core.cluster import ClusterSpec, TaskId
-from stratagem.core.errors import ConfigurationError
+from stratagem.core.errors import CommunicationError, ConfigurationError
 from stratagem.core.wire import dtype_name
 
 #: The algorithm name the communicator's ``allreduce`` takes (``algorithm="hierarchical"``).
@@ -156,10 +158,10 @@ class _Subgroup:
     """A collective call as some of its members see it: ranks renumbered ``0..len(ranks)-1``, every
     message still under the call's fingerprint (what core's ring needs of a call)."""
 
-    __slots__ = ("_call", "_ranks", "rank", "size", "session")
+    __slots__ = ("_call", "_ranks", "_stopped", "rank", "size", "session")
 
-    def __init__(self, call: CollectiveCall, ranks: Sequence[int], rank: int):
-        self._call, self._ranks = call, list(ranks)
+    def __init__(self, call: CollectiveCall, ranks: Sequence[int], rank: int, stopped: threading.Event | None = None):
+        self._call, self._ranks, self._stopped = call, list(ranks), stopped
         self.rank, self.size, self.session = rank, len(self._ranks), call.session
 
     def chunk_elems(self, itemsize: int) -> int:
@@ -169,7 +171,10 @@ class _Subgroup:
         return self._call.send_async(self._ranks[dst], *buffers)
 
     def recv(self, src: int, count: int | None = None, dtype=None):
-        return self._call.recv(self._ranks[src], count, dtype)
+        data = self._call.recv(self._ranks[src], count, dtype)
+        if self._stopped is not None and self._stopped.is_set():
+            raise CommunicationError("the hierarchical all-reduce was stopped by an error in its other thread")
+        return data
 
 
 def chooses(layout: HostLayout | None, session: CollectiveSession, x, op: str, algorithm: str) -> bool:
@@ -190,11 +195,18 @@ def chooses(layout: HostLayout | None, session: CollectiveSession, x, op: str, a
 def allreduce(session: CollectiveSession, x, op: str = "sum", algorithm: str = ALGORITHM, out=None, *,
               layout: HostLayout):
     """The hierarchical all-reduce of ``x`` (the module doc): the result of core's ``allreduce``, the
-    same bits on every rank, into ``out`` if given (``out=x``: in place)."""
+    same bits on every rank, into ``out`` if given (``out=x``: in place).
+
+    A tensor of more than one block (``k x chunk_bytes``: a chunk's worth of shard per member) is
+    pipelined: a helper thread runs the phase between hosts block after block while this one runs the
+    host's reduce-scatters and then its all-gathers, each block's as soon as its shard is back, so the
+    link is busy from the first block's reduce-scatter to the last block's all-gather. Each pair of
+    members talks in one thread only (inside a host this one, across hosts the helper), always in the
+    same order, so the order of their messages never depends on timing.
+    """
     x = coll.as_array(x)
     dtype = coll.check_allreduce(x, op, "auto", out)
     n = int(x.size)
-    ufunc = coll.OPS[op]
     if out is not None:
         work = out.reshape(-1)
     elif coll.is_device_array(x):
@@ -202,28 +214,105 @@ def allreduce(session: CollectiveSession, x, op: str = "sum", algorithm: str = A
     else:   # a large result in memory a former result left (collectives/results.py)
         work = session.results.empty(n, dtype)
     src = work if out is x else _flat(x, dtype)
-    local, local_rank = layout.local(session.rank)
-    cross, host = layout.cross(session.rank)
-    k, h = len(local), len(cross)
-    bounds = coll.split_bounds(n, k)
+    chunk = session.chunk_elems(dtype.itemsize)
     fp = fingerprint("allreduce", op=op, dtype=dtype_name(x.dtype), shape=x.shape, algo=ALGORITHM,
-                     chunk=session.chunk_elems(dtype.itemsize), hosts=layout.signature)
+                     chunk=chunk, hosts=layout.signature)
+    block = layout.per_host * chunk
+    blocks = [(lo, min(lo + block, n)) for lo in range(0, n, block)] or [(0, 0)]
     with session.collective(fp) as call:
-        inside = _Subgroup(call, local, local_rank)
-        if k > 1:   # 1: this host's reduction of shard local_rank, into work
-            coll.pipelined_ring(inside, work, bounds, local_rank, shift=1, steps=k - 1, reduce_steps=k - 1,
-                                ufunc=ufunc, src=src)
-        elif src is not work:
-            work[...] = src
-        shard = work[bounds[local_rank]:bounds[local_rank + 1]]
-        if h > 1:   # 2: the shard with the same local rank of every other host, in place
-            coll.pipelined_ring(_Subgroup(call, cross, host), shard, coll.split_bounds(shard.size, h), host,
-                                shift=0, steps=2 * (h - 1), reduce_steps=h - 1, ufunc=ufunc)
-        if op == "mean" and session.size > 1:   # on the shard only: the all-gather copies its bits
-            np.true_divide(shard, shard.dtype.type(session.size), out=shard)
-        if k > 1:   # 3: every shard to every member of the host
-            coll.pipelined_ring(inside, work, bounds, local_rank, shift=0, steps=k - 1, reduce_steps=0, ufunc=None)
+        phases = _Phases(call, layout, work, src, op)
+        if len(blocks) == 1 or layout.hosts == 1 or layout.per_host == 1:
+            for lo, hi in blocks:
+                phases.reduce_inside(lo, hi)
+                phases.reduce_across(lo, hi)
+                phases.gather_inside(lo, hi)
+        else:
+            phases.overlapped(blocks)
     return work.reshape(x.shape) if out is None else out
+
+
+class _Phases:
+    """The three phases of one call on blocks ``work[lo:hi]`` (the module doc)."""
+
+    def __init__(self, call: CollectiveCall, layout: HostLayout, work, src, op: str):
+        session = call.session
+        self.work, self.src, self.op, self.size = work, src, op, session.size
+        self.ufunc = coll.OPS[op]
+        local, self.local_rank = layout.local(session.rank)
+        cross, host = layout.cross(session.rank)
+        self.per_host = len(local)
+        self.inside = _Subgroup(call, local, self.local_rank)
+        self.stopped = threading.Event()   # the call failed: the helper must not write any more
+        self.across = _Subgroup(call, cross, host, stopped=self.stopped)
+
+    def _shard(self, lo: int, hi: int) -> tuple[list[int], int, int]:
+        bounds = coll.split_bounds(hi - lo, self.per_host)
+        return bounds, lo + bounds[self.local_rank], lo + bounds[self.local_rank + 1]
+
+    def reduce_inside(self, lo: int, hi: int) -> None:
+        """1: this host's reduction of this rank's shard of the block, into ``work``."""
+        if self.per_host == 1:
+            if self.src is not self.work:
+                self.work[lo:hi] = self.src[lo:hi]
+            return
+        bounds, _, _ = self._shard(lo, hi)
+        k = self.per_host
+        coll.pipelined_ring(self.inside, self.work[lo:hi], bounds, self.local_rank, shift=1, steps=k - 1,
+                            reduce_steps=k - 1, ufunc=self.ufunc, src=self.src[lo:hi])
+
+    def reduce_across(self, lo: int, hi: int) -> None:
+        """2: the shard with the same local rank on every other host, in place (then the mean's division,
+        on the shard only: the all-gather copies its bits)."""
+        _, a, b = self._shard(lo, hi)
+        shard, h = self.work[a:b], self.across.size
+        if h > 1:
+            coll.pipelined_ring(self.across, shard, coll.split_bounds(shard.size, h), self.across.rank, shift=0,
+                                steps=2 * (h - 1), reduce_steps=h - 1, ufunc=self.ufunc)
+        if self.op == "mean" and self.size > 1:
+            np.true_divide(shard, shard.dtype.type(self.size), out=shard)
+
+    def gather_inside(self, lo: int, hi: int) -> None:
+        """3: every shard of the block to every member of the host."""
+        if self.per_host > 1:
+            bounds, _, _ = self._shard(lo, hi)
+            coll.pipelined_ring(self.inside, self.work[lo:hi], bounds, self.local_rank, shift=0,
+                                steps=self.per_host - 1, reduce_steps=0, ufunc=None)
+
+    def overlapped(self, blocks: list[tuple[int, int]]) -> None:
+        """Every block's reduce-scatter here, then its all-gather once the helper thread has reduced its
+        shard across hosts (the method doc of :func:`allreduce`)."""
+        ready: queue.SimpleQueue = queue.SimpleQueue()     # blocks reduced inside the host (None: stop)
+        done: queue.SimpleQueue = queue.SimpleQueue()      # blocks reduced across hosts, or the error
+
+        def across() -> None:
+            try:
+                for _ in blocks:
+                    block = ready.get()
+                    if block is None:
+                        return
+                    self.reduce_across(*block)
+                    done.put(block)
+            except BaseException as exc:  # noqa: BLE001 - raised by the calling thread
+                done.put(exc)
+
+        helper = threading.Thread(target=across, name="stratagem-hierarchical", daemon=True)
+        helper.start()
+        try:
+            for block in blocks:
+                self.reduce_inside(*block)
+                ready.put(block)
+            for _ in blocks:
+                block = done.get()
+                if isinstance(block, BaseException):
+                    raise block
+                self.gather_inside(*block)
+        except BaseException:
+            # The helper may be waiting on a peer of another host: it stops at its next message, or
+            # when the transport closes or the timeout passes, and writes nothing more meanwhile.
+            self.stopped.set()
+            ready.put(None)
+            raise
+        helper.join()
 
 
 def _flat(x, dtype):
