@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from stratagem.collectives.communicator import Communicator
-from stratagem.core.cluster import TaskId
+from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import CollectiveMismatchError, ConfigurationError, PeerLostError
 from stratagem.testing.hosts import why_no_hosts
 from stratagem.testing.world import local_world, transport_world
@@ -166,6 +166,19 @@ def test_auto_goes_hierarchical_for_large_tensors_across_hosts_and_moves_a_third
 def test_layouts_that_cannot_work_are_refused_with_the_fix(option, message):
     with pytest.raises(ConfigurationError, match=message):
         local_world(3, hierarchical=option)
+
+
+def test_an_elastic_communicator_refuses_a_layout_of_hosts():
+    from stratagem.collectives.elastic import ElasticCommunicator
+    from stratagem.transports.local import LocalTransport
+
+    cluster = ClusterSpec({"worker": ["local:1", "local:2"]})
+    transport = LocalTransport(cluster, TaskId("worker", 0), **LocalTransport.world_options())
+    try:
+        with pytest.raises(ConfigurationError, match=r"members change .* leave hierarchical off"):
+            ElasticCommunicator(transport, hierarchical=[[0], [1]])
+    finally:
+        transport.close()
 
 
 def test_asking_for_the_algorithm_without_a_layout_says_how():
