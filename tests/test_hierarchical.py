@@ -175,7 +175,7 @@ def test_an_elastic_communicator_refuses_a_layout_of_hosts():
     cluster = ClusterSpec({"worker": ["local:1", "local:2"]})
     transport = LocalTransport(cluster, TaskId("worker", 0), **LocalTransport.world_options())
     try:
-        with pytest.raises(ConfigurationError, match=r"members change .* leave hierarchical off"):
+        with pytest.raises(ConfigurationError, match=r"members change .* \(leave hierarchical off\)"):
             ElasticCommunicator(transport, hierarchical=[[0], [1]])
     finally:
         transport.close()
