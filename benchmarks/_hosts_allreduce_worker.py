@@ -3,7 +3,9 @@
     python3 _hosts_allreduce_worker.py BACKEND NBYTES ITERS
 
 BACKEND: ``stratagem`` (``stratagem.communicator()``, transport from ``STRATAGEM_TRANSPORT``;
-``stratagem-out``: the same into one result array kept across calls), ``ring``
+``stratagem-out``: the same into one result array kept across calls; ``zmq-ring``: the flat ring over
+zmq, ``algorithm="ring"``; ``shm-ring``: the same over ``shm`` with ``remote='zmq'``; ``hierarchical``:
+``hierarchical=True`` over ``shm`` with ``remote='zmq'``; ``hierarchical-zmq``: over zmq alone), ``ring``
 (the plain TCP ring of ``plain_tcp_ring.py``), ``gloo`` (``torch.distributed``; rank and world from
 ``STRATAGEM_CONFIG``, rendezvous at rank 0's address), ``mpi4py`` (``MPI.COMM_WORLD.Allreduce``, under
 ``mpiexec``) or ``pyzmq`` (the plain pyzmq ring of ``plain_pyzmq_ring.py``). Two warm-up calls come
@@ -31,11 +33,18 @@ else:
     config = json.loads(os.environ["STRATAGEM_CONFIG"])
     addresses, rank = config["cluster"]["worker"], config["task"]["index"]
     n = len(addresses)
-    if backend in ("stratagem", "stratagem-out"):
+    if backend in ("stratagem", "stratagem-out", "zmq-ring", "shm-ring", "hierarchical", "hierarchical-zmq"):
         import stratagem
 
-        comm = stratagem.communicator(timeout=120)
-        call = lambda: comm.allreduce(x)  # noqa: E731
+        if backend in ("stratagem", "stratagem-out"):   # (no new options: --before runs it with older code)
+            comm = stratagem.communicator(timeout=120)
+        elif backend in ("shm-ring", "hierarchical"):   # shared memory inside a host, zmq between hosts
+            comm = stratagem.communicator(transport="shm", transport_options={"remote": "zmq"}, timeout=120,
+                                          hierarchical=backend == "hierarchical")
+        else:
+            comm = stratagem.communicator(transport="zmq", timeout=120, hierarchical=backend == "hierarchical-zmq")
+        algorithm = "ring" if backend.endswith("-ring") else "auto"
+        call = lambda: comm.allreduce(x, algorithm=algorithm)  # noqa: E731
         if backend == "stratagem-out":  # into a result array kept across calls, as the pyzmq ring does
             result_array = np.empty(nbytes // 4, np.float32)
             call = lambda: comm.allreduce(x, out=result_array)  # noqa: E731

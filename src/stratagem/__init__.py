@@ -119,6 +119,9 @@ def communicator(transport: str | None = None, **options):
     - ``chunk_bytes``, ``small_bytes``: the pipeline chunk and the size below which a latency-optimal
       algorithm is used;
     - ``name``, ``members``: a named sub-communicator of some tasks only;
+    - ``hierarchical=True``: large all-reduces inside each host first, then between hosts (hosts from
+      the members' addresses; or ``[[0, 1], [2, 3]]``, each host's ranks): with ``transport="shm"`` and
+      ``transport_options={"remote": "zmq"}``, shared memory inside a host and zmq between hosts;
     - ``transport_options={...}``: options of the transport's constructor.
 
     Run as ``stratagem launch --worker 2 -- python script.py`` to get two ranks; alone it is a world of one:

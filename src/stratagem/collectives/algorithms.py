@@ -300,6 +300,12 @@ def _ring(call: CollectiveCall, work, bounds: Sequence[int], position: int, *, s
                 log.debug("a send did not complete while the ring was unwinding", exc_info=True)
 
 
+#: The pipelined ring, for algorithms that run it over a subgroup of a call's members: ``call`` may be any
+#: object with the call's ``rank``, ``size``, ``session``, ``chunk_elems``, ``send_async`` and ``recv``
+#: (:mod:`stratagem.collectives.hierarchical`).
+pipelined_ring = _ring
+
+
 def _recursive_doubling(call: CollectiveCall, work, ufunc: np.ufunc) -> None:
     """All-reduce in log2 steps; any world size.
 

@@ -29,6 +29,7 @@ and this task come from the environment) and calls the same collectives.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from typing import Any, Callable, Sequence
@@ -36,6 +37,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from stratagem.collectives import algorithms as coll
+from stratagem.collectives import hierarchical as hier
 from stratagem.core.cluster import ClusterResolver, TaskId
 from stratagem.core.errors import CollectiveMismatchError, CommunicationError, ConfigurationError, PeerLostError, TransportClosed
 from stratagem.core.transport import NativeCollective, Transport
@@ -43,7 +45,7 @@ from stratagem.core.transport_factory import default_factory
 from stratagem.core import endpoints
 
 #: Options ``open_communicator`` passes to the Communicator (anything else must go in transport_options).
-COMMUNICATOR_OPTIONS = ("members", "name", "timeout", "chunk_bytes", "small_bytes")
+COMMUNICATOR_OPTIONS = ("members", "name", "timeout", "chunk_bytes", "small_bytes", "hierarchical")
 
 
 def _identity(result):
@@ -114,6 +116,11 @@ class Communicator:
             (default 64 KiB; up to 4 ranks the direct exchange also covers tensors a little larger,
             see :mod:`stratagem.collectives.algorithms`).
         owns_transport: close the transport in :meth:`close` (``open_communicator`` sets it).
+        hierarchical: ``True``: all-reduces larger than the latency-bound sizes run hierarchically
+            (:mod:`stratagem.collectives.hierarchical`: inside each host, then between hosts), the
+            hosts found from the members' addresses; or the members of each host, as lists of ranks
+            or tasks (``[[0, 1], [2, 3]]``); ``False`` (the default): flat. Every host must have as
+            many members. Either way ``allreduce(x, algorithm="hierarchical")`` forces it.
 
     If the transport's ``native_collectives()`` offers a collective
     (:class:`~stratagem.core.transport.NativeCollective`) and it accepts the call, it runs instead of
@@ -130,7 +137,7 @@ class Communicator:
     def __init__(self, transport: Transport, members: Sequence[TaskId | str] | None = None, *,
                  name: str = "world", timeout: float | None = None,
                  chunk_bytes: int = coll.DEFAULT_CHUNK_BYTES, small_bytes: int = coll.DEFAULT_SMALL_BYTES,
-                 owns_transport: bool = False):
+                 owns_transport: bool = False, hierarchical=False):
         if not isinstance(transport, Transport):
             raise ConfigurationError(f"a Communicator needs a Transport, got {type(transport).__name__}")
         self.transport = transport
@@ -144,6 +151,8 @@ class Communicator:
             chunk_bytes=int(chunk_bytes), small_bytes=int(small_bytes),
         )
         self._native = _natives(transport)
+        #: Which members share a host, for the hierarchical all-reduce (None: flat).
+        self._hosts = hier.HostLayout.from_option(hierarchical, members, transport.cluster)
         self._checked: dict[tuple, np.dtype] = {}   # (dtype, op, algorithm) -> result dtype, checked
         self._lock = threading.Lock()  # one collective at a time: interleaved calls would mismatch
         self._close_lock = threading.Lock()
@@ -201,7 +210,8 @@ class Communicator:
         ``algorithm``: ``auto`` (up to 4 ranks: a direct exchange for small tensors, else pairwise
         or, at 2 ranks, the ring; larger worlds: recursive doubling up to ``small_bytes``, else the
         pipelined ring: see :mod:`stratagem.collectives.algorithms`), ``ring``, ``recursive_doubling``,
-        ``direct`` or ``pairwise``. ``out``: write the result there instead (an array of x's
+        ``direct``, ``pairwise`` or ``hierarchical`` (a communicator made with ``hierarchical=``: inside
+        each host, then between hosts; ``auto`` picks it there instead of ``ring`` or ``pairwise``). ``out``: write the result there instead (an array of x's
         shape and the result dtype; ``out=x`` reduces in place); reusing one buffer across steps
         saves an allocation per call.
 
@@ -222,6 +232,13 @@ class Communicator:
             if out is not None:
                 out = x if out is given else _torch_out(out)     # out=x: in place, one view of one tensor
         x = coll.as_array(x)
+        if self._hosts is not None or algorithm == hier.ALGORITHM:
+            if hier.chooses(self._hosts, self._session, x, op, algorithm):
+                run = functools.partial(hier.allreduce, layout=self._hosts)
+                if out is None:
+                    return _with_kind(self._call("allreduce", x, op=op, algorithm=algorithm, run=run), back)
+                self._call("allreduce", x, op=op, algorithm=algorithm, out=out, run=run)
+                return given_out
         if "allreduce" in self._native or type(x) is not np.ndarray:
             # A native implementation is handed checked arguments, and a device array's out is not
             # passed on (the result is copied into it); otherwise core's allreduce checks them itself,
@@ -355,8 +372,9 @@ class Communicator:
         self.close()
 
     # -- dispatch ------------------------------------------------------------------------------------
-    def _call(self, collective: str, x, **kwargs):
-        """Run one collective: native if the transport has it, else core's algorithm."""
+    def _call(self, collective: str, x, run=None, **kwargs):
+        """Run one collective: ``run(session, x, **kwargs)`` if given (the hierarchical all-reduce), else
+        native if the transport has it, else core's algorithm."""
         started = self._recorder.now()
         with self._lock:
             self._check_usable()
@@ -364,10 +382,12 @@ class Communicator:
             out = kwargs.get("out")
             if out is not None and restore is not _identity:
                 del kwargs["out"]  # computed on the host, then copied into the device's out
-            native = self._native.get(collective)
+            native = None if run is not None else self._native.get(collective)
             if native is not None and not native.takes(self._session, x, kwargs):
                 native = None
-            if native is None:
+            if run is not None:
+                result = run(self._session, x, **kwargs)
+            elif native is None:
                 result = self._core(collective, x, kwargs)
             else:
                 result = self._run_native(native, collective, x, kwargs)

@@ -144,6 +144,9 @@ class ElasticCommunicator(Communicator):
     def __init__(self, transport: Transport, members: Sequence[TaskId | str] | None = None, *,
                  name: str = "world", coordinator: TaskId | str | None = None, **options):
         super().__init__(transport, members, name=name, **options)
+        if self._hosts is not None:
+            raise ConfigurationError("an elastic communicator's members change from one generation to the next: "
+                                     "it cannot keep a layout of hosts (leave hierarchical off)")
         self._native = {}
         self._world = list(self._session.members)
         self.coordinator = TaskId.parse(coordinator) if coordinator is not None else self._world[0]

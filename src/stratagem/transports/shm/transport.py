@@ -75,7 +75,7 @@ from stratagem.core.errors import (ConfigurationError, PeerLostError, PluginErro
                            TransportTimeout)
 from stratagem.transport_kit.mailbox import Mailbox
 from stratagem.transport_kit.reading import SharedReader
-from stratagem.core.transport import Message, Transport
+from stratagem.core.transport import COMPLETED, Message, SendHandle, Transport
 from stratagem.core.wire import Kind
 from stratagem.transports.shm.buffers import BufferPool
 from stratagem.transports.shm.collectives import NATIVE_MIN_BYTES, ShmCollectives
@@ -107,6 +107,9 @@ class _Inbox(Mailbox):
             self._transport._on_announce(src, message.meta)
         else:
             super().put(src, tag, message)
+            # Filed by zmq (a peer on another host, or one whose ring is not announced yet): a recv
+            # waiting for it may be the one polling the rings, which would see it only at its next turn.
+            self._transport._poke()
 
     def deliver(self, src: TaskId, tag: str, message) -> None:
         """File a message read from a ring."""
@@ -388,6 +391,19 @@ class ShmTransport(Transport):
                 self._drop_outgoing(ring, ring.broken)
         finally:
             lock.release()
+
+    def send_async(self, dst, tag, msg, timeout=None) -> SendHandle:
+        """To a peer on another host (``remote="zmq"``): zmq's own asynchronous send, so a pipelined
+        algorithm keeps several messages on the link (a blocking send would leave it idle while this task
+        waits for each message to be written out); through a ring, the copy is made before returning."""
+        task = TaskId.parse(dst) if dst in self.cluster else None
+        if task is None or task in self.ring_peers:
+            return super().send_async(dst, tag, msg, timeout)   # a blocking send (or its refusal)
+        self._require_started()
+        if RESERVED_KEY in msg.meta:
+            raise ConfigurationError(f"shm: metadata key {RESERVED_KEY!r} is reserved")
+        dst = self._route(dst, tag, msg, self._inbox)
+        return COMPLETED if dst is None else self.control.send_async(dst, tag, msg, timeout)
 
     def recv(self, src, tag, timeout=None) -> Message:
         self._require_started()
