@@ -127,6 +127,7 @@ _FULL_POLL = 0.05         # a reading recv() polls every socket at least this of
 _MAX_TTL_MS = 6_553_500   # ZMTP carries the heartbeat TTL in deciseconds, in 16 bits
 # pyzmq's constants are enums, whose arithmetic costs more than the call it is for: plain ints here.
 _EVENTS, _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE)
+_RCVMORE, _RCVTIMEO = int(zmq.RCVMORE), int(zmq.RCVTIMEO)
 #: The largest message part the ROUTER takes (from anyone: this bounds an unauthenticated peer).
 PART_BYTES = 4 << 20
 #: Messages with at most this many buffer bytes travel as one part (the frame as ``wire.encode_bytes``
@@ -530,9 +531,11 @@ class ZmqTransport(Transport):
         there it costs no system call at all, else one wait on ZeroMQ's own signal, where polling
         every socket costs two system calls per socket (ZeroMQ checks each one's commands before
         and after the wait). The other sockets wait for the next full poll (``_FULL_POLL``)."""
-        ms = int(timeout * 1000)
+        # In steps of 10 ms (the full poll's slice is 50): changing the option costs a call, and the
+        # slice left until the next full poll is different on every call.
+        ms = int(timeout * 100) * 10 or int(timeout * 1000)
         if ms != self._router_timeout:
-            self._router.setsockopt(zmq.RCVTIMEO, ms)
+            self._router.setsockopt(_RCVTIMEO, ms)
             self._router_timeout = ms
         try:
             parts = self._whole_message(self._router)
@@ -644,10 +647,16 @@ class ZmqTransport(Transport):
         main thread): the next read of ``sock`` goes on with that message, whose rest is never taken for
         a message of its own. ``flags`` apply to the first part; the rest is there once the first is."""
         parts = self._half_read.setdefault(sock, [])
-        if not parts:
-            parts.append(sock.recv(flags, copy=copy))
-        while sock.get(zmq.RCVMORE):
-            parts.append(sock.recv(copy=copy))
+        if copy:
+            if not parts:
+                parts.append(sock.recv(flags, copy=True))
+            while sock.get(_RCVMORE):
+                parts.append(sock.recv(copy=True))
+        else:  # a Frame says whether more parts follow: no getsockopt (and its option enum) per part
+            if not parts:
+                parts.append(sock.recv(flags, copy=False))
+            while parts[-1].more:
+                parts.append(sock.recv(copy=False))
         del self._half_read[sock]
         return parts
 
