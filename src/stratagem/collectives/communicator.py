@@ -221,7 +221,8 @@ class Communicator:
             given, (x, back) = x, _from_torch(x)
             if out is not None:
                 out = x if out is given else _torch_out(out)     # out=x: in place, one view of one tensor
-        x = coll.as_array(x)
+        if type(x) is not np.ndarray:
+            x = coll.as_array(x)
         if "allreduce" in self._native or type(x) is not np.ndarray:
             # A native implementation is handed checked arguments, and a device array's out is not
             # passed on (the result is copied into it); otherwise core's allreduce checks them itself,
@@ -357,10 +358,14 @@ class Communicator:
     # -- dispatch ------------------------------------------------------------------------------------
     def _call(self, collective: str, x, **kwargs):
         """Run one collective: native if the transport has it, else core's algorithm."""
-        started = self._recorder.now()
+        recorder = self._recorder
+        started = recorder.now() if recorder.enabled else 0   # (the timeline off: no call per step)
         with self._lock:
             self._check_usable()
-            x, restore = _stage(x, self.transport.device_buffers)
+            if type(x) is np.ndarray or x is None:
+                restore = _identity
+            else:
+                x, restore = _stage(x, self.transport.device_buffers)
             out = kwargs.get("out")
             if out is not None and restore is not _identity:
                 del kwargs["out"]  # computed on the host, then copied into the device's out
@@ -371,7 +376,8 @@ class Communicator:
                 result = self._core(collective, x, kwargs)
             else:
                 result = self._run_native(native, collective, x, kwargs)
-        self._recorder.record("collective", collective, started, self._describe, collective, x, result, kwargs, native)
+        if recorder.enabled:
+            recorder.record("collective", collective, started, self._describe, collective, x, result, kwargs, native)
         if result is None:
             return None
         if out is not None and restore is not _identity:
@@ -409,6 +415,8 @@ class Communicator:
         return result
 
     def _check_usable(self) -> None:
+        if not self._closed and self._session.broken is None:
+            return
         if self._closed:
             raise TransportClosed(f"communicator {self.name!r} is closed; create a new one")
         broken = self._session.broken

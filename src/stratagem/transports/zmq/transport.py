@@ -332,10 +332,13 @@ class ZmqTransport(Transport):
     # -- messaging ---------------------------------------------------------------------------------
     def send(self, dst, tag, msg, timeout=None) -> None:
         timeout = self._timeout(timeout)
-        self.send_async(dst, tag, msg, timeout).wait(timeout)
+        handle = self.send_async(dst, tag, msg, timeout)
+        if handle is not COMPLETED:   # a small message is copied: done as it returns
+            handle.wait(timeout)
 
     def send_async(self, dst, tag, msg, timeout=None) -> SendHandle:
-        self._require_started()
+        if self._ctx is None or self._closed:
+            self._require_started()
         peer = self._peers.get(dst)  # a TaskId we connected to: checked then, and never ourselves
         if peer is not None and peer.ready.is_set():
             # The usual case, without re-checking what connecting checked: is it lost, then send.
@@ -361,12 +364,16 @@ class ZmqTransport(Transport):
         if peer.error is not None:
             raise _fresh(peer.error)
         parts = wire.encode(Kind.DATA, tag, msg.meta, msg.buffers, self.limits)
-        payload = largest = 0
-        for part in parts:
-            size = len(part)
-            payload += size
-            largest = max(largest, size)
-        payload -= len(parts[0])  # the head is not payload
+        if len(parts) == 2:   # one buffer: the usual message
+            payload = len(parts[1])
+            largest = max(payload, len(parts[0]))
+        else:
+            payload = largest = 0
+            for part in parts:
+                size = len(part)
+                payload += size
+                largest = max(largest, size)
+            payload -= len(parts[0])  # the head is not payload
         with peer.lock:
             if peer.closed:
                 raise _fresh(peer.error) if peer.error else PeerLostError(dst, "connection closed")
@@ -432,7 +439,8 @@ class ZmqTransport(Transport):
                 return
 
     def recv(self, src, tag, timeout=None) -> Message:
-        self._require_started()
+        if self._ctx is None or self._closed:
+            self._require_started()
         if src is not None and src not in self._peers:  # a peer we connected to was checked then
             src = self._check_peer(src)
             if src != self.task and self._mailbox.is_lost(src) is None:
