@@ -345,7 +345,8 @@ class CollectiveCall:
             message = self._receive_current(src)
         meta = message.meta
         theirs = meta.get("fp")
-        if theirs is None or theirs != self.meta["fp"]:  # the same bytes: the same call (the usual case)
+        mine = self._meta
+        if theirs is None or theirs != (self.meta if mine is None else mine)["fp"]:  # the same bytes: the same call (the usual case)
             if partial and theirs in self._partial_forms:
                 return message
             if "abort" in meta:

@@ -254,9 +254,9 @@ def encode(kind: Kind, tag: str, meta: dict | None = None, buffers: Sequence = (
         array = as_wire_array(b)
         if array.ndim > limits.max_ndim:
             raise ProtocolError(f"an array of {array.ndim} dimensions exceeds the limit of {limits.max_ndim}")
+        specs.append([dtype_name(array.dtype), list(array.shape)])   # refuses what cannot go
         # A uint8 view works for every dtype, including bfloat16, which the buffer protocol cannot name.
         views.append(memoryview((array if array.ndim == 1 else array.reshape(-1)).view(np.uint8)))
-        specs.append([dtype_name(array.dtype), list(array.shape)])
         payload += array.nbytes
     try:
         envelope = _packer().pack({"t": tag, "m": meta, "b": specs})
