@@ -336,6 +336,12 @@ def _direct(call: CollectiveCall, work, src, ufunc: np.ufunc) -> None:
     rank order (the same order, hence the same bits, on every rank). ``work`` and ``src`` must not
     share memory unless this is rank 0 (rank 0 starts from its own operand)."""
     size, rank, n = call.size, call.rank, work.size
+    if size == 2:   # the common small case, without the general loop's closures
+        other = 1 - rank
+        call.send(other, src)
+        theirs = call.recv(other, n, work.dtype)
+        ufunc(src, theirs, out=work) if rank == 0 else ufunc(theirs, src, out=work)
+        return
     for offset in range(1, size):
         call.send((rank + offset) % size, src)
     operand = lambda r: src if r == rank else call.recv(r, n, work.dtype)  # noqa: E731
@@ -498,12 +504,13 @@ def allreduce(session: CollectiveSession, x, op: str = "sum", algorithm: str = "
     ``out``, a large result reuses the memory of an earlier one the caller dropped
     (:mod:`stratagem.collectives.results`).
     """
-    x = as_array(x)
+    if type(x) is not np.ndarray:
+        x = as_array(x)
     plan = _allreduce_plan(session, x, op, algorithm)
     dtype, algo, chunk, fp = plan
     if out is not None:
         check_out(out, x, dtype, "allreduce")
-    xp = _array_module(x)
+    xp = np if type(x) is np.ndarray else _array_module(x)
     if algo == "ring" or algo == "direct" or algo == "pairwise":
         # Out of place: the algorithm writes every element of ``work`` itself, so no copy of x first
         # (and with out=x, src and work are the same memory: the classic in-place ring).
@@ -530,7 +537,8 @@ def allreduce(session: CollectiveSession, x, op: str = "sum", algorithm: str = "
             _pairwise(call, work, src, split_bounds(work.size, call.size), OPS[op])
         elif algo == "recursive_doubling":
             _recursive_doubling(call, work, OPS[op])
-    _finish_mean(work, op, session.size)
+    if op == "mean":
+        _finish_mean(work, op, session.size)
     return work.reshape(x.shape) if out is None else out
 
 

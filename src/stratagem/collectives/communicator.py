@@ -231,7 +231,8 @@ class Communicator:
             given, (x, back) = x, _from_torch(x)
             if out is not None:
                 out = x if out is given else _torch_out(out)     # out=x: in place, one view of one tensor
-        x = coll.as_array(x)
+        if type(x) is not np.ndarray:
+            x = coll.as_array(x)
         if self._hosts is not None or algorithm == hier.ALGORITHM:
             if hier.chooses(self._hosts, self._session, x, op, algorithm):
                 run = functools.partial(hier.allreduce, layout=self._hosts)
@@ -375,10 +376,14 @@ class Communicator:
     def _call(self, collective: str, x, run=None, **kwargs):
         """Run one collective: ``run(session, x, **kwargs)`` if given (the hierarchical all-reduce), else
         native if the transport has it, else core's algorithm."""
-        started = self._recorder.now()
+        recorder = self._recorder
+        started = recorder.now() if recorder.enabled else 0   # (the timeline off: no call per step)
         with self._lock:
             self._check_usable()
-            x, restore = _stage(x, self.transport.device_buffers)
+            if type(x) is np.ndarray or x is None:
+                restore = _identity
+            else:
+                x, restore = _stage(x, self.transport.device_buffers)
             out = kwargs.get("out")
             if out is not None and restore is not _identity:
                 del kwargs["out"]  # computed on the host, then copied into the device's out
@@ -391,7 +396,8 @@ class Communicator:
                 result = self._core(collective, x, kwargs)
             else:
                 result = self._run_native(native, collective, x, kwargs)
-        self._recorder.record("collective", collective, started, self._describe, collective, x, result, kwargs, native)
+        if recorder.enabled:
+            recorder.record("collective", collective, started, self._describe, collective, x, result, kwargs, native)
         if result is None:
             return None
         if out is not None and restore is not _identity:
@@ -429,6 +435,8 @@ class Communicator:
         return result
 
     def _check_usable(self) -> None:
+        if not self._closed and self._session.broken is None:
+            return
         if self._closed:
             raise TransportClosed(f"communicator {self.name!r} is closed; create a new one")
         broken = self._session.broken

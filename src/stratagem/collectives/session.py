@@ -133,7 +133,7 @@ class CollectiveSession:
     def collective(self, fingerprint: dict, learn: Sequence[str] = ()) -> "_Running":
         """Run one collective call (``with session.collective(fp) as call:``): number it, and on
         failure break the session and warn the peers."""
-        self.next_seq()
+        self.seq += 1
         return self.current(fingerprint, learn)
 
     def current(self, fingerprint: dict, learn: Sequence[str] = ()) -> "_Running":
@@ -265,7 +265,10 @@ class CollectiveCall:
     def send(self, dst: int, *buffers) -> None:
         """Send and return once the buffers may be modified again."""
         s = self.session
-        s.transport.send(s.members[dst], s.tag, Message(self.meta, list(buffers)), timeout=s.timeout)
+        meta = self._meta
+        if meta is None:
+            meta = self.meta
+        s.transport.send(s.members[dst], s.tag, Message(meta, list(buffers)), timeout=s.timeout)
 
     def send_async(self, dst: int, *buffers) -> SendHandle:
         """Send, possibly still reading the buffers after returning: ``wait()`` before modifying them."""
@@ -342,7 +345,8 @@ class CollectiveCall:
             message = self._receive_current(src)
         meta = message.meta
         theirs = meta.get("fp")
-        if theirs is None or theirs != self.meta["fp"]:  # the same bytes: the same call (the usual case)
+        mine = self._meta
+        if theirs is None or theirs != (self.meta if mine is None else mine)["fp"]:  # the same bytes: the same call (the usual case)
             if partial and theirs in self._partial_forms:
                 return message
             if "abort" in meta:

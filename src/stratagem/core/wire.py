@@ -249,13 +249,14 @@ def encode(kind: Kind, tag: str, meta: dict | None = None, buffers: Sequence = (
     _check_plain(meta, "meta")
     if len(buffers) > limits.max_buffers:
         raise ProtocolError(f"{len(buffers)} buffers exceed the limit of {limits.max_buffers} per message")
-    arrays, specs, payload = [], [], 0
+    views, specs, payload = [], [], 0
     for b in buffers:
         array = as_wire_array(b)
         if array.ndim > limits.max_ndim:
             raise ProtocolError(f"an array of {array.ndim} dimensions exceeds the limit of {limits.max_ndim}")
-        arrays.append(array)
-        specs.append([dtype_name(array.dtype), list(array.shape)])
+        specs.append([dtype_name(array.dtype), list(array.shape)])   # refuses what cannot go
+        # A uint8 view works for every dtype, including bfloat16, which the buffer protocol cannot name.
+        views.append(memoryview((array if array.ndim == 1 else array.reshape(-1)).view(np.uint8)))
         payload += array.nbytes
     try:
         envelope = _packer().pack({"t": tag, "m": meta, "b": specs})
@@ -271,19 +272,13 @@ def encode(kind: Kind, tag: str, meta: dict | None = None, buffers: Sequence = (
             f"a message of {payload} bytes exceeds max_payload_bytes={limits.max_payload_bytes}; "
             f"split it, or raise the limit on both ends"
         )
-    head = HEADER.pack(MAGIC, VERSION, kind, 0, len(envelope), payload) + envelope
-    return [head, *[_byte_view(a) for a in arrays]]
+    return [HEADER.pack(MAGIC, VERSION, kind, 0, len(envelope), payload) + envelope, *views]
 
 
 def encode_bytes(kind: Kind, tag: str, meta: dict | None = None, buffers: Sequence = (),
                  limits: Limits = DEFAULT_LIMITS) -> bytes:
     """Encode a frame as one contiguous ``bytes`` (for stream transports and tests)."""
     return b"".join(bytes(p) if isinstance(p, memoryview) else p for p in encode(kind, tag, meta, buffers, limits))
-
-
-def _byte_view(array: np.ndarray) -> memoryview:
-    # A uint8 view works for every dtype, including bfloat16, which the buffer protocol cannot name.
-    return memoryview((array if array.ndim == 1 else array.reshape(-1)).view(np.uint8))
 
 
 # -- decoding ---------------------------------------------------------------------------------------
@@ -336,9 +331,10 @@ def read_envelope(header: Header, envelope, limits: Limits = DEFAULT_LIMITS) -> 
     _check_plain(meta, "meta")
     if not isinstance(raw_specs, list) or len(raw_specs) > limits.max_buffers:
         raise ProtocolError(f"envelope buffer list must be a list of at most {limits.max_buffers} entries")
-    specs = [_buffer_spec(i, raw, limits) for i, raw in enumerate(raw_specs)]
-    total = 0
-    for spec in specs:
+    specs, total = [], 0
+    for i, raw in enumerate(raw_specs):
+        spec = _buffer_spec(i, raw, limits)
+        specs.append(spec)
         total += spec.nbytes
     if total != header.payload_len:
         raise ProtocolError(f"buffers add up to {total} bytes, the header says {header.payload_len}")

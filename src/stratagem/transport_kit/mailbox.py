@@ -120,15 +120,19 @@ class Mailbox:
                         f"{self.owner}: no message {tag!r} from {who} within {timeout:g} s "
                         f"(is that task running and calling the same operation?)"
                     )
-                if waiting_since is None and src is not None:
+                if waiting_since is None and src is not None and recorder.enabled:
                     waiting_since = recorder.now()   # only the waits on a named peer: see timeline
                 if pump is None:
                     self._sleep(remaining)
                     continue
             pumped = pump(remaining)
+            if pumped:
+                if self._sleeping:   # (read without the lock: a waiter that starts sleeping just after
+                    # this sleeps no longer than _RETRY_READ, as it would if it came just after the notify)
+                    with self._lock:
+                        self._cond.notify_all()  # this thread stopped reading: another waiter may take over
+                continue
             with self._lock:
-                if pumped and self._sleeping:
-                    self._cond.notify_all()  # this thread stopped reading: another waiter may take over
                 if not pumped:
                     # Another thread is reading and notifies when it files something; the short
                     # timeout covers the moment it stops reading, when this thread should take over.

@@ -83,6 +83,19 @@ class ZmqAcceptor:
         """One message from the connection ``routing_id`` (its routing-id part ``id_frame`` tells the
         socket it came in on): route it by its shape."""
         conn = self._incoming.get(routing_id)
+        if conn is not None and conn.open and len(parts) == 1:
+            # The usual message: a whole frame in one part from an admitted peer (what the general
+            # path below does with it, without the questions it settles for one).
+            head = parts[0].buffer
+            stream = self._pieces.get(routing_id)
+            if len(head) and (stream is None or stream.between_frames):
+                try:
+                    frame = wire.decode(head, conn.limits)
+                except ProtocolError as exc:
+                    self.reject(routing_id, f"malformed frame: {exc}")
+                    return
+                self._on_frame(routing_id, conn, frame)
+                return
         if conn is None:
             conn, _ = self.acceptor.connect(routing_id.hex())  # no handshake budget: nothing is cut off
             self._incoming[routing_id] = conn

@@ -128,6 +128,7 @@ _FULL_POLL = 0.05         # a reading recv() polls every socket at least this of
 _MAX_TTL_MS = 6_553_500   # ZMTP carries the heartbeat TTL in deciseconds, in 16 bits
 # pyzmq's constants are enums, whose arithmetic costs more than the call it is for: plain ints here.
 _EVENTS, _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE)
+_RCVMORE, _RCVTIMEO = int(zmq.RCVMORE), int(zmq.RCVTIMEO)
 #: The largest message part the ROUTER takes (from anyone: this bounds an unauthenticated peer).
 PART_BYTES = 4 << 20
 #: Messages with at most this many buffer bytes travel as one part (the frame as ``wire.encode_bytes``
@@ -332,10 +333,13 @@ class ZmqTransport(Transport):
     # -- messaging ---------------------------------------------------------------------------------
     def send(self, dst, tag, msg, timeout=None) -> None:
         timeout = self._timeout(timeout)
-        self.send_async(dst, tag, msg, timeout).wait(timeout)
+        handle = self.send_async(dst, tag, msg, timeout)
+        if handle is not COMPLETED:   # a small message is copied: done as it returns
+            handle.wait(timeout)
 
     def send_async(self, dst, tag, msg, timeout=None) -> SendHandle:
-        self._require_started()
+        if self._ctx is None or self._closed:
+            self._require_started()
         peer = self._peers.get(dst)  # a TaskId we connected to: checked then, and never ourselves
         if peer is not None and peer.ready.is_set():
             # The usual case, without re-checking what connecting checked: is it lost, then send.
@@ -361,12 +365,16 @@ class ZmqTransport(Transport):
         if peer.error is not None:
             raise _fresh(peer.error)
         parts = wire.encode(Kind.DATA, tag, msg.meta, msg.buffers, self.limits)
-        payload = largest = 0
-        for part in parts:
-            size = len(part)
-            payload += size
-            largest = max(largest, size)
-        payload -= len(parts[0])  # the head is not payload
+        if len(parts) == 2:   # one buffer: the usual message
+            payload = len(parts[1])
+            largest = max(payload, len(parts[0]))
+        else:
+            payload = largest = 0
+            for part in parts:
+                size = len(part)
+                payload += size
+                largest = max(largest, size)
+            payload -= len(parts[0])  # the head is not payload
         with peer.lock:
             if peer.closed:
                 raise _fresh(peer.error) if peer.error else PeerLostError(dst, "connection closed")
@@ -432,7 +440,8 @@ class ZmqTransport(Transport):
                 return
 
     def recv(self, src, tag, timeout=None) -> Message:
-        self._require_started()
+        if self._ctx is None or self._closed:
+            self._require_started()
         if src is not None and src not in self._peers:  # a peer we connected to was checked then
             src = self._check_peer(src)
             if src != self.task and self._mailbox.is_lost(src) is None:
@@ -531,9 +540,11 @@ class ZmqTransport(Transport):
         there it costs no system call at all, else one wait on ZeroMQ's own signal, where polling
         every socket costs two system calls per socket (ZeroMQ checks each one's commands before
         and after the wait). The other sockets wait for the next full poll (``_FULL_POLL``)."""
-        ms = int(timeout * 1000)
+        # In steps of 10 ms (the full poll's slice is 50): changing the option costs a call, and the
+        # slice left until the next full poll is different on every call.
+        ms = int(timeout * 100) * 10 or int(timeout * 1000)
         if ms != self._router_timeout:
-            self._router.setsockopt(zmq.RCVTIMEO, ms)
+            self._router.setsockopt(_RCVTIMEO, ms)
             self._router_timeout = ms
         try:
             parts = self._whole_message(self._router)
@@ -645,10 +656,16 @@ class ZmqTransport(Transport):
         main thread): the next read of ``sock`` goes on with that message, whose rest is never taken for
         a message of its own. ``flags`` apply to the first part; the rest is there once the first is."""
         parts = self._half_read.setdefault(sock, [])
-        if not parts:
-            parts.append(sock.recv(flags, copy=copy))
-        while sock.get(zmq.RCVMORE):
-            parts.append(sock.recv(copy=copy))
+        if copy:
+            if not parts:
+                parts.append(sock.recv(flags, copy=True))
+            while sock.get(_RCVMORE):
+                parts.append(sock.recv(copy=True))
+        else:  # a Frame says whether more parts follow: no getsockopt (and its option enum) per part
+            if not parts:
+                parts.append(sock.recv(flags, copy=False))
+            while parts[-1].more:
+                parts.append(sock.recv(copy=False))
         del self._half_read[sock]
         return parts
 
