@@ -272,3 +272,50 @@ def test_summarize_counts_only_the_shared_window_and_finds_the_target():
     assert figures["step_ms"] == pytest.approx(100.0)
     figures = measure.summarize(records, replicas=2, batch_size=10, warmup=2, target_loss=1e-9)
     assert figures["time_to_target_s"] is None
+
+
+def _running_tasks(mark: str) -> list[int]:
+    """The bench's training tasks that carry ``mark`` in their environment (this test's, none other)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"train_task" not in f.read():
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"BENCH_STOP_MARK={mark}".encode() in f.read().split(b"\0"):
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_stops_the_whole_bench_not_only_its_current_job(tmp_path, sig):
+    """SIGTERM (or Ctrl-C) to ``stratagem bench`` stops the running job and the bench with it, exiting
+    143 (130): the combinations after it do not run (before, the launcher took the signal as the job's
+    and the bench went on with the next one)."""
+    import signal
+    import time
+    import uuid
+
+    mark = uuid.uuid4().hex
+    env = dict(os.environ, BENCH_STOP_MARK=mark)
+    proc = subprocess.Popen([sys.executable, "-m", "stratagem", "bench", "--strategies", "mirrored",
+                             "--transports", "zmq,grpc", "--steps", "1000000", "--timeout", "120"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not _running_tasks(mark) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _running_tasks(mark), "the first combination's tasks never started"
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + getattr(signal, sig), err
+    assert f"stopped by {sig}: 2 not finished" in err
+    assert "mirrored x grpc" not in err         # the second combination never started
+    assert not _running_tasks(mark)              # and the first one's tasks were reaped

@@ -51,7 +51,8 @@ class RunSettings:
 
 @dataclass
 class Outcome:
-    """What one combination gave: ``status`` is ok, skipped, failed or timeout."""
+    """What one combination gave: ``status`` is ok, skipped, failed, timeout or interrupted (``signal``,
+    SIGINT or SIGTERM, stopped the job: the bench stops after it)."""
 
     combination: Combination
     status: str
@@ -60,6 +61,7 @@ class Outcome:
     seconds: float = 0.0
     output_tail: list = field(default_factory=list)
     errors: list = field(default_factory=list)
+    signal: int | None = None
 
     def as_dict(self) -> dict:
         c = self.combination
@@ -145,6 +147,9 @@ def run_combination(combination: Combination, settings: RunSettings,
         except ConfigurationError as exc:
             return Outcome(combination, "skipped", str(exc), seconds=time.monotonic() - started)
         seconds = time.monotonic() - started
+        if result.interrupted_by:   # Ctrl-C or SIGTERM to the bench: the job was stopped, the bench stops
+            return Outcome(combination, "interrupted", result.reason, seconds=seconds,
+                           signal=int(result.interrupted_by))
         if result.timed_out:
             return Outcome(combination, "timeout", f"stopped after {settings.timeout:g} s (--timeout)",
                            seconds=seconds, output_tail=list(capture.tail), errors=capture.exceptions)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from typing import Sequence
@@ -173,16 +174,21 @@ def run(args: argparse.Namespace) -> int:
     environment = describe_environment(workers=args.worker, ps=args.ps)   # load average before the runs
     display = _Display(err, len(combinations))
     outcomes = []
+    interrupted = None
     started = time.monotonic()
     for index, combination in enumerate(combinations, start=1):
         display.start(index, combination.label, announce=not combination.skipped)
         outcome = run_combination(combination, settings, on_progress=display.progress)
         display.done(outcome)
+        if outcome.status == "interrupted":   # what finished is still reported; the rest does not run
+            interrupted = outcome.signal
+            break
         outcomes.append(outcome)
     out = Console(file=sys.stdout, width=max(120, Console(file=sys.stdout).width))
     report.print_table(outcomes, header, out, compression=compressions != [None])
-    err.print(f"stratagem bench: {len(combinations)} combinations in {time.monotonic() - started:.0f} s",
-              markup=False, highlight=False)
+    err.print(f"stratagem bench: {len(outcomes)} combinations in {time.monotonic() - started:.0f} s"
+              + (f" (stopped by {signal.Signals(interrupted).name}: {len(combinations) - len(outcomes)} not finished)"
+                 if interrupted else ""), markup=False, highlight=False)
 
     config = {"model": model.name, "model_spec": args.model, "param_bytes": param_bytes,
               "batch_size": model.batch_size, "learning_rate": model.learning_rate, "steps": args.steps,
@@ -198,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         report.plot(outcomes, args.plot, header)
         err.print(f"wrote {args.plot}", markup=False, highlight=False)
+    if interrupted:
+        return 128 + interrupted     # 130 (SIGINT) or 143 (SIGTERM), as the launcher's own exit
     failed = [o for o in outcomes if o.status in ("failed", "timeout")]
     return EXIT_FAILED if failed else EXIT_OK
 
