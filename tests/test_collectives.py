@@ -761,3 +761,49 @@ def test_abort_notices_carry_the_same_error_kind():
     assert isinstance(lost, PeerLostError) and lost.task == TaskId("worker", 1)
     failed = cs._error_from_abort(session, {"abort": "failed", "origin": 1, "reason": "TransportTimeout: x"})
     assert type(failed) is CommunicationError and "rank 1 (/job:worker/task:1)" in str(failed)
+
+
+def _world_on_hosts(addresses):
+    """Communicators over the in-process transport whose cluster addresses are ``addresses``."""
+    from stratagem.collectives.communicator import Communicator
+    from stratagem.core.cluster import ClusterSpec, TaskId
+    from stratagem.transports.local import LocalTransport
+
+    cluster = ClusterSpec({"worker": list(addresses)})
+    fabric = LocalTransport.world_options()
+    comms = []
+    for index in range(len(addresses)):
+        transport = LocalTransport(cluster, TaskId("worker", index), timeout=10, **fabric)
+        transport.start()
+        comms.append(Communicator(transport, owns_transport=True, timeout=10))
+    return comms
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_a_large_allreduce_across_hosts_keeps_to_the_ring(hosts):
+    """At 4 ranks a 1 MiB all-reduce on one host exchanges with every peer (pairwise: fewest dependent
+    steps when ranks share cores); across hosts it sends only to the next rank (the ring: messages to
+    every peer at once overflow a slow link's queue). Same bits either way."""
+    import threading
+
+    addresses = [f"host{i * hosts // 4}:{1000 + i}" for i in range(4)]
+    comms = _world_on_hosts(addresses)
+    try:
+        xs = [np.full(1 << 18, r + 1, np.float32) for r in range(4)]
+        before = [c.transport.traffic.snapshot() for c in comms]
+        results = [None] * 4
+        threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, comms[r].allreduce(xs[r])), daemon=True)
+                   for r in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert all(r is not None and (r == 10).all() for r in results)
+        for rank, (c, b) in enumerate(zip(comms, before)):
+            sent_to = {c.members.index(peer) for peer, counts in (c.transport.traffic.snapshot() - b).peers.items()
+                       if counts[0]}
+            assert sent_to == ({(rank + 1) % 4} if hosts == 2 else set(range(4)) - {rank})
+    finally:
+        for c in comms:
+            c.close()

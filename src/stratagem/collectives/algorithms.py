@@ -28,7 +28,9 @@ Algorithms:
   other and combines all of them in rank order (so every rank computes the same bits), one round of
   messages instead of log2(p) or 2(p-1) dependent ones. Above that, at 3 and 4 ranks, the pairwise
   algorithm: a reduce-scatter and an all-gather of one round of direct messages each, the bytes of
-  the ring in 2 rounds (chunked like the ring). At 2 ranks the ring is the same messages.
+  the ring in 2 rounds (chunked like the ring). At 2 ranks the ring is the same messages. When the
+  members' addresses name more than one host, the ring above ``small_bytes`` instead: messages to
+  every peer at once overflow a slow link's queue.
 * all-reduce, small tensors in larger worlds (``nbytes <= small_bytes``, or fewer elements than
   ranks): recursive doubling. A non-power-of-two world first folds its extra ranks into partners and
   hands them the result at the end. Partners combine with the lower rank's operand first, so both
@@ -456,7 +458,14 @@ def choose_allreduce_algorithm(session: CollectiveSession, nbytes: int, length: 
         # Few ranks: one round of messages while the traffic is small, else two (pairwise). On an
         # oversubscribed machine every dependent step waits for a rank to be scheduled, which costs
         # more than the extra bytes of the direct exchange (see benchmarks/README.md).
-        if nbytes <= session.small_bytes or length < size or (size - 1) * nbytes <= DIRECT_BYTES:
+        if nbytes <= session.small_bytes or length < size:
+            return "direct"
+        if session.spans_hosts:
+            # Across hosts, the ring: direct and pairwise send to every peer at once, which overflows
+            # a slow link's queue (TCP drops and resends: at 100mbit, 4 ranks, 1.6 MB, the ring takes
+            # the wire's 0.2 s, pairwise 0.30-0.45 s; benchmarks/README.md, issue 22 5f).
+            return "ring"
+        if (size - 1) * nbytes <= DIRECT_BYTES:
             return "direct"
         return "ring" if size == 2 else "pairwise"  # the same messages at 2 ranks; the ring pipelines
     if nbytes <= session.small_bytes or length < size:

@@ -114,6 +114,9 @@ class CollectiveSession:
         self.generation = generation
         #: Each member's loss count when this generation began (elastic sessions only).
         self.losses = {} if generation is None else {m: transport.peer_losses(m) for m in self.members}
+        #: True when the members' cluster addresses name more than one host (the same on every rank:
+        #: it depends on the cluster only). ``auto`` then keeps to the ring for large all-reduces.
+        self.spans_hosts = len(_hosts_of(transport, self.members)) > 1
 
     @property
     def size(self) -> int:
@@ -416,3 +419,20 @@ class CollectiveCall:
             f"collective mismatch on communicator {s.name!r}: in {describe(self.fp)}, {s.who(src)} {what} "
             f"(by {s.who(s.rank)})"
         )
+
+
+def _hosts_of(transport: Transport, members: Sequence[TaskId]) -> set[str]:
+    """The hosts named by ``members``' cluster addresses (the part before the port, as written);
+    members without an address (a cluster from an MPI world) name none."""
+    cluster = getattr(transport, "cluster", None)
+    if cluster is None:
+        return set()
+    hosts = set()
+    for member in members:
+        try:
+            address = cluster.address(member)
+        except Exception:  # noqa: BLE001 - a member the cluster cannot place names no host
+            address = None
+        if address:
+            hosts.add(address.rpartition(":")[0].strip("[]").lower())
+    return hosts
