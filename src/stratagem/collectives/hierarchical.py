@@ -46,7 +46,7 @@ from typing import Sequence
 import numpy as np
 
 from stratagem.collectives import algorithms as coll
-from stratagem.collectives.session import CollectiveCall, CollectiveSession, fingerprint
+from stratagem.collectives.session import CollectiveCall, CollectiveSession, fingerprint, host_of
 from stratagem.core.cluster import ClusterSpec, TaskId
 from stratagem.core.errors import CommunicationError, ConfigurationError
 from stratagem.core.wire import dtype_name
@@ -140,7 +140,7 @@ class HostLayout:
                 raise ConfigurationError(
                     f"hierarchical=True finds each member's host from its address, but {task} has none (a "
                     f"cluster from an MPI world): pass the hosts' members, hierarchical=[[0, 1], [2, 3]]")
-            hosts.setdefault(address.rpartition(":")[0].strip("[]").lower(), []).append(rank)
+            hosts.setdefault(host_of(address), []).append(rank)
         return cls(list(hosts.values()), len(members))
 
 

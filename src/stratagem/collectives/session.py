@@ -434,5 +434,10 @@ def _hosts_of(transport: Transport, members: Sequence[TaskId]) -> set[str]:
         except Exception:  # noqa: BLE001 - a member the cluster cannot place names no host
             address = None
         if address:
-            hosts.add(address.rpartition(":")[0].strip("[]").lower())
+            hosts.add(host_of(address))
     return hosts
+
+
+def host_of(address: str) -> str:
+    """The host part of a cluster address, as written (``[::1]:2222`` -> ``::1``), lower case."""
+    return address.rpartition(":")[0].strip("[]").lower()
