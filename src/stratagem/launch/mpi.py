@@ -54,6 +54,7 @@ from stratagem.launch.supervisor import (
     run_to_end,
     start_task,
 )
+from stratagem.launch.mpi_rank import JOB_SESSION
 from stratagem.launch.task_output import COLORS, OutputPump, PipeReader, Sink, task_prefix
 
 #: ``sh -c`` script run by ``unshare``: bring loopback up, then become the command.
@@ -62,7 +63,7 @@ def die_with_mpiexec(command: Sequence[str]) -> list[str]:
     """``command`` as a rank of ``stratagem launch --mpi`` runs it (:mod:`stratagem.launch.mpi_rank`): it
     gets SIGKILL when its parent (mpiexec) dies, does not start at all if mpiexec, the leader of its
     session, is gone, and a failure no exception hook saw (``sys.exit(3)``, SIGKILL) is reported."""
-    return [sys.executable, "-m", "stratagem.launch.mpi_rank", *command]
+    return [sys.executable, "-m", "stratagem.launch.mpi_rank", JOB_SESSION, *command]
 
 
 #: Output tag Open MPI 5 puts before every line with ``--output tag``: ``[1,3]<stdout>: ``.

@@ -1,14 +1,16 @@
 """What ``stratagem launch --mpi`` runs as each MPI rank: the user's command as its child, tied to the
 job, and how the rank ended told to the launcher.
 
-``python -m stratagem.launch.mpi_rank COMMAND...`` (Linux):
+``python -m stratagem.launch.mpi_rank [--job-session] COMMAND...`` (Linux):
 
 - **Dies with the job.** It gets SIGKILL when its parent, Open MPI's launcher, dies
   (``PR_SET_PDEATHSIG``, which survives exec), and so does the command when this process dies. After
-  the ``prctl`` it checks that neither its parent nor the job's mpiexec (the leader of the session the
-  launch gave the job) has died already: a rank forked just before mpiexec was killed may read its
+  the ``prctl`` it checks that its parent has not died already, and with ``--job-session`` (which
+  ``stratagem launch --mpi`` passes: there the leader of the rank's session is the job's mpiexec) that
+  the session's leader has not either: a rank forked just before mpiexec was killed may read its
   parent only after that death, when the parent it reads is init, which never dies. Then it does not
-  start the command (exit status 1).
+  start the command (exit status 1). Without the flag the session is not the job's (a shell, a CI
+  runner whose leader may be long gone) and its leader says nothing.
 - **Passes on** the signals Open MPI's launcher sends its ranks (SIGTERM, SIGINT, SIGHUP, SIGQUIT,
   SIGUSR1, SIGUSR2, SIGTSTP, SIGCONT) to the command.
 - **Reports how the rank ended.** The launcher sees mpiexec only, and a rank's failure report
@@ -65,13 +67,20 @@ def how_it_ended(code: int) -> str:
     return f"was killed by {name}"
 
 
-def main(command: list[str]) -> None:
-    """Run ``command`` as this rank (see the module doc); never returns: the process ends with its status."""
+#: The flag that says this process's session is the MPI job's, led by its mpiexec.
+JOB_SESSION = "--job-session"
+
+
+def main(argv: list[str]) -> None:
+    """Run the command in ``argv`` (``[--job-session] COMMAND...``) as this rank (see the module doc);
+    never returns: the process ends with its status."""
+    job_session = bool(argv) and argv[0] == JOB_SESSION
+    command = argv[1:] if job_session else argv
     if not command:
-        print("usage: python -m stratagem.launch.mpi_rank COMMAND [ARGS...]", file=sys.stderr)
+        print(f"usage: python -m stratagem.launch.mpi_rank [{JOB_SESSION}] COMMAND [ARGS...]", file=sys.stderr)
         os._exit(2)
     libc = ctypes.CDLL(None)
-    if not _die_with_parent(libc) or not _alive(os.getsid(0)):
+    if not _die_with_parent(libc) or (job_session and not _alive(os.getsid(0))):
         os._exit(1)   # mpiexec died before prctl took effect
     me = os.getpid()
     child = os.fork()
