@@ -382,6 +382,31 @@ def test_sync_round_completes_when_a_pusher_leaves(service):
     assert results == {0: "applied"}
 
 
+def test_a_load_drops_the_pending_round_and_counts_the_chiefs_restore(service):
+    """A push waiting in a sync round was made on the values a checkpoint load replaces: the load
+    answers it ``dropped`` (it used to discard the round and leave the pusher waiting forever), and
+    the shards count the chief's restore for the other tasks' ``restore()`` to wait on."""
+    svc = service(ps=1, workers=2)
+    svc.init({"mode": "sync", "replicas_to_aggregate": 2, "total_replicas": 2, "staleness": None}, optimizer=SGD1)
+    results = {}
+
+    def push():
+        reply = push_grads(svc.clients[1], {0: (["w0"], [np.ones(4, np.float32)])}, versions={0: 0}, pull=True)
+        results[1] = reply[0].meta["status"], reply[0].meta["step"], reply[0].buffers[0].tolist()
+
+    waiting = threading.Thread(target=push)
+    waiting.start()
+    time.sleep(0.2)
+    assert waiting.is_alive() and svc.clients[0].hello()[0]["restores"] == 0
+    svc.clients[0].load({0: ({"names": ["w0"], "slots": {}, "iterations": 7, "step": 7, "restore": 1},
+                             [np.full(4, 3.0, np.float32)])})
+    waiting.join(5)
+    assert results == {1: ("dropped", 7, [3.0] * 4)}
+    assert svc.clients[1].hello()[0]["restores"] == 1
+    stats = svc.clients[0].stats()[0]
+    assert (stats["applied"], stats["dropped"], stats["updates"], stats["step"]) == (0, 1, 0, 7)
+
+
 def test_bounded_staleness_holds_the_fast_worker(service):
     svc = service(ps=2, workers=2)
     svc.init({"mode": "bounded", "replicas_to_aggregate": None, "total_replicas": None, "staleness": 1},

@@ -16,7 +16,8 @@ soon as its pieces are updated. Every part of a reply holds the same version of 
 Operations (the server's ``_op_<name>`` methods):
 
 ==============  ==========================================================================================
-``hello``       status: ``ready``, ``step``, ``stop``, the number of variables (non-chief tasks poll it)
+``hello``       status: ``ready``, ``step``, ``stop``, the number of variables, ``restores`` (the
+                chief's ``restore()`` calls loaded here); non-chief tasks poll it
 ``init``        the chief declares pieces (``vars``: specs) with initial values; existing ones are kept
 ``ready``       the chief says the variables are initialised (or restored): workers may start
 ``catalog``     every piece's spec, and the consistency settings
@@ -28,7 +29,8 @@ Operations (the server's ``_op_<name>`` methods):
 ``assign``      overwrite values (``Variable.assign`` on a remote variable)
 ``optimizer``   the optimizer's config (``opt.get_config()``): the server builds its own and applies
 ``snapshot``    values, optimizer slots, iterations and step, for a checkpoint
-``load``        the same, from a checkpoint
+``load``        the same, from a checkpoint; ``restore``: which of the chief's ``restore()`` calls it is.
+                A sync round's pushes still waiting are dropped (made on the values it replaces)
 ``stop``        the chief asks every worker to stop (``should_stop()`` becomes true)
 ``idle``        the coordinator says some workers have nothing to run (rounds and bounds skip them)
 ``bye``         a replica leaves (``clean`` or with its ``error``)

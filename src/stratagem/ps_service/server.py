@@ -147,6 +147,9 @@ class ParameterServer:
         #: Updates applied on this shard (the global step on ps:0), also the version pulls report.
         self.step = 0
         self.ready = False
+        #: The latest of the chief's ``restore()`` calls (counted from 1) loaded here: a non-chief
+        #: task's own ``restore()`` waits for the chief's, so it never trains on replaced values.
+        self.restores = 0
         self.stopping = False
         self.counters: Counter = Counter()
         self.by_replica: dict[str, Counter] = defaultdict(Counter)
@@ -306,7 +309,7 @@ class ParameterServer:
 
     def _status(self) -> dict:
         return {"ready": self.ready, "step": self.step, "stop": self.stopping, "pieces": len(self.specs),
-                "configured": self.config is not None}
+                "configured": self.config is not None, "restores": self.restores}
 
     def _op_init(self, src, request_id, meta, buffers):
         specs, config = meta.get("vars") or [], meta.get("config")
@@ -436,7 +439,9 @@ class ParameterServer:
         else:
             self._pending_state = state
         self.step = int(meta.get("step") or 0)
-        self._round = SyncRound()
+        self._drop_round()
+        if isinstance(meta.get("restore"), int):
+            self.restores = max(self.restores, meta["restore"])
         return self._status(), []
 
     def _op_stop(self, src, request_id, meta, buffers):
@@ -617,6 +622,14 @@ class ParameterServer:
         self.counters["updates"] += 1
         for (src, request_id, pull), who in round_.waiters:
             reply_meta, values = self._count(who, APPLIED, pull)
+            self._send(src, {"id": request_id, "ok": True, **reply_meta}, values)
+
+    def _drop_round(self) -> None:
+        """A load replaced the values: the pending sync round's pushes were made on the old ones, so
+        each is answered ``dropped`` (its replica reads the new values and goes on), none applied."""
+        round_, self._round = self._round, SyncRound()
+        for (src, request_id, pull), who in round_.waiters:
+            reply_meta, values = self._count(who, DROPPED, pull)
             self._send(src, {"id": request_id, "ok": True, **reply_meta}, values)
 
     # -- the staleness bound (bounded)

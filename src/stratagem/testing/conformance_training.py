@@ -8,10 +8,13 @@ Arguments: STRATEGY TRANSPORT DATA OUT [CKPT (save|restore)]. DATA is an ``.npz`
 :func:`stratagem.testing.strategy_contract.write_training_data` writes them. The chief writes the
 trained ``w`` and ``b`` and the optimizer's iterations to OUT (an ``.npz``). With ``CKPT save`` the
 job trains the first half of the batches and saves a checkpoint into CKPT; with ``CKPT restore`` it
-restores CKPT and trains the second half.
+restores CKPT and trains the second half, the chief coming to ``restore`` late (after
+:data:`CHIEF_LATE_S`): the other replicas get there first, and must not train on the values the
+checkpoint replaces.
 """
 
 import sys
+import time
 
 import numpy as np
 
@@ -37,8 +40,13 @@ def step(x, y):
     opt.apply_gradients([(2 * x.T @ err / len(x), w), (2 * err.mean(axis=0), b)])
 
 
+#: How late the chief comes to ``restore``: long enough that the others are surely waiting in it.
+CHIEF_LATE_S = 1.0
+
 half = len(batches) // 2
 if phase == "restore":
+    if strategy.is_chief:
+        time.sleep(CHIEF_LATE_S)
     strategy.restore(ckpt)
     batches = batches[half:]
 elif phase == "save":

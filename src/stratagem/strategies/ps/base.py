@@ -155,6 +155,8 @@ class PSStrategyBase(Strategy):
                                        read_only=self.is_evaluator, who=str(self.task))
         self._optimizer_sent = None
         self._exit_error: str | None = None
+        #: ``restore()`` calls on this task: a non-chief's n-th waits for the chief's n-th.
+        self._restores = 0
         #: Statuses of the last push, per shard (``"applied"``, ``"dropped"``, ``"stopped"``).
         self.last_push: dict[int, str] = {}
         #: The last acknowledgement's bounded-staleness clocks: ``(this task's, the slowest's)``.
@@ -379,19 +381,35 @@ class PSStrategyBase(Strategy):
 
     def _restore_impl(self, path) -> int:
         """On the chief: load checkpoint ``path`` (a file, or a directory's latest) onto the shards:
-        values, optimizer state, global step; return the step. On other tasks: refresh the values and
-        return the global step (the chief's restore may not have happened yet: to restore before
-        anyone starts, give the strategy ``checkpoint_dir=``)."""
+        values, optimizer state, global step; return the step. On other tasks: wait until the chief's
+        restore of the same count (this task's first ``restore()`` waits for the chief's first) is on
+        every shard, then read the values and return the global step. A replica that came first thus
+        never pushes a gradient of the values the checkpoint replaces."""
         self._check_worker("restore")
+        self._restores += 1
         if self.is_chief:
-            self._load_checkpoint(path)
+            self._load_checkpoint(path, restore=self._restores)
+        else:
+            self._wait_for_restore(self._restores, path)
         self._remote.pull_all()
         self._step = self._remote.global_step
         return self._step
 
-    def _load_checkpoint(self, path) -> None:
+    def _load_checkpoint(self, path, *, restore: int | None = None) -> None:
         self._remote.global_step = self._step = load_onto_shards(self._client, self._remote.pieces,
-                                                                 self._variables, path)
+                                                                 self._variables, path, restore=restore)
+
+    def _wait_for_restore(self, count: int, path) -> None:
+        """Until every shard has the chief's ``count``-th ``restore()``; a job that fails meanwhile
+        raises here (the shards refuse the poll with the failure, naming its task)."""
+        deadline = time.monotonic() + self._timeout
+        while min(meta.get("restores", 0) for meta in self._client.hello().values()) < count:
+            if time.monotonic() > deadline:
+                raise TransportTimeout(
+                    f"{self.task}: restore({str(path)!r}) waited {self._timeout:g} s for the chief "
+                    f"{self.cluster.chief} to restore it too; call restore() on every replica, the chief "
+                    f"included, at the same point of the script")
+            time.sleep(READY_POLL)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def _shutdown_impl(self) -> None:

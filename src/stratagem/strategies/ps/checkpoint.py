@@ -61,14 +61,17 @@ def _cut(piece, array):
     return array if piece.parts == 1 else array[piece.lo:piece.hi]
 
 
-def load_onto_shards(client, pieces: Mapping[str, list], variables: Mapping, path) -> int:
+def load_onto_shards(client, pieces: Mapping[str, list], variables: Mapping, path, *,
+                     restore: int | None = None) -> int:
     """Load checkpoint ``path`` onto the shards: each variable (and its slots) cut into ``pieces``;
-    every shard gets the step and the optimizer's iterations. Returns the step."""
+    every shard gets the step and the optimizer's iterations, and ``restore`` (which of the chief's
+    ``restore()`` calls this is, for the other tasks waiting on it). Returns the step."""
     loaded = checkpoint.load(path)
     check_restorable(variables, loaded.variables, path)
     state = loaded.optimizer_state or {"iterations": 0, "slots": {}}
     shards: dict[int, tuple[dict, list]] = {
-        i: ({"names": [], "slots": {}, "iterations": int(state["iterations"]), "step": int(loaded.step)}, [])
+        i: ({"names": [], "slots": {}, "iterations": int(state["iterations"]), "step": int(loaded.step),
+             **({"restore": restore} if restore is not None else {})}, [])
         for i in range(client.num_shards)}
     slot_arrays: dict[int, list] = {i: [] for i in shards}
     for name, var_pieces in pieces.items():
