@@ -33,20 +33,20 @@ passed. So every task started by ``stratagem launch`` gets a file to report its 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from stratagem.core.cluster import TaskId
 from stratagem.core.failures import FAILURE_FILE_ENV, LOSSES_SUFFIX, read_losses, read_report
+from stratagem.launch.scratch import ScratchDir
 
 
 class FailureReports:
     """The directory where a job's tasks report their failures (one file each), made for one launch."""
 
     def __init__(self):
-        self.directory = tempfile.mkdtemp(prefix="stratagem-failures-")
+        self._scratch = ScratchDir("failures")
+        self.directory = self._scratch.path
 
     def path(self, task: TaskId) -> str:
         return os.path.join(self.directory, f"{task.job}-{task.index}.json")
@@ -70,7 +70,7 @@ class FailureReports:
         return read_losses(self.path(task))
 
     def close(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self._scratch.close()
 
 
 @dataclass(frozen=True)

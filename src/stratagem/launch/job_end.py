@@ -12,11 +12,10 @@ It reads only the exit status the supervisor's own polling stores in the chief's
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 
 from stratagem.core.job_state import JOB_STATE_ENV, record_finished
+from stratagem.launch.scratch import ScratchDir
 
 #: Seconds between two looks at the chief's exit status.
 WATCH_INTERVAL = 0.05
@@ -26,8 +25,8 @@ class JobEndRecord:
     """One launch's job-state file and the thread that records the chief's normal end (see the module doc)."""
 
     def __init__(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="stratagem-job-")
-        self.path = f"{self._dir}/state"
+        self._dir = ScratchDir("job")
+        self.path = f"{self._dir.path}/state"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -53,4 +52,4 @@ class JobEndRecord:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._dir.close()

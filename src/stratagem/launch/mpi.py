@@ -31,7 +31,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ from stratagem.launch.supervisor import (
     start_task,
 )
 from stratagem.launch.mpi_rank import JOB_SESSION
+from stratagem.launch.scratch import ScratchDir
 from stratagem.launch.task_output import COLORS, OutputPump, PipeReader, Sink, task_prefix
 
 #: ``sh -c`` script run by ``unshare``: bring loopback up, then become the command.
@@ -284,7 +284,8 @@ class RankReports:
 
     def __init__(self, tasks: Sequence[TaskId]):
         self.tasks = list(tasks)
-        self.directory = tempfile.mkdtemp(prefix="stratagem-mpi-failures-")
+        self._scratch = ScratchDir("mpi-failures")
+        self.directory = self._scratch.path
 
     def env(self) -> dict[str, str]:
         return {FAILURE_FILE_ENV: os.path.join(self.directory, f"rank-{RANK_FIELD}.json")}
@@ -310,7 +311,7 @@ class RankReports:
             return False
 
     def close(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self._scratch.close()
 
 
 #: Seconds ``stratagem launch --mpi`` lets an MPI job run on after a rank reported a failure (its peers
