@@ -176,6 +176,7 @@ def check_evaluators(out: Path) -> None:
     assert "evaluators do not train" in evaluator["dataset"]
     assert evaluator["raw_push"].startswith("RemoteError") and "is not a replica" in evaluator["raw_push"]
     assert evaluator["step"] == STEPS
+    assert evaluator["restore"] == STEPS
     np.testing.assert_allclose(evaluator["w"], [EXPECTED] * 4, rtol=1e-6)     # read from the ps task
     sidecar = read(out, "sidecar")
     assert "is not in the cluster" in sidecar["refused"] and "checkpoint" in sidecar["refused"]

@@ -86,6 +86,8 @@ if strategy.is_evaluator:
     record["raw_push"] = refusal(lambda: PSClient(strategy.transport, timeout=10).push_all({0: raw}))
     while strategy.refresh() < steps and time.monotonic() < DEADLINE:
         time.sleep(0.05)
+    # No replica: its restore() reads the values as they are, without waiting for a restore of the chief's.
+    record["restore"] = strategy.restore(ckpt)
     record.update(step=strategy.global_step, w=w.numpy().tolist())
     write(f"{me.job}_{me.index}", record)
     strategy.shutdown()

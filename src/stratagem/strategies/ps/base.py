@@ -384,12 +384,14 @@ class PSStrategyBase(Strategy):
         values, optimizer state, global step; return the step. On other tasks: wait until the chief's
         restore of the same count (this task's first ``restore()`` waits for the chief's first) is on
         every shard, then read the values and return the global step. A replica that came first thus
-        never pushes a gradient of the values the checkpoint replaces."""
+        never pushes a gradient of the values the checkpoint replaces. An evaluator, which trains
+        nothing and is no replica the chief's restore pairs with, reads the values as they are."""
         self._check_worker("restore")
-        self._restores += 1
         if self.is_chief:
+            self._restores += 1
             self._load_checkpoint(path, restore=self._restores)
-        else:
+        elif not self.is_evaluator:
+            self._restores += 1
             self._wait_for_restore(self._restores, path)
         self._remote.pull_all()
         self._step = self._remote.global_step
