@@ -46,8 +46,8 @@ from typing import Sequence
 import numpy as np
 
 from stratagem.collectives import algorithms as coll
-from stratagem.collectives.session import CollectiveCall, CollectiveSession, fingerprint, host_of
-from stratagem.core.cluster import ClusterSpec, TaskId
+from stratagem.collectives.session import CollectiveCall, CollectiveSession, fingerprint
+from stratagem.core.cluster import ClusterSpec, TaskId, host_of
 from stratagem.core.errors import CommunicationError, ConfigurationError
 from stratagem.core.wire import dtype_name
 

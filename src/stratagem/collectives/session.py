@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 
 from stratagem.collectives.results import ResultMemory
-from stratagem.core.cluster import TaskId
+from stratagem.core.cluster import TaskId, host_of
 from stratagem.core.errors import CollectiveMismatchError, CommunicationError, PeerLostError, TransportTimeout
 from stratagem.core.transport import Message, SendHandle, Transport
 
@@ -437,7 +437,3 @@ def _hosts_of(transport: Transport, members: Sequence[TaskId]) -> set[str]:
             hosts.add(host_of(address))
     return hosts
 
-
-def host_of(address: str) -> str:
-    """The host part of a cluster address, as written (``[::1]:2222`` -> ``::1``), lower case."""
-    return address.rpartition(":")[0].strip("[]").lower()

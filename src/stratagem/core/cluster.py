@@ -143,6 +143,16 @@ def _check_address(job: str, index: int, address) -> str | None:
     return address
 
 
+def host_of(address: str) -> str:
+    """The host part of a cluster address, as written, lower case: one rule for every layer that
+    groups tasks by host (collectives' ring and hierarchy, ``shm``, ``nccl``).
+
+    >>> host_of("Worker-1.svc:2222"), host_of("[::1]:2222"), host_of("10.0.0.2:1")
+    ('worker-1.svc', '::1', '10.0.0.2')
+    """
+    return address.rpartition(":")[0].strip("[]").lower()
+
+
 class ClusterSpec:
     """The jobs of a cluster and the address of each task.
 

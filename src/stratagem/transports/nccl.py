@@ -39,7 +39,7 @@ import msgpack
 import numpy as np
 
 from stratagem.collectives import algorithms as coll
-from stratagem.core.cluster import TaskId
+from stratagem.core.cluster import TaskId, host_of
 from stratagem.collectives.session import CollectiveSession, describe, fingerprint
 from stratagem.core.errors import (CollectiveMismatchError, ConfigurationError, PluginError, TransportClosed,
                            TransportTimeout)
@@ -151,8 +151,8 @@ class NcclTransport(Transport):
         for var in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"):
             if os.environ.get(var, "").isdigit():
                 return int(os.environ[var])
-        host = (self.cluster.address(self.task) or "").rpartition(":")[0]
-        same = [t for t in self.cluster.tasks() if (self.cluster.address(t) or "").rpartition(":")[0] == host]
+        host = host_of(self.cluster.address(self.task) or "")
+        same = [t for t in self.cluster.tasks() if host_of(self.cluster.address(t) or "") == host]
         return same.index(self.task) if self.task in same else 0
 
     # -- lifecycle ---------------------------------------------------------------------------------

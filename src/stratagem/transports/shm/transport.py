@@ -70,7 +70,7 @@ import threading
 import time
 
 from stratagem.core import wire
-from stratagem.core.cluster import ClusterSpec, TaskId
+from stratagem.core.cluster import ClusterSpec, TaskId, host_of
 from stratagem.core.errors import (ConfigurationError, PeerLostError, PluginError, ProtocolError, TransportClosed,
                            TransportTimeout)
 from stratagem.transport_kit.mailbox import Mailbox
@@ -736,7 +736,7 @@ def _task_is_local(cluster: ClusterSpec, task: TaskId) -> bool:
     if address is None:
         raise ConfigurationError(f"{task} has no network address (the cluster came from an MPI world): "
                                  f"transport 'shm' needs addresses for its control connections")
-    host = address.rpartition(":")[0].strip("[]")
+    host = host_of(address)
     local = _is_local_host(host)
     if local is None:
         raise ConfigurationError(f"transport 'shm': cannot resolve {task}'s host {host!r}")
