@@ -758,12 +758,20 @@ class Strategy:
         """This task's rank among the replicas (chief first), or a ``ConfigurationError`` naming ``what``."""
         replicas = self.cluster.replicas()
         if self.task not in replicas:
-            if self.is_evaluator:
-                raise ConfigurationError(evaluator_refusal(self.task, self.name, what))
-            raise ConfigurationError(
-                f"{self.task} is not a replica (a 'chief' or 'worker' task) and cannot take part in {what}"
-            )
+            raise self._not_a_replica(what)
         return replicas.index(self.task)
+
+    def _not_a_replica(self, what: str, instead: str | None = None) -> ConfigurationError:
+        """The error for this task, which is no replica, taking part in ``what``: an evaluator is told
+        what evaluators do; another task (``ps``) that the strategy runs on replicas only, and
+        ``instead`` (what to do) if given."""
+        if self.is_evaluator:
+            return ConfigurationError(evaluator_refusal(self.task, self.name, what))
+        if instead is None:
+            return ConfigurationError(
+                f"{self.task} is not a replica (a 'chief' or 'worker' task) and cannot take part in {what}")
+        return ConfigurationError(f"{self.task} is not a replica: the {self.name} strategy runs on 'chief' and "
+                                  f"'worker' tasks only ({instead})")
 
     def _chief_rank(self) -> int:
         return self.cluster.replicas().index(self.cluster.chief)

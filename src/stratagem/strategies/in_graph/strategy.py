@@ -102,11 +102,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from stratagem.core.cluster import is_evaluator
 from stratagem.core.errors import ConfigurationError, JobFailedError, PeerLostError, TransportTimeout
 from stratagem.core.failures import culprit_of
 from stratagem.core.lifecycle import note_failure
-from stratagem.strategies.base import Strategy, evaluator_refusal
+from stratagem.strategies.base import Strategy
 from stratagem.strategies.in_graph.client import Client, ReplicaError
 from stratagem.strategies.in_graph.devices import CURRENT_STEP, ClientStore, parse_devices
 from stratagem.strategies.in_graph.functions import MODES
@@ -174,14 +173,9 @@ class InGraphStrategy(Strategy):
         self._server: ReplicaServer | None = None
         self._versions = itertools.count(1)
         if self._role is None:
-            task = self.task
+            refusal = self._not_a_replica("in-graph replication", "start no strategy on 'ps' tasks")
             self.shutdown()
-            if is_evaluator(task):
-                raise ConfigurationError(evaluator_refusal(task, self.name, "in-graph replication"))
-            raise ConfigurationError(
-                f"{task} is not a replica: the in_graph strategy runs on 'chief' and 'worker' tasks only "
-                f"(start no strategy on 'ps' tasks)"
-            )
+            raise refusal
         if self._role == "worker":
             self._serve()
             return

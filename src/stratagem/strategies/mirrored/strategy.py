@@ -53,9 +53,8 @@ import numpy as np
 
 from stratagem.core.errors import ConfigurationError
 from stratagem.training.replica_sync import allgather_json, broadcast_arrays, dtype_key
-from stratagem.core.cluster import is_evaluator
 from stratagem.compression.base import FLOAT_DTYPES
-from stratagem.strategies.base import Strategy, evaluator_refusal
+from stratagem.strategies.base import Strategy
 from stratagem.strategies import compressing
 from stratagem.training.variables import array_module, is_device_array
 from stratagem.strategies.mirrored.elastic import ElasticTraining, check_elastic_transport, elastic_wrapper
@@ -135,15 +134,11 @@ class MirroredStrategy(Strategy):
             self._elastic = ElasticTraining(self, self.config["commit_every"], sync_variables=self._sync_variables,
                                             forget_plans=self._plans.clear)
         if self.task not in self.cluster.replicas():
-            task = self.task
+            refusal = self._not_a_replica("the mirrored replicas' all-reduce",
+                                          "use the parameter_server strategy for clusters with 'ps' tasks, or "
+                                          "start no strategy on them")
             self.shutdown()
-            if is_evaluator(task):
-                raise ConfigurationError(evaluator_refusal(task, self.name, "the mirrored replicas' all-reduce"))
-            raise ConfigurationError(
-                f"{task} is not a replica: the mirrored strategy runs on 'chief' and 'worker' tasks only "
-                f"(use the parameter_server strategy for clusters with 'ps' tasks, or start no "
-                f"strategy on them)"
-            )
+            raise refusal
         compressing.check_transport(self)
 
     # -- options -----------------------------------------------------------------------------------
