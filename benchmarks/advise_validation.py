@@ -259,6 +259,7 @@ def evaluate(doc: dict, rounds: list[int] | None = None) -> list[dict]:
             # ratios, not a ratio of medians taken over different loads
             row["advise_error"] = statistics.median(a / m for a, m in zip(entry["advise"], entry["measured"])) - 1
             row["runs_error"] = [p / m - 1 for p, m in zip(entry["model"], entry["measured"])]
+            row["runs_error_advise"] = [p / m - 1 for p, m in zip(entry["advise"], entry["measured"])]
             row["runs_measured"] = list(entry["measured"])
             row["error"] = statistics.median(row["runs_error"])
         rows.append(row)
