@@ -158,8 +158,8 @@ def collect(args) -> dict:
         rng.shuffle(order)
         for i, cell in enumerate(order):
             before = sense(args.sense)
-            result = run_cell(cell, args.steps, args.warmup, args.model, args.timeout, args.hosts)
-            result.update(cell=cell, sensor_s=[before, sense(args.sense)])
+            result = run_cell(cell, steps_for(args.steps, cell), args.warmup, args.model, args.timeout, args.hosts)
+            result.update(cell=cell, sensor_s=[before, sense(args.sense)], steps=steps_for(args.steps, cell))
             round_doc["cells"].append(result)
             f = result["figures"]
             log(f"{i + 1}/{len(order)} {cell['strategy']}{':' + cell['mode'] if cell['mode'] else ''} x "
@@ -174,6 +174,30 @@ def collect(args) -> dict:
                 json.dump(doc, fh, indent=1)
     doc["finished"] = time.time()
     return doc
+
+
+def parse_steps(text: str) -> dict:
+    """``--steps``: ``30`` (every cell), or ``30,1gbit=120`` (120 at the 1gbit link): ``{None: 30,
+    "1gbit": 120}``.
+
+    >>> parse_steps("30,1gbit=120")
+    {None: 30, '1gbit': 120}
+    """
+    out: dict = {}
+    for item in text.split(","):
+        link, _, count = item.rpartition("=")
+        try:
+            out[link or None] = int(count)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--steps takes N or N,RATE=N (e.g. 30,1gbit=120), not {text!r}")
+    if None not in out:
+        raise argparse.ArgumentTypeError(f"--steps needs a count for every link first (e.g. 30,1gbit=120), not {text!r}")
+    return out
+
+
+def steps_for(steps: dict, cell: dict) -> int:
+    """The steps a cell runs: its link's count, else the default."""
+    return steps.get(cell.get("link"), steps[None])
 
 
 def _share(sensed) -> float:
@@ -235,6 +259,7 @@ def evaluate(doc: dict, rounds: list[int] | None = None) -> list[dict]:
             # ratios, not a ratio of medians taken over different loads
             row["advise_error"] = statistics.median(a / m for a, m in zip(entry["advise"], entry["measured"])) - 1
             row["runs_error"] = [p / m - 1 for p, m in zip(entry["model"], entry["measured"])]
+            row["runs_error_advise"] = [p / m - 1 for p, m in zip(entry["advise"], entry["measured"])]
             row["runs_measured"] = list(entry["measured"])
             row["error"] = statistics.median(row["runs_error"])
         rows.append(row)
@@ -353,7 +378,9 @@ def main(argv=None) -> int:
     parser.add_argument("--strategies", default=DEFAULT_STRATEGIES)
     parser.add_argument("--transports", default="zmq,grpc,shm,mpi")
     parser.add_argument("--model", default="mlp")
-    parser.add_argument("--steps", type=int, default=60, help="steps per bench run (default 60)")
+    parser.add_argument("--steps", type=parse_steps, default=parse_steps("60"), metavar="N[,RATE=N]",
+                        help="steps per bench run (default 60); RATE=N: N at that link (a fast link's cell "
+                             "is short: 30,1gbit=120 times it for as long as the 100mbit one)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--sense", type=float, default=0.4, metavar="SECONDS",
                         help="the one-task compute timed before and after each cell (default 0.4 s)")
