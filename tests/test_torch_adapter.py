@@ -18,6 +18,7 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -46,22 +47,28 @@ def alone_env() -> dict:
     return {**env, **THREADS}
 
 
-def run_reference(out: Path, optimizer: str, steps: int = STEPS) -> tuple[dict, dict]:
+#: Every optimizer the tests compare with plain torch: their references come from one process.
+OPTIMIZERS = ("adam", "sgd", "adagrad", "rmsprop")
+
+
+def run_references(out: Path, steps: int = STEPS) -> dict[str, tuple[dict, dict]]:
+    """Plain torch for every optimizer, in one process: {optimizer: (final parameters, initial ones)}."""
     result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--steps", str(steps),
-                             "--optimizer", optimizer, "--reference"],
+                             "--optimizer", ",".join(OPTIMIZERS), "--reference"],
                             capture_output=True, text=True, timeout=120, env=alone_env())
     assert result.returncode == 0, result.stdout + result.stderr
-    return dict(np.load(out / "reference.npz")), dict(np.load(out / "initial.npz"))
+    return {kind: (dict(np.load(out / kind / "reference.npz")), dict(np.load(out / kind / "initial.npz")))
+            for kind in OPTIMIZERS}
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """Plain single-process torch, per optimizer (computed on first use)."""
+    """Plain single-process torch, per optimizer (all computed on first use, by one process)."""
     cache: dict[str, tuple[dict, dict]] = {}
 
     def get(optimizer: str):
-        if optimizer not in cache:
-            cache[optimizer] = run_reference(tmp_path_factory.mktemp(f"reference_{optimizer}"), optimizer)
+        if not cache:
+            cache.update(run_references(tmp_path_factory.mktemp("references")))
         return cache[optimizer]
 
     return get
@@ -259,11 +266,22 @@ def test_example_mlp_torch_prints_the_same_figures_alone_mirrored_and_on_paramet
     runs = {"alone": example,
             "mirrored": [*launcher, "--worker", "2", "--", *example],
             "between_graph": [*launcher, "--ps", "1", "--worker", "2", "--", *example, "--strategy", "between_graph"]}
-    figures = {}
-    for name, command in runs.items():
-        result = subprocess.run(command, capture_output=True, text=True, timeout=200, env=alone_env())
-        assert result.returncode == 0, result.stdout + result.stderr
-        figures[name] = re.findall(r"(?:loss|test accuracy) (\d\.\d+)", result.stdout)
+    # The three runs are independent: they run at once (the run alone uses one core of the machine's).
+    procs = {name: subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=alone_env(), start_new_session=True) for name, command in runs.items()}
+    figures, outputs = {}, {}
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=200)
+            outputs[name] = (proc.returncode, stdout + stderr)
+            figures[name] = re.findall(r"(?:loss|test accuracy) (\d\.\d+)", stdout)
+    finally:
+        for name, proc in procs.items():    # every process of every run goes, whatever happened
+            if name not in outputs:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate(timeout=30)
+    for name, (code, output) in outputs.items():
+        assert code == 0, f"{name}:\n{output}"
     assert len(figures["alone"]) == 9 + 2 + 1 and float(figures["alone"][-1]) > 0.9, figures
     assert figures["mirrored"] == figures["alone"] and figures["between_graph"] == figures["alone"], figures
 
