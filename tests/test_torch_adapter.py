@@ -18,7 +18,6 @@ import io
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -266,22 +265,11 @@ def test_example_mlp_torch_prints_the_same_figures_alone_mirrored_and_on_paramet
     runs = {"alone": example,
             "mirrored": [*launcher, "--worker", "2", "--", *example],
             "between_graph": [*launcher, "--ps", "1", "--worker", "2", "--", *example, "--strategy", "between_graph"]}
-    # The three runs are independent: they run at once (the run alone uses one core of the machine's).
-    procs = {name: subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    env=alone_env(), start_new_session=True) for name, command in runs.items()}
-    figures, outputs = {}, {}
-    try:
-        for name, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=200)
-            outputs[name] = (proc.returncode, stdout + stderr)
-            figures[name] = re.findall(r"(?:loss|test accuracy) (\d\.\d+)", stdout)
-    finally:
-        for name, proc in procs.items():    # every process of every run goes, whatever happened
-            if name not in outputs:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate(timeout=30)
-    for name, (code, output) in outputs.items():
-        assert code == 0, f"{name}:\n{output}"
+    figures = {}
+    for name, command in runs.items():
+        result = subprocess.run(command, capture_output=True, text=True, timeout=200, env=alone_env())
+        assert result.returncode == 0, result.stdout + result.stderr
+        figures[name] = re.findall(r"(?:loss|test accuracy) (\d\.\d+)", result.stdout)
     assert len(figures["alone"]) == 9 + 2 + 1 and float(figures["alone"][-1]) > 0.9, figures
     assert figures["mirrored"] == figures["alone"] and figures["between_graph"] == figures["alone"], figures
 
