@@ -29,18 +29,37 @@ def advise(*args, timeout=200, cwd=None):
                           timeout=timeout, env=env, cwd=cwd)
 
 
+def run_plain_script(directory: Path, measured: str, ending: str) -> subprocess.CompletedProcess:
+    """Run PLAIN_SCRIPT (below) with ``measured`` (``measure``, or a ``--measured`` file) and ``ending``."""
+    script = directory / "advise_script.py"
+    script.write_text(PLAIN_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, str(script), measured, ending], capture_output=True, text=True,
+                          timeout=200, env=env)
+
+
+def printed_document(stdout: str) -> tuple[dict, str]:
+    """The JSON document PLAIN_SCRIPT printed, and what it printed after it."""
+    head, _, tail = stdout.rpartition("}\n")
+    return json.loads(head + "}"), tail
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """One quick measurement of the small model over zmq, as ``--json`` (reused by the tests below)."""
-    proc = advise("--quick", "--model", SMALL, "--transports", "zmq,local", "--worker", "2", "--ps", "1,2", "--json")
-    assert proc.returncode == 0, proc.stderr
-    path = tmp_path_factory.mktemp("advise") / "advice.json"
-    path.write_text(proc.stdout)
-    return json.loads(proc.stdout), path, proc.stderr
+    """One quick measurement of the small model over zmq, as ``--json`` (reused by the tests below):
+    measured by the plain script a user writes, which then raises (checked by
+    test_the_plain_script_a_user_writes[raise]); (document, its file, stderr, the completed script)."""
+    directory = tmp_path_factory.mktemp("advise")
+    proc = run_plain_script(directory, "measure", "raise")
+    assert "exit 0" in proc.stdout, proc.stdout + proc.stderr
+    doc, _ = printed_document(proc.stdout)
+    path = directory / "advice.json"
+    path.write_text(json.dumps(doc))
+    return doc, path, proc.stderr, proc
 
 
 def test_a_quick_run_measures_predicts_and_recommends(measured):
-    doc, _, stderr = measured
+    doc, _, stderr, _ = measured
     assert "machine:" in stderr and "link: zmq" in stderr           # progress goes to stderr
     m = doc["measurements"]
     assert set(m["transports"]) == {"zmq"}
@@ -83,7 +102,7 @@ def test_each_strategys_steps_are_measured_through_the_strategy(measured):
     less the compute costs time and CPU, and the between_graph step more than the bare exchange."""
     from stratagem.advise import probe
 
-    doc, _, stderr = measured
+    doc, _, stderr, _ = measured
     assert "steps: between_graph:sync over zmq" in stderr
     m = doc["measurements"]
     raw = m["raw"]["links"]["zmq"]["steps"]
@@ -124,7 +143,7 @@ def test_each_strategys_steps_are_measured_through_the_strategy(measured):
 
 
 def test_the_table_shows_the_recommendation(measured):
-    _, path, _ = measured
+    _, path, _, _ = measured
     proc = advise("--measured", str(path), "--worker", "3")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
@@ -138,7 +157,7 @@ def test_the_table_shows_the_recommendation(measured):
 
 
 def test_predict_workers_extrapolates_with_stated_assumptions(measured):
-    _, path, _ = measured
+    _, path, _, _ = measured
     proc = advise("--measured", str(path), "--predict-workers", "64,256,1024", "--bandwidth", "25Gbit",
                   "--latency", "20us", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -190,7 +209,7 @@ def test_a_model_failing_inside_a_probe_task_fails_the_run_with_its_error():
 
 def test_links_measured_on_a_job_are_used_instead_of_local_ones(measured, tmp_path):
     """--probe-links runs as every task of a job (here a local one: 3 workers and a ps), --links uses it."""
-    _, path, _ = measured
+    _, path, _, _ = measured
     links = tmp_path / "links.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]))
     job = subprocess.run([sys.executable, "-m", "stratagem", "launch", "--worker", "3", "--ps", "1", "--timeout", "150",
@@ -225,8 +244,9 @@ PLAIN_SCRIPT = """
 import sys
 from stratagem.advise.cli import main
 
-if sys.argv[2] == "raise":    # measure for real, then fail: the probe jobs are over, the error is the script's
-    code = main(["--quick", "--model", "advise_models:build_small", "--transports", "zmq", "--json"])
+if sys.argv[1] == "measure":   # measure for real: the probe jobs run, and are over when the script goes on
+    code = main(["--quick", "--model", "advise_models:build_small", "--transports", "zmq,local",
+                 "--worker", "2", "--ps", "1,2", "--json"])
 else:
     code = main(["--measured", sys.argv[1], "--worker", "2", "--json"])
 print("exit", code)
@@ -237,14 +257,11 @@ if sys.argv[2] == "raise":
 
 @pytest.mark.parametrize("ending", ["normally", "raise"])
 def test_the_plain_script_a_user_writes(measured, tmp_path, ending):
-    _, path, _ = measured
-    script = tmp_path / "advise_script.py"
-    script.write_text(PLAIN_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(script), str(path), ending], capture_output=True, text=True,
-                          timeout=200, env=env)
-    head, _, tail = proc.stdout.rpartition("}\n")
-    assert json.loads(head + "}")["recommendation"]["reason"]
+    _, path, _, measuring = measured
+    # raise: the module's measurement, which the script made for real and then failed after
+    proc = run_plain_script(tmp_path, str(path), ending) if ending == "normally" else measuring
+    doc, tail = printed_document(proc.stdout)
+    assert doc["recommendation"]["reason"]
     assert tail.strip() == "exit 0"
     if ending == "normally":
         assert proc.returncode == 0, proc.stderr
@@ -267,7 +284,7 @@ def test_hosts_predicts_for_the_described_cluster_with_its_links(measured):
     """``--hosts 2 --link RATE``: the costs measured here, the links modelled by placement: a slower
     link predicts every setup that crosses it slower, a faster one nothing slower; the document and
     the table say the cluster."""
-    _, path, _ = measured
+    _, path, _, _ = measured
     docs = {}
     for rate in ("1mbit", "10gbit"):
         proc = advise("--measured", str(path), "--worker", "2", "--ps", "1", "--hosts", "2", "--link", rate,

@@ -148,9 +148,9 @@ def test_a_worker_stopped_while_the_chief_fails_still_fails_the_job(job):
     ("parameter_server", ["--chief", "--worker", "2", "--ps", "1"]),
 ])
 def test_a_restarted_worker_back_after_the_chief_finished_exits_0_at_once(job, strategy, launch_args):
-    # Its first process exits 3 early; the second sleeps 8 s, so the chief (~3 s of training) has
-    # finished when it starts: before the fix it waited out its handshake (300 s; the launcher's
-    # --timeout 60 then ended the job with 124).
+    # Its first process exits 3 early; the second waits until the launcher has recorded the chief's
+    # normal end (stratagem.core.job_state), so the chief has finished when it starts: before the fix
+    # it waited out its handshake (300 s; the launcher's --timeout 60 then ended the job with 124).
     j = job([*launch_args, "--restart-workers", "1"], [strategy, "die"])
     code = j.finish()
     assert code == 0, j.output

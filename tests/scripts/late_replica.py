@@ -4,7 +4,8 @@ STRATEGY: ``between_graph``, ``parameter_server`` or ``mirrored`` (elastic: ``on
 Every task trains (or, under parameter_server, the chief schedules) 60 short steps; the chief prints
 ``training`` once its variables exist. ENDING: ``normal`` (default); ``raise`` (the chief raises
 after 20 steps); ``die`` (the first process of worker:1 exits 3 after 5 steps, and a process started
-again by ``--restart-workers`` sleeps 8 s before it starts, so it is back after the chief finished).
+again by ``--restart-workers`` waits until the launcher has recorded that the chief ended normally
+before it starts, so it is back after the chief finished).
 TIMEOUT: the strategy's ``timeout=`` (seconds). No close(), no __main__ guard: a user's script.
 """
 
@@ -20,7 +21,13 @@ name = sys.argv[1]
 ending = sys.argv[2] if len(sys.argv) > 2 else "normal"
 restarted = os.environ.get("STRATAGEM_RESTARTS")
 if ending == "die" and restarted:
-    time.sleep(8)                           # a restarted worker that is slow to come back
+    # A restarted worker that is slow to come back: back only once the launcher has recorded the
+    # chief's normal end (at most 40 s), so it certainly starts after the chief finished.
+    from stratagem.core.job_state import finished
+
+    deadline = time.monotonic() + 40
+    while not finished() and time.monotonic() < deadline:
+        time.sleep(0.05)
 options = {"transport_options": {"peer_timeout": 2}}
 if name == "mirrored":
     options["on_failure"] = "shrink"

@@ -2,7 +2,7 @@
 
     torch_adapter_train.py --out DIR --strategy mirrored|between_graph --optimizer adam|sgd|adagrad|rmsprop
                            --steps M [--first K] [--save DIR] [--restore DIR]     one task (under ``launch``)
-    torch_adapter_train.py --out DIR --optimizer ... --steps M --reference         one process, plain torch
+    torch_adapter_train.py --out DIR --optimizer adam,sgd,... --steps M --reference  one process, plain torch
 
 A replica builds the module (non-chief replicas from another seed: the chief's values must win),
 wraps its torch optimizer in ``stratagem.torch.DistributedOptimizer`` and trains global steps
@@ -10,7 +10,8 @@ wraps its torch optimizer in ``stratagem.torch.DistributedOptimizer`` and trains
 ``loss.backward(); opt.step(); opt.zero_grad()``. ``--restore DIR`` restores the latest checkpoint
 first (``between_graph``: ``checkpoint_dir=DIR``), ``--save DIR`` saves one at the end (``strategy.save``). It writes ``DIR/<job>_<index>.npz``
 (final parameters by name) and ``.json`` (rows of its first shard, what ``broadcast_parameters`` gave
-it). ``--reference`` trains the same module alone on whole batches with plain ``torch.optim``.
+it). ``--reference`` trains the same module alone on whole batches with plain ``torch.optim``, once per
+optimizer named, into ``DIR/<optimizer>/``.
 """
 
 import argparse
@@ -61,14 +62,18 @@ def save(path: str, arrays: dict) -> None:
 
 
 def reference(args) -> None:
-    module = build_module(seed=1)
-    save(os.path.join(args.out, "initial.npz"), {n: p.detach().numpy().copy() for n, p in module.named_parameters()})
-    opt = make_optimizer(args.optimizer, module.parameters())
-    for x, y in global_batches(0, args.steps):
-        F.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y)).backward()
-        opt.step()
-        opt.zero_grad()
-    save(os.path.join(args.out, "reference.npz"), {n: p.detach().numpy() for n, p in module.named_parameters()})
+    """For each of the comma-separated ``--optimizer`` s: ``DIR/<optimizer>/initial.npz`` and ``reference.npz``."""
+    for kind in args.optimizer.split(","):
+        out = os.path.join(args.out, kind)
+        os.makedirs(out, exist_ok=True)
+        module = build_module(seed=1)
+        save(os.path.join(out, "initial.npz"), {n: p.detach().numpy().copy() for n, p in module.named_parameters()})
+        opt = make_optimizer(kind, module.parameters())
+        for x, y in global_batches(0, args.steps):
+            F.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+            opt.step()
+            opt.zero_grad()
+        save(os.path.join(out, "reference.npz"), {n: p.detach().numpy() for n, p in module.named_parameters()})
 
 
 def task(args) -> None:
