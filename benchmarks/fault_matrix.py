@@ -5,6 +5,8 @@ x fault x culprit; the outcome expected (written below, before anything runs) be
     python3 benchmarks/fault_matrix.py --transports zmq,grpc,shm --strategies mirrored --faults sigkill,exit
     python3 benchmarks/fault_matrix.py --culprits worker --peer-timeout 5 --json faults.json
     python3 benchmarks/fault_matrix.py --transports mpi --strategies mirrored       # stratagem launch --mpi
+    sudo python3 benchmarks/fault_matrix.py --transports grpc --strategies parameter_server --culprits worker \
+        --faults link_cut --repeat 5                                    # one cell, five runs
     sudo python3 benchmarks/fault_matrix.py --faults link_slow,link_cut_short,link_cut       # on emulated hosts
 
 Each cell runs the plain training script (:mod:`stratagem.testing.fault_script`, 40 steps, ``--steps``) under
@@ -169,10 +171,13 @@ def main() -> None:
     parser.add_argument("--culprits", default="worker,chief,ps", help="roles: worker (worker:1), chief (worker:0), ps (ps:0)")
     parser.add_argument("--peer-timeout", type=float, default=3.0)
     parser.add_argument("--steps", type=int, default=40, help="training steps of each job (the fault comes at step 3)")
+    parser.add_argument("--repeat", type=int, default=1, help="run each fault cell this many times (a row each)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     strategies, faults = args.strategies.split(","), args.faults.split(",")
     roles = args.culprits.split(",")
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: give 1 or more (the runs of each fault cell)")
     for name, given, known in (("strategy", strategies, STRATEGIES), ("fault", faults, ALL_FAULTS),
                                ("culprit", roles, tuple(CULPRITS))):
         unknown = sorted(set(given) - set(known))
@@ -197,7 +202,7 @@ def main() -> None:
                   f"{_codes(base)} | {base.launcher_culprit or '-'} | - | - |", flush=True)
             records.append(_record(base, "finishes", "finishes" if base.exit_code == 0 else "fails", []))
         no_hosts = why_no_hosts() if set(faults) & set(LINK_FAULTS) else None
-        for strategy, culprit, fault in cells(strategies, faults, roles):
+        for strategy, culprit, fault in (c for c in cells(strategies, faults, roles) for _ in range(args.repeat)):
             want = expected(strategy, culprit, fault, args.peer_timeout, transport)
             if fault in LINK_FAULTS and (no_hosts or transport in ("shm", "mpi")):
                 why = no_hosts or ("shm connects the tasks of one host only (it refuses others, saying so)"

@@ -110,20 +110,24 @@ def test_a_task_that_failed_on_its_own_is_named_whatever_was_lost(monkeypatch, r
     assert (blame.task, blame.settled, blame.by_losses) == (W2, True, False)
 
 
-def test_a_zmq_peer_that_closes_its_transport_is_not_noted_lost(monkeypatch, reports):
-    """The transport's reason for a goodbye is the one note_lost leaves out (a real zmq pair)."""
+@pytest.mark.parametrize("transport", ["zmq", "grpc"])
+@pytest.mark.parametrize("end", ["close", "abort"])
+def test_a_peer_that_closes_its_transport_is_not_noted_lost_one_that_aborts_is(monkeypatch, reports, transport, end):
+    """The transport's reason for a goodbye is the one note_lost leaves out; a peer that vanishes
+    without one (``abort``: as a crash) is noted, once (a real pair of each transport)."""
     as_task(monkeypatch, reports, W0)
-    with transport_world("zmq", 2) as (a, b):
+    with transport_world(transport, 2) as (a, b):
         b.send(a.task, "t", _message())
         a.recv(b.task, "t", timeout=10)
         a.send(b.task, "t", _message())
         b.recv(a.task, "t", timeout=10)
-        b.close()
+        getattr(b, end)()
         deadline = time.monotonic() + 10
         while b.task not in a.lost_peers() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert task_side.SAID_GOODBYE in a.lost_peers()[b.task]
-    assert reports.losses(W0) == []
+        said_goodbye = task_side.SAID_GOODBYE in a.lost_peers()[b.task]
+        assert said_goodbye == (end == "close"), a.lost_peers()[b.task]
+    assert [peer for _, peer in reports.losses(W0)] == ([] if end == "close" else [str(b.task)])
 
 
 def _message():

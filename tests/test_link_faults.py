@@ -63,11 +63,13 @@ def test_a_worker_cut_off_for_good_is_lost_and_named_by_every_other_task():
     assert not outcome.trained, _report(outcome)
 
 
-def test_a_parameter_server_worker_cut_off_for_good_is_named_though_only_it_fails():
+@pytest.mark.parametrize("transport", ["zmq", "grpc"])
+def test_a_parameter_server_worker_cut_off_for_good_is_named_though_only_it_fails(transport):
     """The coordinator and ps:0 lose worker:1 and go on without it (its closures run elsewhere); only
     worker:1 fails, blaming the coordinator it can no longer hear. The launcher names worker:1, from the
-    peers each task noted it lost (worker:1 lost them all, they lost it); it named worker:0 before."""
-    outcome = run_fault("parameter_server", "zmq", "worker:1", "link_cut", peer_timeout=PEER_TIMEOUT, steps=40)
+    peers each task noted it lost (worker:1 lost them all, they lost it); it named worker:0 before.
+    Over grpc too: its transport notes the same losses (the one link cell that needs them)."""
+    outcome = run_fault("parameter_server", transport, "worker:1", "link_cut", peer_timeout=PEER_TIMEOUT, steps=40)
     assert outcome.exit_code == 1, _report(outcome)
     assert outcome.launcher_culprit == "worker:1", _report(outcome)
     assert outcome.reason.startswith("worker:1 "), _report(outcome)
