@@ -79,7 +79,7 @@ from typing import Any
 
 import numpy as np
 
-from stratagem.core.cluster import TaskId
+from stratagem.core.cluster import TaskId, host_of
 from stratagem.core.errors import (
     CommunicationError,
     ConfigurationError,
@@ -172,8 +172,11 @@ class ParameterServer:
         self.replies = ReplyBuffers(timeout if timeout is not None else transport.timeout)
         #: The pieces' arrays (piece name -> array), written only through it.
         self.values = PieceValues(self.replies)
-        #: A sync job's replies with values, one at a time on this task's link.
+        #: A sync job's replies with values, one at a time on this task's link; those to the tasks on
+        #: this task's host (the same host in the cluster spec) go at once: loopback is not the link.
         self.turns = ReplyTurns(self._send, patience_s=turn_patience)
+        here = host_of(self.cluster.address(self.task) or "")
+        self._same_host = {t for t in self.cluster.tasks() if host_of(self.cluster.address(t) or "") == here}
 
     # -- the loop ----------------------------------------------------------------------------------
     def serve(self) -> dict:
@@ -272,8 +275,9 @@ class ParameterServer:
 
     def _reply(self, dst: TaskId, meta: dict, buffers=()) -> None:
         """Send a reply with values: in its turn in a sync job (:mod:`stratagem.ps_service.turns`),
-        its arrays kept from updates until it is sent; else at once."""
-        if self.config is None or self.config["mode"] != "sync":
+        its arrays kept from updates until it is sent, unless it goes to a task on this host; else at
+        once."""
+        if self.config is None or self.config["mode"] != "sync" or dst in self._same_host:
             self._send(dst, meta, buffers)
             return
         sent = self.turns.reply(dst, meta, buffers)
