@@ -32,6 +32,7 @@ from stratagem.ps_service import client as client_module
 from stratagem.ps_service import consistency as consistency_module
 from stratagem.ps_service import protocol as protocol_module
 from stratagem.ps_service import server as server_module
+from stratagem.ps_service import turns as turns_module
 from stratagem.strategies.ps import base as ps_strategy_module
 from stratagem.ps_service.placement import (
     GreedyByBytes,
@@ -636,7 +637,7 @@ def test_mode_options_are_checked():
 
 def test_docstring_examples():
     for module in (placement_module, client_module, protocol_module, server_module, ps_strategy_module,
-                   consistency_module, checkpoint_module):
+                   consistency_module, checkpoint_module, turns_module):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0, f"{module.__name__}: {result.failed} doctest example(s) failed"
 
@@ -769,9 +770,3 @@ def test_a_stop_sends_the_replies_still_waiting_for_their_turn(closing):
     thread.join(15)
     assert got == {"reply": ("applied", True, -1.0)}
     assert svc.chief.stats()[0]["turns"]["out_of_turn"] == 1
-
-
-def test_reply_turns_doc_examples():
-    from stratagem.ps_service import turns as turns_module
-    result = doctest.testmod(turns_module, optionflags=doctest.ELLIPSIS)
-    assert result.attempted and result.failed == 0
