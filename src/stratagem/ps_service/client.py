@@ -179,7 +179,10 @@ class PSClient:
             waiting_since = recorder.wait_until_now(reply.src, REPLY_TAG, waiting_since)
             index = by_task.get(reply.src)
             if index is None or reply.meta.get("id") != ids[index]:
-                continue  # the late reply to an earlier call that timed out
+                # the late reply to an earlier call that timed out (its shard may wait for the word)
+                if reply.meta.get("turn") and reply.meta.get("part", 0) + 1 >= reply.meta.get("parts", 1):
+                    self._received(reply.src, reply.meta.get("id"))
+                continue
             received += reply.nbytes
             if "error" in reply.meta:
                 errors[index] = reply.meta["error"]
@@ -191,7 +194,7 @@ class PSClient:
                 if last:
                     done.add(index)
                     if reply.meta.get("turn"):
-                        self._received(index, reply.meta.get("id"))
+                        self._received(reply.src, reply.meta.get("id"))
                     if "status" in reply.meta:    # a push's acknowledgement
                         self.acks[index][reply.meta["status"]] += 1
                 yield index, reply, last
@@ -202,10 +205,10 @@ class PSClient:
                               culprit=culprits[0] if culprits else None)
         return received
 
-    def _received(self, index: int, request_id) -> None:
-        """Tell shard ``index`` its reply to ``request_id`` is in: the next reply's turn there."""
+    def _received(self, shard: TaskId, request_id) -> None:
+        """Tell ``shard`` its reply to ``request_id`` is in: the next reply's turn there."""
         try:
-            self.transport.send(self.shards[index], REQUEST_TAG, Message({"op": "received", "id": request_id}),
+            self.transport.send(shard, REQUEST_TAG, Message({"op": "received", "id": request_id}),
                                 timeout=self.timeout)
         except CommunicationError:
             pass    # the shard is gone (a later call says so) or slow: its patience ends the turn

@@ -126,7 +126,7 @@ class ReplyTurns:
         """Send a reply: at once if it is small (returns its sends' handles), else in its turn
         (returns its :class:`TurnHandle`, which the caller keeps its arrays busy with)."""
         buffers = list(buffers)
-        nbytes = sum(int(getattr(b, "nbytes", len(b))) for b in buffers)
+        nbytes = sum(int(b.nbytes) if hasattr(b, "nbytes") else len(b) for b in buffers)
         if nbytes < self.min_bytes:
             return self._send(dst, meta, buffers)
         reply = _Reply(dst, {**meta, "turn": True}, buffers, nbytes)
