@@ -656,17 +656,19 @@ class ParameterServer:
         names, grads = round_.mean()
         self._apply(names, grads)
         self.counters["updates"] += 1
-        for (src, request_id, pull), who in round_.waiters:     # in the order the pushes came
-            reply_meta, values = self._count(who, APPLIED, pull)
-            self._reply(src, {"id": request_id, "ok": True, **reply_meta}, values)
+        with self.turns.together():
+            for (src, request_id, pull), who in round_.waiters:     # in the order the pushes came
+                reply_meta, values = self._count(who, APPLIED, pull)
+                self._reply(src, {"id": request_id, "ok": True, **reply_meta}, values)
 
     def _drop_round(self) -> None:
         """A load replaced the values: the pending sync round's pushes were made on the old ones, so
         each is answered ``dropped`` (its replica reads the new values and goes on), none applied."""
         round_, self._round = self._round, SyncRound()
-        for (src, request_id, pull), who in round_.waiters:
-            reply_meta, values = self._count(who, DROPPED, pull)
-            self._reply(src, {"id": request_id, "ok": True, **reply_meta}, values)
+        with self.turns.together():
+            for (src, request_id, pull), who in round_.waiters:
+                reply_meta, values = self._count(who, DROPPED, pull)
+                self._reply(src, {"id": request_id, "ok": True, **reply_meta}, values)
 
     # -- the staleness bound (bounded)
     def _release_held(self) -> None:

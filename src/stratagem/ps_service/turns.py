@@ -11,7 +11,11 @@ of a round come together, so in a sync job a pull's reply takes its turn too.
 
 :class:`ReplyTurns` sends a reply of at least :data:`TURN_BYTES` when the one before has been
 received: the reply carries ``turn: True`` and the requester's client answers, once its last part
-is in, with a ``received`` request (:class:`~stratagem.ps_service.client.PSClient`). A requester that
+is in, with a ``received`` request (:class:`~stratagem.ps_service.client.PSClient`). The last of a
+round's replies (queued :meth:`~ReplyTurns.together`) goes without asking when nothing waits behind it: the word would
+cost the requester and the server a message each and start nothing (with two workers, one of them
+beside the ps, the round's one remote reply is such). A pull's reply always asks: the pulls of a
+round come one by one, and the next may come while this one is on the wire. A requester that
 never says so (stalled, or a client that does not know the message) holds the next one up for its
 *patience* only, :data:`PATIENCE_S` plus its bytes at :data:`PATIENCE_BPS`; a requester that is gone
 loses its turn at once (the ones queued for it are dropped, as a send to it would fail). Smaller
@@ -36,10 +40,18 @@ and an update that needs its array back sends it out of turn.
     [('w1', True), ('w3', None)]
     >>> turns.received("w1", 1); sent[-1], turns.queued
     (('w2', True), 0)
+    >>> turns.received("w2", 7)
+    >>> with turns.together():                                  # a round's replies, queued in a row
+    ...     _ = turns.reply("w1", {"id": 3}, big); _ = turns.reply("w2", {"id": 8}, big)
+    >>> sent[-1]
+    ('w1', True)
+    >>> turns.received("w1", 3); sent[-1], turns.counters["last"]  # the last, nothing behind: no word asked
+    (('w2', None), 1)
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter, deque
@@ -83,8 +95,8 @@ class TurnHandle(SendHandle):
 class _Reply:
     """One reply that takes a turn: where it goes, what it says, its arrays and their bytes."""
 
-    def __init__(self, dst, meta: dict, buffers: list, nbytes: int):
-        self.dst, self.meta, self.buffers, self.nbytes = dst, meta, buffers, nbytes
+    def __init__(self, dst, meta: dict, buffers: list, nbytes: int, together: bool = False):
+        self.dst, self.meta, self.buffers, self.nbytes, self.together = dst, meta, buffers, nbytes, together
         self.deadline = 0.0
         self.handle: TurnHandle | None = None
 
@@ -112,7 +124,9 @@ class ReplyTurns:
         self._clock = clock
         self._queue: deque[_Reply] = deque()
         self._current: _Reply | None = None      # the reply whose turn it is, until it is received
-        #: ``turns`` (replies sent in turn), ``received`` (turns the requester ended), ``waited_out``
+        self._batch: list | None = None           # the replies queued together (a round's), while it lasts
+        #: ``turns`` (replies sent in turn, asking for the word), ``last`` (a round's last, sent in
+        #: turn without asking), ``received`` (turns the requester ended), ``waited_out``
         #: (turns that ran out of patience), ``skipped`` (requester gone), ``out_of_turn`` (sent early:
         #: a stop, a failed job, an update that needed the array).
         self.counters: Counter = Counter()
@@ -122,6 +136,20 @@ class ReplyTurns:
         """Replies waiting for their turn."""
         return len(self._queue)
 
+    @contextlib.contextmanager
+    def together(self):
+        """Queue the replies made inside (a sync round's) in a row, then start: the one of them that
+        starts with nothing queued behind it asks for no word."""
+        self._batch = []
+        try:
+            yield self
+        finally:
+            batch, self._batch = self._batch, None
+            for reply in batch:
+                reply.together = True
+                self._queue.append(reply)
+            self._advance()
+
     def reply(self, dst, meta: dict, buffers: Sequence) -> SendHandle | list:
         """Send a reply: at once if it is small (returns its sends' handles), else in its turn
         (returns its :class:`TurnHandle`, which the caller keeps its arrays busy with)."""
@@ -129,8 +157,11 @@ class ReplyTurns:
         nbytes = sum(int(b.nbytes) if hasattr(b, "nbytes") else len(b) for b in buffers)
         if nbytes < self.min_bytes:
             return self._send(dst, meta, buffers)
-        reply = _Reply(dst, {**meta, "turn": True}, buffers, nbytes)
+        reply = _Reply(dst, meta, buffers, nbytes)
         reply.handle = TurnHandle(self._out_of_turn, reply)
+        if self._batch is not None:
+            self._batch.append(reply)
+            return reply.handle
         self._queue.append(reply)
         self._advance()
         return reply.handle
@@ -182,6 +213,11 @@ class ReplyTurns:
     def _advance(self) -> None:
         while self._current is None and self._queue:
             reply = self._queue.popleft()
+            if reply.together and not self._queue:    # nothing behind it: no word to wait for
+                self.counters["last"] += 1
+                reply.handle.handles = self._send(reply.dst, reply.meta, reply.buffers)
+                continue
+            reply.meta = {**reply.meta, "turn": True}
             reply.handle.handles = self._send(reply.dst, reply.meta, reply.buffers)
             if not reply.handle.handles:       # the requester is gone: its turn is over
                 self.counters["skipped"] += 1
