@@ -770,3 +770,25 @@ def test_a_stop_sends_the_replies_still_waiting_for_their_turn(closing):
     thread.join(15)
     assert got == {"reply": ("applied", None, -1.0)}
     assert svc.chief.stats()[0]["turns"]["out_of_turn"] == 1
+
+
+def test_replies_to_the_ps_host_go_at_once_without_a_turn(service):
+    """Every task at the ps's host ('local' here): loopback is not the link, so a sync round's large
+    replies go at once, asking for no word; the stats say no turn was taken."""
+    svc = service(ps=1, workers=2)
+    size = 32 << 10                                    # 128 KiB: a reply that would take a turn across hosts
+    svc.init({"mode": "sync", "replicas_to_aggregate": 2, "total_replicas": 2, "staleness": None},
+             {0: {"w": np.zeros(size, np.float32)}}, SGD1)
+    got = {}
+
+    def push(index):
+        reply = push_grads(svc.clients[index], {0: (["w"], [np.ones(size, np.float32)])}, versions={0: 0}, pull=True)[0]
+        got[index] = reply.meta["status"], reply.meta.get("turn"), float(reply.buffers[0][0])
+    threads = [threading.Thread(target=push, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert got == {0: ("applied", None, -1.0), 1: ("applied", None, -1.0)}
+    stats = svc.clients[0].stats()[0]
+    assert stats["turns"] == {} and stats["queued"] == 0

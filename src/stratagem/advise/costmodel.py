@@ -1052,7 +1052,7 @@ def with_link(transport: TransportFigures, latency_s: float | None = None,
 
     >>> t = with_link(TransportFigures("zmq", Link(1e-4, 1e9), Link(2e-4, 2e9)), bandwidth_Bps=3e9)
     >>> t.allreduce, t.p2p
-    (Link(latency_s=0.0001, bandwidth_Bps=3000000000.0, credit_s=0.0, burst_bytes=0.0), Link(latency_s=0.0002, bandwidth_Bps=3000000000.0, credit_s=0.0, burst_bytes=0.0))
+    (Link(latency_s=0.0001, bandwidth_Bps=3000000000.0, credit_s=0.0, burst_bytes=0.0, turns=0), Link(latency_s=0.0002, bandwidth_Bps=3000000000.0, credit_s=0.0, burst_bytes=0.0, turns=0))
     """
     def swap(link: Link | None) -> Link | None:
         if link is None:

@@ -172,11 +172,10 @@ class ParameterServer:
         self.replies = ReplyBuffers(timeout if timeout is not None else transport.timeout)
         #: The pieces' arrays (piece name -> array), written only through it.
         self.values = PieceValues(self.replies)
-        #: A sync job's replies with values, one at a time on this task's link; those to the tasks on
-        #: this task's host (the same host in the cluster spec) go at once: loopback is not the link.
+        #: A sync job's replies with values, one at a time on this task's link (:meth:`_takes_turns`).
         self.turns = ReplyTurns(self._send, patience_s=turn_patience)
         here = host_of(self.cluster.address(self.task) or "")
-        self._same_host = {t for t in self.cluster.tasks() if host_of(self.cluster.address(t) or "") == here}
+        self._same_host = {task_key(t) for t in self.cluster.tasks() if host_of(self.cluster.address(t) or "") == here}
 
     # -- the loop ----------------------------------------------------------------------------------
     def serve(self) -> dict:
@@ -273,11 +272,20 @@ class ParameterServer:
             handles.append(handle)
         return handles
 
+    def _takes_turns(self, dst: TaskId) -> bool:
+        """Whether a reply with values to ``dst`` takes its turn: in a sync job, to a task on another
+        host than this one (the same host in the cluster spec: loopback is not the link), when at
+        least two pushers are on other hosts (one alone has nobody to take turns with, and the word
+        ``received`` would cost it a message a step)."""
+        if self.config is None or self.config["mode"] != "sync" or task_key(dst) in self._same_host:
+            return False
+        return sum(1 for p in self.config.get("pushers") or () if p not in self._same_host) >= 2
+
     def _reply(self, dst: TaskId, meta: dict, buffers=()) -> None:
-        """Send a reply with values: in its turn in a sync job (:mod:`stratagem.ps_service.turns`),
-        its arrays kept from updates until it is sent, unless it goes to a task on this host; else at
+        """Send a reply with values: in its turn where :meth:`_takes_turns`
+        (:mod:`stratagem.ps_service.turns`), its arrays kept from updates until it is sent; else at
         once."""
-        if self.config is None or self.config["mode"] != "sync" or dst in self._same_host:
+        if not self._takes_turns(dst):
             self._send(dst, meta, buffers)
             return
         sent = self.turns.reply(dst, meta, buffers)

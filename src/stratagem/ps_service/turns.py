@@ -20,8 +20,9 @@ never says so (stalled, or a client that does not know the message) holds the ne
 *patience* only, :data:`PATIENCE_S` plus its bytes at :data:`PATIENCE_BPS`; a requester that is gone
 loses its turn at once (the ones queued for it are dropped, as a send to it would fail). Smaller
 replies go at once: a turn would cost them a round trip for a transfer shorter than one. So do the
-replies to tasks on the ps task's own host (the server decides): they cross its loopback, not the
-link, and waiting for a turn would only delay them.
+replies to tasks on the ps task's own host, and every reply where fewer than two pushers are on
+other hosts (the server decides: :class:`~stratagem.ps_service.server.ParameterServer`): they cross
+its loopback, not the link, or have nobody to take turns with.
 
 Every reply still goes out: :meth:`ReplyTurns.flush` sends the queued ones at once (a stop, a failed
 job, the end of serving). A queued reply holds its values by reference; its :class:`TurnHandle`
