@@ -12,10 +12,10 @@ of a round come together, so in a sync job a pull's reply takes its turn too.
 :class:`ReplyTurns` sends a reply of at least :data:`TURN_BYTES` when the one before has been
 received: the reply carries ``turn: True`` and the requester's client answers, once its last part
 is in, with a ``received`` request (:class:`~stratagem.ps_service.client.PSClient`). The last of a
-round's replies (queued :meth:`~ReplyTurns.together`) goes without asking when nothing waits behind it: the word would
-cost the requester and the server a message each and start nothing (with two workers, one of them
-beside the ps, the round's one remote reply is such). A pull's reply always asks: the pulls of a
-round come one by one, and the next may come while this one is on the wire. A requester that
+round's replies (queued :meth:`~ReplyTurns.together`) goes without asking when nothing waits behind
+it: the word would cost the requester and the server a message each and start nothing. A pull's
+reply always asks: the pulls of a round come one by one, and the next may come while this one is on
+the wire. A requester that
 never says so (stalled, or a client that does not know the message) holds the next one up for its
 *patience* only, :data:`PATIENCE_S` plus its bytes at :data:`PATIENCE_BPS`; a requester that is gone
 loses its turn at once (the ones queued for it are dropped, as a send to it would fail). Smaller
