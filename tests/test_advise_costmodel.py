@@ -391,3 +391,29 @@ def test_across_a_shaped_link_the_stream_is_paced_by_the_wire_less_the_token_buc
     shaped = hosts.shaped(ZMQ, ring, spec).allreduce
     assert cm.ring_allreduce_s(1e6, 2, shaped, idle_s=0.002) == pytest.approx(
         1e6 / wire - (0.002 - 0.002 * wire / 1e9) + 2 * 100e-6)
+
+
+def test_a_sync_rounds_replies_to_other_hosts_take_turns_on_the_ps_link():
+    """The ps sends a sync round's replies to the workers on other hosts one after another
+    (ps_service/turns.py): a round is the first reply's share of the replies' time and then the
+    pushes, ``x / m + x``, not ``2x`` (4 workers on 4 hosts, the ps beside one: 4T instead of 6T)."""
+    from stratagem.advise import hosts
+    from stratagem.launch.hosts import HostsSpec
+
+    spec = HostsSpec.parse(4, link="100mbit")
+    wire = 100e6 / 8 * 1448 / 1514
+    sync = cm.Setup("between_graph", "sync", "zmq", 4, 1)
+    link = hosts.shaped(ZMQ, sync, spec, emulated=False).exchange
+    assert link.turns == 3 and link.bandwidth_Bps == pytest.approx(wire / 0.75)   # 3 of the 4 cross the link
+    T = 1e6 / wire                                     # one worker's 1 MB on the wire
+    fan_in = predict("between_graph", "sync", 4, ps=1, transport=hosts.shaped(ZMQ, sync, spec, emulated=False))
+    assert fan_in.parts["ps fan-in"] == pytest.approx(2 * 200e-6 + 3 * T + T)     # 4T (the even share: 6T)
+    assert cm.fan_in_s(1e6, 4, cm.Link(0.0, wire / 0.75)) == pytest.approx(6 * T)
+    # what does not take turns: async pushes, one remote worker, replies under 64 KiB, a p2p fallback
+    asynchronous = cm.Setup("between_graph", "async", "zmq", 4, 1)
+    assert hosts.shaped(ZMQ, asynchronous, spec).exchange.turns == 0
+    assert hosts.shaped(ZMQ, cm.Setup("between_graph", "sync", "zmq", 2, 1), HostsSpec.parse(2, link="1gbit")).ps.turns == 1
+    assert cm.fan_in_s(1e6, 2, cm.Link(0.0, 1e9, turns=1)) == cm.fan_in_s(1e6, 2, cm.Link(0.0, 1e9))
+    small = 32 << 10
+    assert cm.fan_in_s(small, 4, cm.Link(0.0, 1e9, turns=3)) == cm.fan_in_s(small, 4, cm.Link(0.0, 1e9))
+    assert cm.Link(0.0, 1e9, turns=3).scaled(2).turns == 3

@@ -7,11 +7,14 @@ transport: servers and clients are threads of this process, so these tests are f
   (async, sync with stale gradients dropped, bounded staleness), exact accounting of pushes, the
   errors a server answers, a lost shard named within the timeout, when a server stops;
 - replies in parts (each copied in as it arrives) and the double buffering of values that replies
-  still send (a reply keeps its version however many updates follow).
+  still send (a reply keeps its version however many updates follow);
+- a sync job's replies taking turns (over zmq, real sockets: the server waits for the word
+  ``received``, or for its patience, before the next reply; a stop sends the ones still waiting).
 """
 
 from __future__ import annotations
 
+import contextlib
 import doctest
 import sys
 import threading
@@ -29,6 +32,7 @@ from stratagem.ps_service import client as client_module
 from stratagem.ps_service import consistency as consistency_module
 from stratagem.ps_service import protocol as protocol_module
 from stratagem.ps_service import server as server_module
+from stratagem.ps_service import turns as turns_module
 from stratagem.strategies.ps import base as ps_strategy_module
 from stratagem.ps_service.placement import (
     GreedyByBytes,
@@ -43,7 +47,7 @@ from stratagem.ps_service.client import PSClient
 from stratagem.ps_service.messages import PushRequest
 from stratagem.ps_service.protocol import RemoteError, ShardLostError
 from stratagem.ps_service.server import ParameterServer
-from stratagem.core.transport import SendHandle
+from stratagem.core.transport import Message, SendHandle
 from stratagem.transports.local import LocalFabric, LocalTransport
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -633,6 +637,158 @@ def test_mode_options_are_checked():
 
 def test_docstring_examples():
     for module in (placement_module, client_module, protocol_module, server_module, ps_strategy_module,
-                   consistency_module, checkpoint_module):
+                   consistency_module, checkpoint_module, turns_module):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0, f"{module.__name__}: {result.failed} doctest example(s) failed"
+
+
+# -- a sync job's replies take turns on the ps's link (ps_service/turns.py) ---------------------------------
+
+class ZmqService:
+    """One ps server (a thread) and two workers over the zmq transport, real sockets on loopback, each
+    worker at an address of its own (127.0.0.2, 127.0.0.3: another host than the ps's 127.0.0.1, whose
+    replies take turns; a task on the ps's host gets its reply at once): ``worker:0`` speaks the protocol by hand through its transport (``raw``) and never says it received
+    a reply unless the test does; ``worker:1`` is a :class:`PSClient`. A sync job of 2 pushers, one
+    float32 piece ``w`` of 128 KiB (a reply large enough to take a turn)."""
+
+    SIZE = 32 << 10
+
+    def __init__(self, turn_patience: float):
+        from stratagem.core.cluster import ClusterSpec
+        from stratagem.testing.world import free_ports
+        from stratagem.transports.zmq.transport import ZmqTransport
+
+        hosts = {"ps": "127.0.0.1", "worker:0": "127.0.0.2", "worker:1": "127.0.0.3"}
+        port = {name: free_ports(1, host)[0] for name, host in hosts.items()}
+        self.cluster = ClusterSpec({"ps": [f"127.0.0.1:{port['ps']}"],
+                                    "worker": [f"{hosts[w]}:{port[w]}" for w in ("worker:0", "worker:1")]})
+        self.transports = []
+        self.ps = self._transport(ZmqTransport, "ps:0")
+        self.server = ParameterServer(self.ps, poll=0.02, linger=10, turn_patience=turn_patience)
+        self.outcome = {}
+        self.thread = threading.Thread(target=lambda: self.outcome.setdefault("stats", self.server.serve()),
+                                       daemon=True)
+        self.thread.start()
+        self.raw = self._transport(ZmqTransport, "worker:0")
+        self.chief = PSClient(self.raw, timeout=10)      # worker:0's client, for the set-up and the stats
+        self.client = PSClient(self._transport(ZmqTransport, "worker:1"), timeout=20)
+        self.shard = TaskId("ps", 0)
+        value = np.zeros(self.SIZE, np.float32)
+        self.chief.init({0: [spec("w", value)]}, {0: [value]},
+                        {"mode": "sync", "replicas_to_aggregate": 2, "total_replicas": 2, "staleness": None,
+                         "pushers": ["worker:0", "worker:1"]})
+        self.chief.ready()
+        self.chief.set_optimizer(SGD1)
+
+    def _transport(self, cls, task):
+        transport = cls(self.cluster, task, timeout=10)
+        self.transports.append(transport)
+        transport.start()
+        return transport
+
+    def raw_push(self, request_id: int) -> None:
+        """worker:0 pushes a gradient of ones for step 0, asking for the values back; returns once the
+        server has it (a request sent after it was answered)."""
+        request = PushRequest(weight=1.0, pull=True, version=0)
+        request.add("w", np.ones(self.SIZE, np.float32))
+        message = request.to_message()
+        message.meta["id"] = request_id
+        self.raw.send(self.shard, protocol_module.REQUEST_TAG, message, timeout=10)
+        self.chief.hello(timeout=10)                   # served after the push: the push is in its round
+
+    def raw_reply(self):
+        """worker:0's reply, whole (one part: 128 KiB is less than a part)."""
+        return self.raw.recv(self.shard, protocol_module.REPLY_TAG, timeout=10)
+
+    def close(self):
+        if self.thread.is_alive():
+            for client in (self.chief, self.client):
+                with contextlib.suppress(Exception):
+                    client.bye(timeout=2)
+        for transport in reversed(self.transports[1:]):
+            transport.close()
+        self.thread.join(10)
+        self.ps.close()
+        assert not self.thread.is_alive(), "the server did not stop"
+
+
+def _push_in_thread(svc) -> tuple[threading.Thread, dict]:
+    """worker:1's push (ones, step 0, values back) in a thread; its outcome lands in the dict."""
+    got = {}
+
+    def push():
+        try:
+            reply = push_grads(svc.client, {0: (["w"], [np.ones(svc.SIZE, np.float32)])}, versions={0: 0}, pull=True)[0]
+            got["reply"] = reply.meta["status"], reply.meta.get("turn"), float(reply.buffers[0][0])
+        except BaseException as exc:  # noqa: BLE001 - checked by the test
+            got["error"] = exc
+    thread = threading.Thread(target=push, daemon=True)
+    thread.start()
+    return thread, got
+
+
+def test_a_sync_rounds_replies_go_one_after_another_in_push_order(closing):
+    """The round's second reply starts only once the first requester said it received its own: until
+    then it waits on the server, its requester still waiting (on the old code both went at once)."""
+    svc = closing(ZmqService(turn_patience=60.0))    # only the word 'received' ends the first turn here
+    svc.raw_push(1000)                                # worker:0 pushes first
+    thread, got = _push_in_thread(svc)                # worker:1 completes the round
+    first = svc.raw_reply()
+    thread.join(1.0)
+    assert thread.is_alive() and not got, "the second reply went before the first was received"
+    assert first.meta["id"] == 1000 and first.meta["status"] == "applied" and first.meta.get("turn") is True
+    assert float(first.buffers[0][0]) == -1.0         # the mean of two gradients of ones, lr 1
+    stats = svc.chief.stats()[0]
+    assert stats["queued"] == 1 and stats["turns"] == {"turns": 1}
+    svc.raw.send(svc.shard, protocol_module.REQUEST_TAG, Message({"op": "received", "id": 1000}), timeout=10)
+    thread.join(15)
+    assert got == {"reply": ("applied", None, -1.0)}   # the round's last: nothing behind it, no word asked
+    stats = svc.chief.stats()[0]
+    assert stats["queued"] == 0 and stats["turns"] == {"turns": 1, "received": 1, "last": 1}
+    assert stats["applied"] == 2 and stats["updates"] == 1
+
+
+def test_a_requester_that_never_says_received_holds_the_next_reply_only_for_its_patience(closing):
+    svc = closing(ZmqService(turn_patience=0.2))      # 0.2 s + 128 KiB at 1 MB/s
+    svc.raw_push(2000)
+    thread, got = _push_in_thread(svc)
+    assert svc.raw_reply().meta.get("turn") is True   # ...and worker:0 never says it received it
+    thread.join(15)
+    assert got == {"reply": ("applied", None, -1.0)}
+    turns = svc.chief.stats()[0].get("turns")
+    assert turns == {"turns": 1, "waited_out": 1, "last": 1}
+
+
+def test_a_stop_sends_the_replies_still_waiting_for_their_turn(closing):
+    svc = closing(ZmqService(turn_patience=60.0))
+    svc.raw_push(3000)
+    thread, got = _push_in_thread(svc)
+    reply = svc.raw_reply()
+    thread.join(0.5)
+    assert thread.is_alive() and reply.meta.get("turn") is True
+    svc.chief.stop()                                  # the job ends: nothing waits for a turn any more
+    thread.join(15)
+    assert got == {"reply": ("applied", None, -1.0)}
+    assert svc.chief.stats()[0]["turns"]["out_of_turn"] == 1
+
+
+def test_replies_to_the_ps_host_go_at_once_without_a_turn(service):
+    """Every task at the ps's host ('local' here): loopback is not the link, so a sync round's large
+    replies go at once, asking for no word; the stats say no turn was taken."""
+    svc = service(ps=1, workers=2)
+    size = 32 << 10                                    # 128 KiB: a reply that would take a turn across hosts
+    svc.init({"mode": "sync", "replicas_to_aggregate": 2, "total_replicas": 2, "staleness": None},
+             {0: {"w": np.zeros(size, np.float32)}}, SGD1)
+    got = {}
+
+    def push(index):
+        reply = push_grads(svc.clients[index], {0: (["w"], [np.ones(size, np.float32)])}, versions={0: 0}, pull=True)[0]
+        got[index] = reply.meta["status"], reply.meta.get("turn"), float(reply.buffers[0][0])
+    threads = [threading.Thread(target=push, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert got == {0: ("applied", None, -1.0), 1: ("applied", None, -1.0)}
+    stats = svc.clients[0].stats()[0]
+    assert stats.get("turns") == {} and stats.get("queued") == 0

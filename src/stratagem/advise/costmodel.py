@@ -87,6 +87,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
 
+from stratagem.ps_service.turns import TURN_BYTES
+
 #: Strategies the model knows, and the consistency modes of those on parameter servers.
 STRATEGIES = ("mirrored", "in_graph", "between_graph", "parameter_server")
 PS_STRATEGIES = ("between_graph", "parameter_server")
@@ -106,6 +108,9 @@ class Link:
     round's pushes, then its replies; an all-reduce while the replicas compute); both 0 on links that
     are not shaped.
 
+    ``turns``, on a ps link that crosses hosts: how many of a sync round's replies take turns on the
+    ps host's way out (the requesters on other hosts than the ps: :func:`fan_in_s`); 0 where none do.
+
     >>> Link(50e-6, 1e9).time(1_000_000)
     0.00105
     """
@@ -114,13 +119,15 @@ class Link:
     bandwidth_Bps: float
     credit_s: float = 0.0
     burst_bytes: float = 0.0
+    turns: int = 0
 
     def time(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bandwidth_Bps
 
     def scaled(self, factor: float) -> "Link":
         """The link ``factor`` times slower (latency up, bandwidth down)."""
-        return Link(self.latency_s * factor, self.bandwidth_Bps / factor, self.credit_s * factor, self.burst_bytes)
+        return replace(self, latency_s=self.latency_s * factor, bandwidth_Bps=self.bandwidth_Bps / factor,
+                       credit_s=self.credit_s * factor)
 
     def bytes_s(self, nbytes: float, idle_s: float | None = None) -> float:
         """Seconds ``nbytes`` take on the link after an idle gap: ``nbytes / bw``, less the credit of
@@ -427,6 +434,15 @@ def fan_in_s(shard_bytes: float, workers: int, link: Link, idle_s: float | None 
     """One synchronous exchange with a shard of ``shard_bytes``: every worker pushes its gradient and
     gets the values back over the shard's link, one after another: ``2 * alpha + w * 2B / bw``.
 
+    **Reply turns.** Where ``link.turns`` (``m``) replies of at least
+    :data:`~stratagem.ps_service.turns.TURN_BYTES` cross the link, the ps sends them one after another
+    (:mod:`stratagem.ps_service.turns`): the first requester has its values after ``x / m`` of the
+    replies' time ``x`` and computes and pushes while the others still receive (the link carries both
+    directions at once), each next push following the one before, so a round takes ``x / m`` and
+    then the pushes' ``x``, not ``2x``: ``2 * alpha + x + x / m``. (Four workers on four hosts, the ps
+    beside one: ``m = 3``, ``x = 3T`` for ``T`` one reply's time on the wire: ``4T`` instead of
+    ``6T``.) The workers' compute, between their reply and their push, is the step's own part.
+
     On a shaped link the pushes come in while the way out idles, then the replies go out while the
     way in idles: each direction starts on the token bucket once a round (two credits,
     :meth:`Link.bytes_s`), refilled while the other direction worked and for ``idle_s`` more (the
@@ -440,6 +456,8 @@ def fan_in_s(shard_bytes: float, workers: int, link: Link, idle_s: float | None 
     >>> link = Link(0.0, 1e5, credit_s=1.0, burst_bytes=1e5)     # a bucket deeper than the messages
     >>> round(fan_in_s(2e3, 2, link, idle_s=0.0), 6)              # 40 ms of bytes each way, at once: 20 + 20
     0.04
+    >>> fan_in_s(1e6, 4, Link(10e-6, 1e9, turns=4))               # 4 replies in turn: 4 + 1 ms of bytes
+    0.00502
     """
     if workers < 1:
         return 0.0
@@ -448,7 +466,8 @@ def fan_in_s(shard_bytes: float, workers: int, link: Link, idle_s: float | None 
     if idle_s is not None and link.credit_s > 0 and link.burst_bytes > 0:
         k = link.credit_s * link.bandwidth_Bps / link.burst_bytes
         x = max(x, (nbytes / link.bandwidth_Bps - k * idle_s) / (1 + k))
-    return 2 * link.latency_s + 2 * x
+    replies = x / link.turns if link.turns > 1 and shard_bytes >= TURN_BYTES else x
+    return 2 * link.latency_s + x + replies
 
 
 def round_trip_s(nbytes: float, link: Link) -> float:
@@ -1033,7 +1052,7 @@ def with_link(transport: TransportFigures, latency_s: float | None = None,
 
     >>> t = with_link(TransportFigures("zmq", Link(1e-4, 1e9), Link(2e-4, 2e9)), bandwidth_Bps=3e9)
     >>> t.allreduce, t.p2p
-    (Link(latency_s=0.0001, bandwidth_Bps=3000000000.0, credit_s=0.0, burst_bytes=0.0), Link(latency_s=0.0002, bandwidth_Bps=3000000000.0, credit_s=0.0, burst_bytes=0.0))
+    (Link(latency_s=0.0001, bandwidth_Bps=3000000000.0, credit_s=0.0, burst_bytes=0.0, turns=0), Link(latency_s=0.0002, bandwidth_Bps=3000000000.0, credit_s=0.0, burst_bytes=0.0, turns=0))
     """
     def swap(link: Link | None) -> Link | None:
         if link is None:

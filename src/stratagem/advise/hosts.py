@@ -31,6 +31,8 @@ modelled, not measured:
   - a ps exchange: the pushes of the workers on other hosts than the ps cross the ps host's link
     (each ps host's link is shared by the ps tasks on it); the workers on the ps's own host exchange
     over its loopback: the busiest ps host gives ``flows = remote workers / workers x ps tasks there``.
+    A sync round's replies to the remote workers take turns on its way out (``Link.turns``:
+    :func:`ps_turns`; what that makes of a round: :func:`~stratagem.advise.costmodel.fan_in_s`).
   - point to point (the ``in_graph`` client's link, a coordinator's dispatch): one flow.
 
 - **Cores.** ``--cores-per-host C``: every host has ``C`` cores of its own, shared by the tasks on it
@@ -125,6 +127,22 @@ def ps_flows(setup: cm.Setup, spec: HostsSpec) -> float:
     return worst
 
 
+def ps_turns(setup: cm.Setup, spec: HostsSpec) -> int:
+    """How many of a sync round's replies take turns on the busiest ps host's link: the workers on
+    other hosts than it (a ps task answers those on its own host at once, over loopback:
+    :mod:`stratagem.ps_service.turns`).
+
+    >>> ps_turns(cm.Setup("between_graph", "sync", "zmq", workers=4, ps=1), HostsSpec.parse(4, link="1gbit"))
+    3
+    """
+    where = placement(setup, spec)
+    if not where["ps"]:
+        return 0
+    workers = where["worker"]
+    busiest = max(sorted(set(where["ps"])), key=lambda h: sum(1 for w in workers if w != h) * where["ps"].count(h))
+    return sum(1 for w in workers if w != busiest)
+
+
 def bucket_payload(setup: cm.Setup, spec: HostsSpec) -> float:
     """Payload bytes of the token bucket's depth on the slowest link the job uses (its depth is
     counted in frame bytes: :func:`stratagem.launch.hosts.bucket_bytes`); 0 where the links are not
@@ -162,9 +180,11 @@ def shaped(t: cm.TransportFigures, setup: cm.Setup, spec: HostsSpec, emulated: b
     once after an idle gap (a real link of that rate has no such credit: ``--cores-per-host``)."""
     wire, latency = wire_Bps(setup, spec), spec.latency or 0.0
     burst = bucket_payload(setup, spec) if emulated else 0.0
+    ps = _over(t.ps, ps_flows(setup, spec), wire, latency, burst)
+    if ps is not None and setup.mode == "sync":
+        ps = dataclasses.replace(ps, turns=ps_turns(setup, spec))
     return dataclasses.replace(t, allreduce=_over(t.allreduce, ring_flows(setup, spec), wire, latency, burst),
-                               p2p=_over(t.p2p, 1.0, wire, latency, burst),
-                               ps=_over(t.ps, ps_flows(setup, spec), wire, latency, burst))
+                               p2p=_over(t.p2p, 1.0, wire, latency, burst), ps=ps)
 
 
 def host_for(cluster: DescribedCluster, setup: cm.Setup, measured_host: cm.Host) -> cm.Host:

@@ -9,7 +9,8 @@ The service is split by job:
 - :mod:`.server` is what a ps task runs: :class:`~stratagem.ps_service.server.ParameterServer` (server-side
   optimizer per shard, a global step, versions; it takes the pushes and acknowledges them), with the
   bookkeeping of the ``sync`` and ``bounded`` consistency modes in :mod:`.consistency`, row updates in
-  :mod:`.rows` and double-buffered replies in :mod:`.buffers`;
+  :mod:`.rows`, double-buffered replies in :mod:`.buffers` and a sync job's replies taking turns on
+  the link in :mod:`.turns`;
 - :mod:`.client` is what workers use: :class:`~stratagem.ps_service.client.PSClient`, requests batched per
   shard and sent to all shards concurrently.
 

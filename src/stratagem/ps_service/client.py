@@ -8,6 +8,10 @@ raises :class:`~stratagem.ps_service.protocol.ShardLostError` naming it (and the
 as the transport sees it gone, and a shard that does not answer within ``timeout`` raises
 ``TransportTimeout`` naming it. Calls are serialised (one in flight per client).
 
+A reply that says ``turn: True`` (a sync job's replies with values take turns on the ps's link:
+:mod:`~stratagem.ps_service.turns`) is answered, as soon as its last part is in and before the caller
+sees it, with a ``received`` message, which lets the shard send the next one.
+
 The client also counts the acknowledgements it got, per shard and status (``acks``), for the
 accounting checks (pushes acknowledged as applied == updates the servers applied).
 
@@ -175,7 +179,10 @@ class PSClient:
             waiting_since = recorder.wait_until_now(reply.src, REPLY_TAG, waiting_since)
             index = by_task.get(reply.src)
             if index is None or reply.meta.get("id") != ids[index]:
-                continue  # the late reply to an earlier call that timed out
+                # the late reply to an earlier call that timed out (its shard may wait for the word)
+                if reply.meta.get("turn") and reply.meta.get("part", 0) + 1 >= reply.meta.get("parts", 1):
+                    self._received(reply.src, reply.meta.get("id"))
+                continue
             received += reply.nbytes
             if "error" in reply.meta:
                 errors[index] = reply.meta["error"]
@@ -186,6 +193,8 @@ class PSClient:
                 last = reply.meta.get("part", 0) + 1 >= reply.meta.get("parts", 1)
                 if last:
                     done.add(index)
+                    if reply.meta.get("turn"):
+                        self._received(reply.src, reply.meta.get("id"))
                     if "status" in reply.meta:    # a push's acknowledgement
                         self.acks[index][reply.meta["status"]] += 1
                 yield index, reply, last
@@ -195,6 +204,14 @@ class PSClient:
             raise RemoteError("; ".join(f"{self.shards[i]}: {errors[i]}" for i in sorted(errors)),
                               culprit=culprits[0] if culprits else None)
         return received
+
+    def _received(self, shard: TaskId, request_id) -> None:
+        """Tell ``shard`` its reply to ``request_id`` is in: the next reply's turn there."""
+        try:
+            self.transport.send(shard, REQUEST_TAG, Message({"op": "received", "id": request_id}),
+                                timeout=self.timeout)
+        except CommunicationError:
+            pass    # the shard is gone (a later call says so) or slow: its patience ends the turn
 
     def _check_lost(self, ids, done) -> None:
         lost = self.transport.lost_peers()

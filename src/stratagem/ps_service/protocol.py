@@ -35,6 +35,8 @@ Operations (the server's ``_op_<name>`` methods):
 ``idle``        the coordinator says some workers have nothing to run (rounds and bounds skip them)
 ``bye``         a replica leaves (``clean`` or with its ``error``)
 ``stats``       counters (pushes applied, dropped, ...), for tests and operators
+``received``    the requester has the whole reply to its request ``id`` (one that said ``turn: True``):
+                the next reply may take its turn (:mod:`~stratagem.ps_service.turns`); not answered
 ==============  ==========================================================================================
 """
 

@@ -11,7 +11,9 @@ How a push is applied depends on the job's mode:
 - ``async``: at once, and acknowledged at once.
 - ``sync``: the gradients for the shard's current step are summed (weighted by each replica's share of
   the batch) until ``replicas_to_aggregate`` replicas have pushed; then their weighted mean is applied,
-  the step advances and every contributor gets its acknowledgement. A push for an older step is
+  the step advances and every contributor gets its acknowledgement (replies with values take turns
+  on the ps's link, in the order the pushes came: :mod:`stratagem.ps_service.turns`, as do the
+  replies to pulls in a sync job). A push for an older step is
   dropped (``status: "dropped"``) and counted. With more replicas than ``replicas_to_aggregate``, the
   slowest ones are *backup workers*: their late gradients are dropped instead of holding the others up.
 - ``bounded`` (``staleness=s``): applied at once, but ``ps:0`` keeps every replica's count of pushes (its
@@ -77,7 +79,7 @@ from typing import Any
 
 import numpy as np
 
-from stratagem.core.cluster import TaskId
+from stratagem.core.cluster import TaskId, host_of
 from stratagem.core.errors import (
     CommunicationError,
     ConfigurationError,
@@ -91,6 +93,7 @@ from stratagem.ps_service.buffers import PieceValues, ReplyBuffers
 from stratagem.ps_service.consistency import StalenessGate, SyncRound
 from stratagem.ps_service.messages import PushRequest
 from stratagem.ps_service.rows import check_real, read_rows, row_gradients
+from stratagem.ps_service.turns import PATIENCE_S, ReplyTurns
 from stratagem.ps_service.protocol import (
     APPLIED,
     DROPPED,
@@ -124,10 +127,12 @@ class ParameterServer:
             have not (default: ``timeout``, else 60).
         compressor: the compressor that decompresses compressed pushes (the strategies'
             ``compression``); ``None`` refuses them.
+        turn_patience: seconds (plus the reply's bytes at 1 MB/s) a sync job's large reply keeps its
+            turn when its requester never says it received it (:mod:`stratagem.ps_service.turns`).
     """
 
     def __init__(self, transport: Transport, *, timeout: float | None = None, poll: float = DEFAULT_POLL,
-                 linger: float | None = None, compressor=None):
+                 linger: float | None = None, compressor=None, turn_patience: float = PATIENCE_S):
         if transport.task.job != "ps":
             raise ConfigurationError(f"a ParameterServer runs on a 'ps' task, not on {transport.task}")
         self.transport = transport
@@ -167,6 +172,10 @@ class ParameterServer:
         self.replies = ReplyBuffers(timeout if timeout is not None else transport.timeout)
         #: The pieces' arrays (piece name -> array), written only through it.
         self.values = PieceValues(self.replies)
+        #: A sync job's replies with values, one at a time on this task's link (:meth:`_takes_turns`).
+        self.turns = ReplyTurns(self._send, patience_s=turn_patience)
+        here = host_of(self.cluster.address(self.task) or "")
+        self._same_host = {task_key(t) for t in self.cluster.tasks() if host_of(self.cluster.address(t) or "") == here}
 
     # -- the loop ----------------------------------------------------------------------------------
     def serve(self) -> dict:
@@ -198,8 +207,10 @@ class ParameterServer:
                     next_check = now + self.poll
                     if self._check_members(now):
                         break
+                    self.turns.check(self.transport.lost_peers())
         finally:
             self._serving = False
+            self.turns.flush()
             # The last replies may still be going out: let them finish before the transport closes.
             self.replies.wait_all(self.linger)
         failure = self._failure()
@@ -214,6 +225,9 @@ class ParameterServer:
         """Answer one request (errors go back to the requester; the server keeps serving)."""
         meta, src = message.meta, message.src
         op, request_id = meta.get("op"), meta.get("id")
+        if op == "received":     # a requester has its reply: the next one's turn (no answer)
+            self.turns.received(src, request_id)
+            return
         handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
         who = task_key(src)
         if who in self._bye and op != "bye":
@@ -238,22 +252,48 @@ class ParameterServer:
             reply_meta, buffers = result
             self._send(src, {"id": request_id, "ok": True, **reply_meta}, buffers)
 
-    def _send(self, dst: TaskId, meta: dict, buffers=()) -> None:
-        """Send a reply; one whose buffers are the values of ``meta["names"]`` goes in parts."""
+    def _send(self, dst: TaskId, meta: dict, buffers=()) -> list:
+        """Send a reply now; one whose buffers are the values of ``meta["names"]`` goes in parts.
+        Returns the sends' handles (none if the requester is gone)."""
         buffers = list(buffers)
         names = meta.get("names")
         if not buffers or not isinstance(names, list) or len(names) != len(buffers):
-            self._send_part(dst, meta, buffers)
-            return
+            handle = self._send_part(dst, meta, buffers)
+            return [] if handle is None else [handle]
         groups = split_parts([b.nbytes for b in buffers])
+        handles = []
         for k, group in enumerate(groups):
             part = {"id": meta.get("id"), "names": [names[i] for i in group], "part": k, "parts": len(groups)}
             if k == len(groups) - 1:
                 part = {**meta, **part}
-            if not self._send_part(dst, part, [buffers[i] for i in group]):
-                return
+            handle = self._send_part(dst, part, [buffers[i] for i in group])
+            if handle is None:
+                return []
+            handles.append(handle)
+        return handles
 
-    def _send_part(self, dst: TaskId, meta: dict, buffers: list) -> bool:
+    def _takes_turns(self, dst: TaskId) -> bool:
+        """Whether a reply with values to ``dst`` takes its turn: in a sync job, to a task on another
+        host than this one (the same host in the cluster spec: loopback is not the link), when at
+        least two pushers are on other hosts (one alone has nobody to take turns with, and the word
+        ``received`` would cost it a message a step)."""
+        if self.config is None or self.config["mode"] != "sync" or task_key(dst) in self._same_host:
+            return False
+        return sum(1 for p in self.config.get("pushers") or () if p not in self._same_host) >= 2
+
+    def _reply(self, dst: TaskId, meta: dict, buffers=()) -> None:
+        """Send a reply with values: in its turn where :meth:`_takes_turns`
+        (:mod:`stratagem.ps_service.turns`), its arrays kept from updates until it is sent; else at
+        once."""
+        if not self._takes_turns(dst):
+            self._send(dst, meta, buffers)
+            return
+        sent = self.turns.reply(dst, meta, buffers)
+        if not isinstance(sent, list):
+            self.replies.sent(sent, list(buffers))
+
+    def _send_part(self, dst: TaskId, meta: dict, buffers: list):
+        """Send one message of a reply; its handle, or None if the requester is gone."""
         # Not waited for: the server goes on with the next request while the transport still reads
         # the value arrays, and ``self.replies`` keeps the next update out of them. (A blocking send
         # held the server idle for the whole transfer; copying the values into the reply instead
@@ -262,9 +302,9 @@ class ParameterServer:
             handle = self.transport.send_async(dst, REPLY_TAG, Message(meta, buffers), timeout=self.timeout)
         except CommunicationError as exc:  # the requester is gone: what it asked for stays done
             log.warning("%s: could not answer %s: %s", self.task, dst, exc)
-            return False
+            return None
         self.replies.sent(handle, buffers)
-        return True
+        return handle
 
     # -- membership --------------------------------------------------------------------------------
     def _check_members(self, now: float) -> bool:
@@ -357,7 +397,10 @@ class ParameterServer:
     def _op_pull(self, src, request_id, meta, buffers):
         names = self._names(meta.get("names"))
         self.counters["pulls"] += 1
-        return {"names": names, **self._status()}, [self.values[n] for n in names]
+        # In a sync job the pulls of a round come together (a parameter_server worker pulls when its
+        # step starts): their replies take turns, as a round's do.
+        self._reply(src, {"id": request_id, "ok": True, "names": names, **self._status()},
+                    [self.values[n] for n in names])
 
     def _op_pull_rows(self, src, request_id, meta, buffers):
         """Rows of the named pieces: ``buffers[i]`` are the rows of ``names[i]`` (counted from the
@@ -486,10 +529,11 @@ class ParameterServer:
         """Counters: ``pushes`` received, ``applied`` (pushes whose gradients reached an update),
         ``dropped`` (stale, sync), ``stopped`` (after stop), ``updates`` (optimizer steps), ``pulls``,
         ``row_pulls``;
-        ``by_replica`` the same per replica; ``step``; ``clocks`` and ``max_gap`` (bounded)."""
+        ``by_replica`` the same per replica; ``turns`` the reply turns' counters and ``queued`` the
+        replies waiting for theirs (:class:`~stratagem.ps_service.turns.ReplyTurns`); ``step``; ``clocks`` and ``max_gap`` (bounded)."""
         counters = {key: 0 for key in ("pushes", APPLIED, DROPPED, STOPPED, "updates", "pulls", "row_pulls")}
         counters.update((k, int(v)) for k, v in self.counters.items())
-        return {**counters, "step": self.step,
+        return {**counters, "step": self.step, "turns": dict(self.turns.counters), "queued": self.turns.queued,
                 "by_replica": {k: dict(v) for k, v in self.by_replica.items()},
                 "clocks": dict(self._gate.clocks) if self._gate else {},
                 "max_gap": self._gate.max_gap if self._gate else 0, "pieces": list(self.specs)}
@@ -598,7 +642,7 @@ class ParameterServer:
             if sending and k < len(groups) - 1:
                 # A requester that is gone gets no more parts; the update still completes.
                 sending = self._send_part(src, {"id": request_id, "names": group, "part": k, "parts": len(groups)},
-                                          [values[n] for n in group])
+                                          [values[n] for n in group]) is not None
         self.step += 1
         self.counters["updates"] += 1
         recorder.record("optimizer", "optimizer (reply streamed)", started, _describe_pieces, names)
@@ -620,17 +664,19 @@ class ParameterServer:
         names, grads = round_.mean()
         self._apply(names, grads)
         self.counters["updates"] += 1
-        for (src, request_id, pull), who in round_.waiters:
-            reply_meta, values = self._count(who, APPLIED, pull)
-            self._send(src, {"id": request_id, "ok": True, **reply_meta}, values)
+        with self.turns.together():
+            for (src, request_id, pull), who in round_.waiters:     # in the order the pushes came
+                reply_meta, values = self._count(who, APPLIED, pull)
+                self._reply(src, {"id": request_id, "ok": True, **reply_meta}, values)
 
     def _drop_round(self) -> None:
         """A load replaced the values: the pending sync round's pushes were made on the old ones, so
         each is answered ``dropped`` (its replica reads the new values and goes on), none applied."""
         round_, self._round = self._round, SyncRound()
-        for (src, request_id, pull), who in round_.waiters:
-            reply_meta, values = self._count(who, DROPPED, pull)
-            self._send(src, {"id": request_id, "ok": True, **reply_meta}, values)
+        with self.turns.together():
+            for (src, request_id, pull), who in round_.waiters:
+                reply_meta, values = self._count(who, DROPPED, pull)
+                self._reply(src, {"id": request_id, "ok": True, **reply_meta}, values)
 
     # -- the staleness bound (bounded)
     def _release_held(self) -> None:
@@ -649,10 +695,11 @@ class ParameterServer:
         for src, request_id, _ in waiting:
             self._send(src, {"id": request_id, "error": error, "error_type": "RemoteError",
                              **({"culprit": culprit} if culprit else {})})
+        self.turns.flush()          # the replies still waiting for their turn go now
 
     def _stop_waiters(self) -> None:
-        """On stop: held bounded replies go out (their pushes were applied); a pending sync round is
-        discarded (its pushes were not)."""
+        """On stop: held bounded replies go out (their pushes were applied), and so do replies waiting
+        for their turn; a pending sync round is discarded (its pushes were not)."""
         if self._gate is not None:
             for (src, request_id, pull), who, clock in self._gate.release_all():
                 reply_meta, values = self._count(who, APPLIED, pull, {"clock": clock})
@@ -661,6 +708,7 @@ class ParameterServer:
         for (src, request_id, pull), who in round_.waiters:
             reply_meta, values = self._count(who, STOPPED, pull)
             self._send(src, {"id": request_id, "ok": True, **reply_meta}, values)
+        self.turns.flush()
 
 
 def _settings(config: dict) -> dict[str, Any]:
