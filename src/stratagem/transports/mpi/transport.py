@@ -334,7 +334,8 @@ class MpiTransport(Transport):
         comm.Set_errhandler(self.MPI.ERRORS_RETURN)
         return comm
 
-    def _end_at_exit(self, error) -> None:
+    def end_with_script(self, error) -> None:
+        """Close; after a failure (``error``), end the process too (see below)."""
         self.close()
         if error is None:
             return      # the peers are waited for before MPI_Finalize (_before_finalize)
