@@ -80,6 +80,9 @@ class _Registry:
 
 _REGISTRY = _Registry()
 
+#: What ``end_with_script`` was called before (refused, see :func:`end_at_exit`).
+OLD_NAME = "_end_at_exit"
+
 
 def end_at_exit(obj) -> None:
     """End ``obj`` when the interpreter ends: ``obj.end_with_script(error)`` is called with ``None``
@@ -114,10 +117,6 @@ def _check_ends(cls: type) -> None:
                             f"rename it end_with_script(error) (stratagem.core.lifecycle)")
     raise TypeError(f"{cls.__qualname__} cannot be ended at exit: it has no end_with_script(error) method "
                     f"(stratagem.core.lifecycle)")
-
-
-#: What ``end_with_script`` was called before (refused, see :func:`end_at_exit`).
-OLD_NAME = "_end_at_exit"
 
 
 def note_failure(error: str, culprit=None) -> None:

@@ -339,7 +339,7 @@ class MpiTransport(Transport):
         return comm
 
     def end_with_script(self, error) -> None:
-        """Close; after a failure (``error``), end the process too (see below)."""
+        """Close; after a failure (``error``) also end the process, as a crash would (the comments say why)."""
         self.close()
         if error is None:
             return      # the peers are waited for before MPI_Finalize (_before_finalize)
