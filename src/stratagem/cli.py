@@ -37,7 +37,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == command:
             module = importlib.import_module(module_name)
-            sub_parser.set_defaults(_module=module, _parser=sub_parser)  # before: a nested parser may override
+            # Before its arguments: a nested parser may set its own subcommand_parser. Public names (no
+            # option has them): the subcommand's module reads subcommand_parser for its usage errors.
+            sub_parser.set_defaults(subcommand_module=module, subcommand_parser=sub_parser)
             module.add_arguments(sub_parser)
     return parser
 
@@ -62,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if unknown:
-        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        getattr(args, "subcommand_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        code = int(args._module.run(args) or 0)
+        code = int(args.subcommand_module.run(args) or 0)
     except BrokenPipeError:
         _silence_stdout()
         return 128 + 13  # SIGPIPE

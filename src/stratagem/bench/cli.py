@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="[collectives]")
     coll = sub.add_parser("collectives", help=collectives.__doc__.splitlines()[0],
                           description=collectives.__doc__.splitlines()[0])
-    coll.set_defaults(_parser=coll)   # its own usage for options it does not know (see cli.main)
+    coll.set_defaults(subcommand_parser=coll)   # its own usage for options it does not know (see cli.main)
     collectives.add_arguments(coll)
 
 

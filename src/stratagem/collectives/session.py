@@ -147,6 +147,12 @@ class CollectiveSession:
             fp["gen"] = self.generation
         return _Running(self, CollectiveCall(self, fp, learn))
 
+    def abort(self, call: "CollectiveCall", error: Exception) -> None:
+        """``call`` failed with ``error``: the session is broken from now on (``broken``), and every other
+        rank is told (:meth:`_notify_peers`), so that it fails now rather than at its timeout."""
+        self.broken = error
+        self._notify_peers(call, error)
+
     def _notify_peers(self, call: "CollectiveCall", exc: Exception) -> None:
         """Best-effort abort notice to every other rank, so they fail now instead of at their timeout.
 
@@ -192,8 +198,7 @@ class _Running:
             error = exc
             if isinstance(exc, PeerLostError) and not hasattr(exc, "abort_meta"):
                 error = self.call.last_words(exc)
-            self.session.broken = error
-            self.session._notify_peers(self.call, error)
+            self.session.abort(self.call, error)
             if error is not exc:
                 raise error from exc
         return False

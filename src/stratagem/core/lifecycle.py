@@ -21,8 +21,10 @@ threads are joined (the interpreter calls such callbacks newest first, and this 
 ``concurrent.futures.thread`` before registering, so ours runs before its join); plain atexit is the
 fallback, and running twice is harmless.
 
-Objects register with :func:`end_at_exit` and implement ``_end_at_exit(error)``, where ``error`` is
-``None`` after a normal end, else a one-line description of the uncaught exception. They are ended
+Objects register with :func:`end_at_exit` and implement ``end_with_script(error)``, where ``error`` is
+``None`` after a normal end, else a one-line description of the uncaught exception (the method was
+called ``_end_at_exit`` before: an object whose class still overrides that name is refused at
+registration, naming the fix, rather than left to end the wrong way at exit). They are ended
 newest first (a strategy before the transport it made), through weak references: an object that was
 already closed and dropped costs nothing. This registry is process-wide by nature (there is one
 interpreter exit), like the plugin registry.
@@ -71,24 +73,50 @@ class _Registry:
             if obj is None:
                 continue
             try:
-                obj._end_at_exit(self.error)
+                obj.end_with_script(self.error)
             except BaseException as exc:  # noqa: BLE001 - ending the rest matters more
                 log.warning("ending %r at interpreter exit failed: %s: %s", obj, type(exc).__name__, exc)
 
 
 _REGISTRY = _Registry()
 
+#: What ``end_with_script`` was called before (refused, see :func:`end_at_exit`).
+OLD_NAME = "_end_at_exit"
+
 
 def end_at_exit(obj) -> None:
-    """End ``obj`` when the interpreter ends: ``obj._end_at_exit(error)`` is called with ``None``
-    after a normal end, else a description of the uncaught exception that ended the script.
+    """End ``obj`` when the interpreter ends: ``obj.end_with_script(error)`` is called with ``None``
+    after a normal end, else a description of the uncaught exception that ended the script. An object
+    without that method is refused (``TypeError``) now, not at exit.
 
     >>> class Resource:
-    ...     def _end_at_exit(self, error):
+    ...     def end_with_script(self, error):
     ...         print("ended", "normally" if error is None else f"by {error}")
     >>> end_at_exit(Resource())   # at exit this would print 'ended normally'
+    >>> class Old:
+    ...     def _end_at_exit(self, error):
+    ...         pass
+    >>> end_at_exit(Old())
+    Traceback (most recent call last):
+    ...
+    TypeError: Old defines _end_at_exit(error), the old name of the at-exit method: rename it end_with_script(error) ...
     """
+    _check_ends(type(obj))
     _REGISTRY.add(obj)
+
+
+def _check_ends(cls: type) -> None:
+    """Refuse a class whose instances could not be ended at exit: no ``end_with_script``, or a
+    subclass that overrides the old name ``_end_at_exit`` below the class that defines it (its
+    override would never run)."""
+    for klass in cls.__mro__:
+        if "end_with_script" in vars(klass):
+            return
+        if OLD_NAME in vars(klass):
+            raise TypeError(f"{klass.__qualname__} defines {OLD_NAME}(error), the old name of the at-exit method: "
+                            f"rename it end_with_script(error) (stratagem.core.lifecycle)")
+    raise TypeError(f"{cls.__qualname__} cannot be ended at exit: it has no end_with_script(error) method "
+                    f"(stratagem.core.lifecycle)")
 
 
 def note_failure(error: str, culprit=None) -> None:

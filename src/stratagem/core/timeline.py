@@ -310,7 +310,7 @@ class Recorder:
         with contextlib.suppress(Exception):
             self.flush(ended=ended)
 
-    def _end_at_exit(self, error: str | None) -> None:
+    def end_with_script(self, error: str | None) -> None:
         """Write the file as the interpreter ends (:mod:`stratagem.core.lifecycle`: the process's
         recorder is registered as its first transport is made, before that transport and any
         strategy, so it runs after they ended and their last events are in). A process that recorded

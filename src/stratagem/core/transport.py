@@ -233,12 +233,18 @@ class Transport(abc.ABC):
         peers and let queued messages go first; else drop everything at once, as a crash would.
         Called even if the transport never started."""
 
-    def _end_at_exit(self, error: str | None) -> None:
-        """Called once at interpreter exit if still open (``error``: the uncaught exception ending the
-        script, or ``None``). Closes, however the script ended: the goodbye tells every peer at once
-        that this task is gone (a collective waiting on it raises ``PeerLostError`` naming it), and
-        unlike ``abort()`` it first delivers what is queued, such as the abort notices a failed
-        collective sends to the other members, which name the culprit."""
+    def end_with_script(self, error: str | None) -> None:
+        """End the way the script ended: called once at interpreter exit if still open
+        (:mod:`stratagem.core.lifecycle`; ``error``: the uncaught exception ending the script, or
+        ``None``), and by a strategy that leaves after a failure with the transport it owns.
+
+        Closes, however the script ended: the goodbye tells every peer at once that this task is gone
+        (a collective waiting on it raises ``PeerLostError`` naming it), and unlike ``abort()`` it first
+        delivers what is queued, such as the abort notices a failed collective sends to the other
+        members, which name the culprit. A transport that must do more overrides it (``mpi`` ends the
+        process after a failure: MPI_Finalize would wait for the other ranks). It was called
+        ``_end_at_exit`` before; a subclass that still overrides that name is refused when constructed,
+        with the fix."""
         self.close()
 
     def __enter__(self) -> "Transport":

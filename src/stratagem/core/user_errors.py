@@ -59,18 +59,22 @@ def _user_frame(tb) -> str | None:
 
 def install() -> None:
     """Print uncaught user errors as one line (idempotent)."""
-    current = sys.excepthook
-    if getattr(current, "_stratagem_user_errors", False):
-        return
+    if not isinstance(sys.excepthook, OneLineHook):
+        sys.excepthook = OneLineHook(sys.excepthook)
 
-    def excepthook(exc_type, exc, tb, _previous=current):
+
+class OneLineHook:
+    """The ``sys.excepthook`` that prints a user error as one line (unless ``STRATAGEM_TRACEBACK=1``)
+    and hands every other exception to ``previous``, the hook it replaced."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, exc_type, exc, tb) -> None:
         if exc is not None and is_user_error(exc) and os.environ.get(TRACEBACK_ENV, "") in ("", "0"):
             try:
                 print(one_line(exc, tb), file=sys.stderr, flush=True)
                 return
             except Exception:  # noqa: BLE001 - fall back to Python's own report
                 pass
-        _previous(exc_type, exc, tb)
-
-    excepthook._stratagem_user_errors = True
-    sys.excepthook = excepthook
+        self.previous(exc_type, exc, tb)

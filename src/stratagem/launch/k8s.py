@@ -322,7 +322,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        description=__doc__.splitlines()[0], epilog=_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        usage="%(prog)s --image IMG [--worker N] [--ps M] [--mpi] [options] -- COMMAND [ARG ...]")
-    m.set_defaults(_parser=m)
+    m.set_defaults(subcommand_parser=m)
     m.add_argument("--image", required=True, help="the container image every pod runs (with stratagem installed)")
     m.add_argument("--worker", "--workers", dest="worker", type=int, default=1, metavar="N",
                    help="number of worker tasks (default: 1)")
@@ -376,7 +376,7 @@ def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     """Run ``stratagem k8s ...``; return the exit status."""
     if getattr(args, "k8s_command", None) != "manifest":
-        args._parser.print_help(sys.stderr)
+        args.subcommand_parser.print_help(sys.stderr)
         return 2
     command = list(args.command)
     if command[:1] == ["--"]:
@@ -395,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
                          transport=args.transport, secret_name=args.secret_name, **options)
         text = render(docs, args.format)
     except ConfigurationError as exc:
-        args._parser.error(str(exc))  # usage line, exit 2
+        args.subcommand_parser.error(str(exc))  # usage line, exit 2
     if args.output:
         fd = os.open(args.output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.fchmod(fd, 0o600)  # also when the file was there before, with other permissions

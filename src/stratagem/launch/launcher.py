@@ -289,7 +289,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --ray: how long the cluster may take to place every task (default: 60)")
     multinode.add_arguments(parser)  # --nnodes/--node-rank/--rdzv, --hostfile: their own group
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every task runs, after '--'")
-    parser.set_defaults(_launch_parser=parser)
+    parser.set_defaults(launch_parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -349,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
         if session is not None:
             session.finish(result.cluster.tasks())
     except ConfigurationError as exc:
-        parser = getattr(args, "_launch_parser", None)
+        parser = getattr(args, "launch_parser", None)
         if parser is not None:
             parser.error(str(exc))  # prints the usage line too; exits 2
         print(f"stratagem launch: error: {exc}", file=sys.stderr)

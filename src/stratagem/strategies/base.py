@@ -954,9 +954,10 @@ class Strategy:
                 self._transport.recorder.settle(self._transport)
                 self._transport.close()
 
-    def _end_at_exit(self, error: str | None) -> None:
-        """Called once at interpreter exit if the script did not shut the strategy down: ``shutdown()``
-        after a normal end; after an uncaught exception (``error``), :meth:`leave_with_error`."""
+    def end_with_script(self, error: str | None) -> None:
+        """End the way the script ended (:mod:`stratagem.core.lifecycle` calls it once at interpreter
+        exit if the script did not shut the strategy down): ``shutdown()`` after a normal end; after an
+        uncaught exception (``error``), :meth:`leave_with_error`."""
         if self._closed:
             return
         if error is None:
@@ -986,7 +987,7 @@ class Strategy:
         self._closed = True
         self._communicator = None
         if self._owns_transport:
-            self._transport._end_at_exit(error)
+            self._transport.end_with_script(error)
 
     @property
     def closed(self) -> bool:

@@ -422,12 +422,12 @@ class MpiTransportContract(TransportContract):
 
     @pytest.fixture(autouse=True)
     def _mpi_contract_job(self, request):
-        cls, name = request.cls, request.node.name
-        cls._mpi_report = _run_job(cls.transport, [name], cls.ranks, cls.job_timeout)
+        # pytest runs a class's fixture on the test's own instance: the report stays with that test.
+        self._mpi_report = _run_job(self.transport, [request.node.name], self.ranks, self.job_timeout)
         yield
 
     def _outcome(self, name: str) -> None:
-        report = type(self)._mpi_report
+        report = self._mpi_report
         if report.get("skip"):
             pytest.skip(report["skip"])
         result = report.get("tests", {}).get(name)

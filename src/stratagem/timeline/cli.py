@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                        "Chrome-trace / Perfetto JSON: one process track per task, every event on "
                                        "the reference task's clock (offsets measured by each task over the "
                                        "transport; their precision is listed in the output's otherData).")
-    merge.set_defaults(_parser=merge)
+    merge.set_defaults(subcommand_parser=merge)
     merge.add_argument("out", metavar="OUT.json", help="the merged trace to write")
     merge.add_argument("inputs", nargs="+", metavar="TASK.json", help="the tasks' files (one per task)")
     summary = sub.add_parser("summary", help="per task: step time breakdown, waits on each peer; the straggler",
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                          "collective, ps, wait, optimizer) and the time spent waiting on each "
                                          "peer, directly and traced to the cause, then name the straggler: the "
                                          "task the others wait on most.")
-    summary.set_defaults(_parser=summary)
+    summary.set_defaults(subcommand_parser=summary)
     summary.add_argument("inputs", nargs="+", metavar="TRACE.json",
                          help="a merged trace, or the tasks' own files (merged in memory)")
     summary.add_argument("--json", action="store_true", help="print the analysis as JSON")
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``stratagem timeline ...``; return the exit status."""
     command = getattr(args, "timeline_command", None)
     if command is None:
-        args._parser.print_help(sys.stderr)
+        args.subcommand_parser.print_help(sys.stderr)
         return 2
     from stratagem.timeline import merge as merging
     from stratagem.timeline.summary import format_summary, summarize

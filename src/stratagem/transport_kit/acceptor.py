@@ -171,7 +171,9 @@ class Connection:
         self.epoch = 0
         self._limits = limits
 
-    def _to(self, stage: Stage) -> None:
+    def move_to(self, stage: Stage) -> None:
+        """Enter ``stage``, ``open`` in step with it: the :class:`Acceptor`'s transitions (a transport
+        reads the state, and leaves it to the acceptor)."""
         self.stage = stage
         self.open = stage is Stage.OPEN
 
@@ -266,7 +268,7 @@ class Acceptor:
         if self.slots is not None and len(self._handshaking) > self.slots:
             oldest = next(iter(self._handshaking))
             del self._handshaking[oldest]
-            oldest._to(Stage.REFUSED)
+            oldest.move_to(Stage.REFUSED)
             actions.append(CutOff(oldest, f"{self.slots} connections are waiting for their handshake; "
                                           f"the oldest gives way"))
         return conn, actions
@@ -284,11 +286,11 @@ class Acceptor:
         if kind == Kind.AUTH:
             return self._on_auth(conn, meta)
         if kind == Kind.GOODBYE:
-            conn._to(Stage.GONE)
+            conn.move_to(Stage.GONE)
             return [Left(conn.task, conn.epoch)]
         # REJECT, in answer to our CHALLENGE: the connector found our proof wrong.
         self._handshaking.pop(conn, None)
-        conn._to(Stage.REFUSED)
+        conn.move_to(Stage.REFUSED)
         reason = meta.get("reason") if isinstance(meta, dict) else None
         return [GaveUp(reason if isinstance(reason, str) else "no reason given")]
 
@@ -307,7 +309,7 @@ class Acceptor:
         queued on their way to the transport); one in its handshake is over."""
         self._handshaking.pop(conn, None)
         if conn.handshaking:
-            conn._to(Stage.CLOSED)
+            conn.move_to(Stage.CLOSED)
 
     # -- the handshake -------------------------------------------------------------------------------
     def _on_hello(self, conn: Connection, meta: dict) -> list:
@@ -324,7 +326,7 @@ class Acceptor:
             return self._admit(conn)
         challenge, conn.nonce_s = handshake.make_challenge(self.secret, self.cluster_id, task, self.task,
                                                            conn.nonce_c)
-        conn._to(Stage.AUTH)
+        conn.move_to(Stage.AUTH)
         return [Reply(Kind.CHALLENGE, challenge)]
 
     def _on_auth(self, conn: Connection, meta: dict) -> list:
@@ -340,7 +342,7 @@ class Acceptor:
         self._handshaking.pop(conn, None)
         conn.epoch = self._epochs[task] = self._epochs.get(task, 0) + 1
         conn.accepted = True
-        conn._to(Stage.OPEN)
+        conn.move_to(Stage.OPEN)
         self._current[task] = conn
         return [Admitted(task, conn.epoch, conn.epoch > 1), Reply(Kind.WELCOME, {"task": self.task.short})]
 
@@ -348,7 +350,7 @@ class Acceptor:
         if conn.stage in (Stage.REFUSED, Stage.CLOSED):
             return [Dropped(reason)]
         self._handshaking.pop(conn, None)
-        conn._to(Stage.REFUSED)
+        conn.move_to(Stage.REFUSED)
         reject = {"task": self.task.short, "reason": reason}
         nonce = nonce or conn.nonce_c
         if nonce:

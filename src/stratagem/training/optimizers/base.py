@@ -92,6 +92,26 @@ class _Registered(type):
         return optimizer
 
 
+# The base's two hooks, defined here so that this module's dispatch (_rule_of, _known_optimizers) can
+# name them without reaching into the class.
+
+def _no_rule(self, xp, w, g, slots: dict[str, Any], t: int) -> None:
+    """``Optimizer._update``: a subclass must implement it."""
+    raise NotImplementedError(f"{type(self).__name__} must implement _update(xp, w, g, slots, t)")
+
+
+def _copy_then_update(self, xp, src, w, g, slots: dict[str, Any], t: int) -> None:
+    """``Optimizer._update_into``: write the update of ``src`` into ``w`` (``src`` itself, or an array
+    of its shape and dtype).
+
+    The default copies ``src`` into ``w`` and calls ``_update``; the built-in rules read ``src`` and
+    write ``w`` directly.
+    """
+    if w is not src:
+        xp.copyto(w, src)
+    self._update(xp, w, g, slots, t)
+
+
 class Optimizer(metaclass=_Registered):
     """Base class of the optimizers: owns ``iterations``, the slots, the state and the dispatch.
 
@@ -410,25 +430,16 @@ class Optimizer(metaclass=_Registered):
         """
         from stratagem.training.optimizers.rows import update_rows
 
-        update_rows(self, name, value, rows, grad_rows)
+        update_rows(self, name, value, rows, grad_rows, slots_for=self._slots_for, update_into=self._rule()[0])
 
-    def _update(self, xp, w, g, slots: dict[str, Any], t: int) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must implement _update(xp, w, g, slots, t)")
+    _update = _no_rule
 
     def _rule(self) -> tuple[Callable, bool]:
         """The update to run, ``(update_into, may run in chunks)``, by :func:`_rule_of` its class."""
         into, chunked = _rule_of(type(self))
         return into.__get__(self), chunked
 
-    def _update_into(self, xp, src, w, g, slots: dict[str, Any], t: int) -> None:
-        """Write the update of ``src`` into ``w`` (``src`` itself, or an array of its shape and dtype).
-
-        The default copies ``src`` into ``w`` and calls ``_update``; the built-in rules read ``src``
-        and write ``w`` directly.
-        """
-        if w is not src:
-            xp.copyto(w, src)
-        self._update(xp, w, g, slots, t)
+    _update_into = _copy_then_update
 
     def _slots_for(self, name: str, xp, shape, dtype) -> dict[str, Any]:
         slots = self._slots.get(name)
@@ -581,10 +592,11 @@ def _rule_of(cls: type) -> tuple[Callable, bool]:
     mro = cls.__mro__
     for index, klass in enumerate(mro):
         if "_update_into" in vars(klass) or "_update" in vars(klass):
-            into = klass._update_into if "_update_into" in vars(klass) else Optimizer._update_into
+            # klass is the first class of the MRO with either hook, so cls._update_into is klass's own
+            into = cls._update_into if "_update_into" in vars(klass) else _copy_then_update
             declared = next((vars(k)["elementwise"] for k in mro[:index + 1] if "elementwise" in vars(k)), False)
             return into, bool(declared)
-    return Optimizer._update_into, False
+    return _copy_then_update, False
 
 
 # -- configs ------------------------------------------------------------------------------------------
@@ -595,7 +607,7 @@ def _known_optimizers() -> dict[str, type]:
     while pending:
         cls = pending.pop(0)
         pending.extend(cls.__subclasses__())
-        if cls._update is not Optimizer._update:
+        if cls._update is not _no_rule:
             found.setdefault(cls.name.lower(), cls)
     return found
 

@@ -15,8 +15,10 @@ from stratagem.training.optimizers.precision import compute_dtype, is_float_dtyp
 from stratagem.training.variables import _detach, array_module, is_device_array, to_module
 
 
-def update_rows(optimizer, name: str, value, rows, grad_rows) -> None:
-    """See :meth:`stratagem.training.optimizers.base.Optimizer.update_rows`."""
+def update_rows(optimizer, name: str, value, rows, grad_rows, *, slots_for, update_into) -> None:
+    """See :meth:`stratagem.training.optimizers.base.Optimizer.update_rows`, which hands over its rule:
+    ``slots_for(name, xp, shape, dtype)``, the slot arrays of variable ``name`` (made on first use), and
+    ``update_into(xp, src, w, g, slots, t)``, the update it runs on whole variables."""
 
     if not optimizer.sparse_exact:
         raise ConfigurationError(
@@ -42,8 +44,7 @@ def update_rows(optimizer, name: str, value, rows, grad_rows) -> None:
         raise ConfigurationError(f"update_rows of {name!r}: rows repeat; sum their gradients first "
                                  f"(IndexedSlices(...).merged())")
     work_dtype = compute_dtype(dtype)
-    slots = optimizer._slots_for(name, xp, tuple(value.shape), work_dtype)
-    update_into, _ = optimizer._rule()
+    slots = slots_for(name, xp, tuple(value.shape), work_dtype)
     w = value[rows].astype(work_dtype, copy=False)       # fancy indexing: copies
     row_slots = {slot: array[rows] for slot, array in slots.items()}
     update_into(xp, w, w, grad_rows.astype(work_dtype, copy=False), row_slots, optimizer.iterations)

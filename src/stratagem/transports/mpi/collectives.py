@@ -137,10 +137,11 @@ class _Call:
 class _Guarded:
     """``with``: the guard of a session's blocking calls armed for one collective (see mpi_progress)."""
 
-    __slots__ = ("owner", "session", "sc", "call")
+    __slots__ = ("broken", "session", "sc", "call")
 
-    def __init__(self, owner: "MpiCollectives", session, sc: _SessionComm, call: _Call):
-        self.owner, self.session, self.sc, self.call = owner, session, sc, call
+    def __init__(self, broken, session, sc: _SessionComm, call: _Call):
+        #: ``broken(session, comm, revoke=)``: the owner's, when the call failed on the watchdog's revoke.
+        self.broken, self.session, self.sc, self.call = broken, session, sc, call
 
     def __enter__(self):
         self.sc.guard.arm(self.session.timeout, self.call.what)
@@ -149,7 +150,7 @@ class _Guarded:
     def __exit__(self, kind, value, tb):
         error = self.sc.guard.disarm()
         if error is not None and kind is None:  # it completed as the watchdog revoked: the others failed
-            self.owner._broken(self.session, self.sc.comm, revoke=False)
+            self.broken(self.session, self.sc.comm, revoke=False)
             raise error
         return False
 
@@ -372,7 +373,7 @@ class MpiCollectives:
             return self.t.progress.reading(session.timeout)
         guarded = sc.guarded
         if guarded is None:
-            guarded = sc.guarded = _Guarded(self, session, sc, call)
+            guarded = sc.guarded = _Guarded(self._broken, session, sc, call)
         guarded.call = call  # one collective at a time per session: the Communicator serialises them
         return guarded
 

@@ -153,11 +153,15 @@ def ulfm_enabled(MPI) -> bool:
 
 
 class MpiSendHandle(SendHandle):
-    """The completion of a large send: ``wait()`` polls its MPI requests (with a timeout)."""
+    """The completion of a large send: ``wait()`` polls its MPI requests (with a timeout).
 
-    def __init__(self, transport: "MpiTransport", dst: TaskId, requests: list, keep: list):
-        self._transport = transport
-        self._progress = transport.progress
+    ``timeout_of(timeout)``: the timeout a ``wait(timeout)`` waits (the transport's default for
+    ``None``); ``done(handle)``: called once the send completed (the transport stops tracking it)."""
+
+    def __init__(self, progress, dst: TaskId, requests: list, keep: list, *, timeout_of, done):
+        self._progress = progress
+        self._timeout_of = timeout_of
+        self._on_done = done
         self._dst = dst
         self._requests = requests
         self._keep = keep  # the memory MPI reads until the requests complete
@@ -172,13 +176,13 @@ class MpiSendHandle(SendHandle):
         if self._done:
             return
         try:
-            self._progress.wait_requests(self._requests, self._transport._timeout(timeout), [self._dst],
+            self._progress.wait_requests(self._requests, self._timeout_of(timeout), [self._dst],
                                          f"a send to {self._dst}")
         except BaseException:
             self._progress.abandon(self._requests, self._keep)
             raise
         self._done = True
-        self._transport._forget(self)
+        self._on_done(self)
 
 
 class MpiTransport(Transport):
@@ -334,7 +338,8 @@ class MpiTransport(Transport):
         comm.Set_errhandler(self.MPI.ERRORS_RETURN)
         return comm
 
-    def _end_at_exit(self, error) -> None:
+    def end_with_script(self, error) -> None:
+        """Close; after a failure (``error``) also end the process, as a crash would (the comments say why)."""
         self.close()
         if error is None:
             return      # the peers are waited for before MPI_Finalize (_before_finalize)
@@ -438,7 +443,8 @@ class MpiTransport(Transport):
                 for start in range(0, len(part), step):
                     piece = part[start:start + step]
                     requests.append(self._isend(piece, peer, TAG_DATA, dst))
-        handle = MpiSendHandle(self, dst, requests, [parts, msg.buffers])
+        handle = MpiSendHandle(self.progress, dst, requests, [parts, msg.buffers], timeout_of=self._timeout,
+                               done=self._in_flight.discard)
         self._in_flight.add(handle)
         return handle
 
@@ -472,6 +478,3 @@ class MpiTransport(Transport):
     def own(self, comm) -> None:
         """Keep ``comm`` (a communicator made for collectives) for the transport's lifetime."""
         self._owned_comms.append(comm)
-
-    def _forget(self, handle: MpiSendHandle) -> None:
-        self._in_flight.discard(handle)

@@ -76,10 +76,14 @@ class _Arenas:
 
 
 class ShmCollectives:
-    """The native collectives of one :class:`~stratagem.transports.shm.transport.ShmTransport`."""
+    """The native collectives of one :class:`~stratagem.transports.shm.transport.ShmTransport`.
 
-    def __init__(self, transport, min_bytes: int = NATIVE_MIN_BYTES):
+    ``take_offer(token, wait)``: the transport's listener, taking the memfd a peer offered on our
+    socket under ``token`` (``(connection, fd, capacity)``, or None if none came within ``wait`` s)."""
+
+    def __init__(self, transport, take_offer, min_bytes: int = NATIVE_MIN_BYTES):
         self.transport = transport
+        self.take_offer = take_offer
         self.min_bytes = min_bytes
         self._arenas: "weakref.WeakKeyDictionary[CollectiveSession, _Arenas]" = weakref.WeakKeyDictionary()
 
@@ -188,9 +192,7 @@ class ShmCollectives:
                     f"{session.who(rank)} has no shared-memory arena of {nbytes} bytes for {session.name!r}")
 
     def _attach(self, session: CollectiveSession, rank: int, token: bytes, capacity: int) -> Region:
-        t = self.transport
-        with t._listener_lock:
-            taken = None if t._listener is None else t._listener.take(token, _OFFER_WAIT)
+        taken = self.take_offer(token, _OFFER_WAIT)
         member = session.members[rank]
         if taken is None:
             raise PeerLostError(member, f"{member} announced a shared-memory arena that never reached our socket")
@@ -264,7 +266,7 @@ class ShmCollectives:
             now = time.monotonic()
             if now - checked > 0.01:  # the slower checks, a hundred times a second
                 checked = now
-                if t._closed:
+                if t.closed:
                     raise TransportClosed(f"{t.task}: transport closed during an all-reduce")
                 for rank in pending:
                     reason = t.lost_peers().get(session.members[rank])

@@ -96,20 +96,27 @@ _POLL_IN = select.POLLIN | select.POLLHUP | select.POLLERR
 
 class _Inbox(Mailbox):
     """The shared mailbox of the shm transport and its zmq control transport: ring announcements
-    that zmq receives are handed to the transport instead of being filed, and losses retire rings."""
+    that zmq receives are handed to the transport instead of being filed, and losses retire rings.
 
-    def __init__(self, transport: "ShmTransport"):
-        super().__init__(transport.task, traffic=transport.traffic, recorder=transport.recorder)
-        self._transport = transport
+    What it tells the transport goes through the callbacks it is given (all called on any thread,
+    none blocks): ``announced(src, meta)`` a ring announcement, ``filed()`` a message filed by zmq
+    (whoever polls the rings must look), ``defer_loss(task, reason)`` a loss, which returns False if
+    the inbox is to file it now, ``replaced(task)`` a new process of a peer admitted, and
+    ``lost(task, reason)`` a loss filed."""
+
+    def __init__(self, owner: TaskId, *, traffic, recorder, announced, filed, defer_loss, replaced, lost):
+        super().__init__(owner, traffic=traffic, recorder=recorder)
+        self._announce, self._filed, self._defer = announced, filed, defer_loss
+        self._replaced, self._filed_loss = replaced, lost
 
     def put(self, src: TaskId, tag: str, message) -> None:
         if RESERVED_KEY in message.meta:
-            self._transport._on_announce(src, message.meta)
+            self._announce(src, message.meta)
         else:
             super().put(src, tag, message)
             # Filed by zmq (a peer on another host, or one whose ring is not announced yet): a recv
             # waiting for it may be the one polling the rings, which would see it only at its next turn.
-            self._transport._poke()
+            self._filed()
 
     def deliver(self, src: TaskId, tag: str, message) -> None:
         """File a message read from a ring."""
@@ -118,18 +125,18 @@ class _Inbox(Mailbox):
     def mark_lost(self, task: TaskId, reason: str) -> None:
         # What the peer wrote into its ring before it went is delivered first: the loss is filed
         # once the reader has drained that ring (at once if there is none).
-        if not self._transport._defer_loss(task, reason):
+        if not self._defer(task, reason):
             self.lose(task, reason)
 
     def mark_alive(self, task: TaskId, *, replaced: bool = False) -> None:
         if replaced:
-            self._transport._on_replaced(task)
+            self._replaced(task)
         super().mark_alive(task, replaced=replaced)
 
     def lose(self, task: TaskId, reason: str) -> None:
         """File the loss of ``task`` (waiters raise once its messages are consumed); retire our ring to it."""
         super().mark_lost(task, reason)
-        self._transport._on_lost(task, reason)
+        self._filed_loss(task, reason)
 
 
 class _Control(ZmqTransport):
@@ -141,6 +148,10 @@ class _Control(ZmqTransport):
 
     def _new_mailbox(self) -> _Inbox:
         return self._inbox
+
+    def watch(self, task: TaskId) -> None:
+        """Connect to ``task`` (if not yet), so that its death is noticed even before it sends us anything."""
+        self._ensure_peer(task)
 
 
 class _Outgoing:
@@ -250,8 +261,10 @@ class ShmTransport(Transport):
             raise ConfigurationError(f"shm: native_allreduce_bytes must be an int >= 1 or None, "
                                      f"got {native_allreduce_bytes!r}")
         self._collectives = (None if native_allreduce_bytes is None
-                             else ShmCollectives(self, min_bytes=native_allreduce_bytes))
-        self._inbox = _Inbox(self)
+                             else ShmCollectives(self, self._take_offer, min_bytes=native_allreduce_bytes))
+        self._inbox = _Inbox(self.task, traffic=self.traffic, recorder=self.recorder, announced=self._on_announce,
+                             filed=self._poke, defer_loss=self._defer_loss, replaced=self._on_replaced,
+                             lost=self._on_lost)
         self.control = _Control(self._inbox, self.cluster, self.task, **common, **(control_options or {}))
         self._address = socket_address(self.cluster.cluster_id, self.task)
         self._listener: Listener | None = None
@@ -412,7 +425,7 @@ class ShmTransport(Transport):
             if src != self.task and self._inbox.is_lost(src) is None:
                 # Connecting the control transport to the source lets us watch it, so its death
                 # wakes us even before it ever sent us anything.
-                self.control._ensure_peer(src)
+                self.control.watch(src)
         return self._inbox.get(src, tag, self._timeout(timeout), pump=self._reading.for_waiter)
 
     def flush(self, timeout=None, tasks=None) -> None:
@@ -533,6 +546,13 @@ class ShmTransport(Transport):
             self._announced[src] = ring
         self._attach.put(ring)
         self._poke()
+
+    def _take_offer(self, token: bytes, wait: float):
+        """``(connection, fd, capacity)`` of the memfd a peer offered on our socket under ``token`` (an
+        arena of the native collectives), or None if none came within ``wait`` seconds or we never
+        listened."""
+        with self._listener_lock:
+            return None if self._listener is None else self._listener.take(token, wait)
 
     def _defer_loss(self, task: TaskId, reason: str) -> bool:
         """If ``task`` has a ring to us, leave its loss to the reader, who files it once the ring is
