@@ -91,6 +91,11 @@ def driver(request):
     strategy = None
     try:
         strategy = _start(name, fabric, cluster, task)
+        if name == "parameter_server":
+            # The serving worker joins in its own time: a step run through it means it has joined, so that
+            # the shutdown at the end reaches it (a worker that comes after its coordinator closed is
+            # told its peer is gone, which would fail the fixture, not the test).
+            assert strategy.schedule(_step, args=(np.ones((2, 2)),)).fetch(timeout=20) == 4.0
         yield strategy
     finally:
         if strategy is not None:
