@@ -27,20 +27,32 @@ TIMEOUT = 20.0
 LOGGER = "stratagem.transports.zmq.transport"
 
 
+def _attack(attacker: ZmqRawPeer, cluster) -> None:
+    """A forged HELLO, then data. After its connection was refused, a DEALER has nothing to queue on
+    until ZeroMQ connects it again: a send that finds no connection is a refusal too."""
+    hello, _ = handshake.make_hello(TaskId("worker", 0), cluster.cluster_id, b"guess")
+    for frame in (wire.encode(Kind.HELLO, "", hello), wire.encode(Kind.DATA, "ok", {"forged": True})):
+        try:
+            attacker.send_frame(frame)
+        except ConnectionRefusedError:
+            return
+
+
 def test_a_peer_without_the_connection_token_is_refused_before_any_frame():
+    """Without a token (the ZMTP handshake fails) or with a guessed one (our ZAP handler refuses it),
+    not one frame reaches the transport: neither frames sent at once, queued before the refusal, nor
+    frames sent after it, while ZeroMQ keeps trying to connect."""
     cluster = local_cluster(2)
     with ZmqTransport(cluster, "worker:0", secret=b"k", timeout=TIMEOUT) as a, \
             ZmqTransport(cluster, "worker:1", secret=b"k", timeout=TIMEOUT) as b:
-        attackers = [ZmqRawPeer(b.address, token) for token in (None, handshake.connection_token(b"guess",
-                                                                                                cluster.cluster_id))]
+        attackers = [ZmqRawPeer(b.address, token, send_timeout=1.0)
+                     for token in (None, handshake.connection_token(b"guess", cluster.cluster_id))]
         try:
             for attacker in attackers:
-                hello, _ = handshake.make_hello(TaskId("worker", 0), cluster.cluster_id, b"guess")
-                attacker.send_frame(wire.encode(Kind.HELLO, "", hello))
-                attacker.send_frame(wire.encode(Kind.DATA, "ok", {"forged": True}))
-            # A wrong token is refused by our ZAP handler (logged, counted); no token at all fails the
-            # ZMTP handshake itself. Either way not one frame reaches the transport.
+                _attack(attacker, cluster)
             assert wait_for(lambda: b.stats.get("refused_connections", 0) >= 1)
+            for attacker in attackers:
+                _attack(attacker, cluster)
             with pytest.raises(TransportTimeout):
                 b.recv(None, "ok", timeout=0.5)
             assert b.stats["rejected_frames"] == 0

@@ -45,7 +45,7 @@ class ZmqRawPeer(RawPeer):
     connection token of a secret cluster travels in clear, so a sniffer has it), which gets it past
     the transport's connection gate, not its handshake."""
 
-    def __init__(self, address: str, token: bytes | None = None):
+    def __init__(self, address: str, token: bytes | None = None, send_timeout: float = 10.0):
         import zmq
 
         from stratagem.transports.zmq.transport import ZAP_USER
@@ -53,8 +53,10 @@ class ZmqRawPeer(RawPeer):
         self._ctx = zmq.Context()
         self.socket = self._ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        # A DEALER whose connection was refused has nowhere to queue: a send would block for ever.
-        self.socket.setsockopt(zmq.SNDTIMEO, 10_000)
+        # A DEALER whose connection was refused has nowhere to queue while ZeroMQ waits to connect
+        # again: a send would block for ever. It gives up after ``send_timeout`` seconds instead.
+        self._send_timeout = send_timeout
+        self.socket.setsockopt(zmq.SNDTIMEO, int(send_timeout * 1000))
         if token is not None:
             self.socket.plain_username, self.socket.plain_password = ZAP_USER, token
         self.socket.connect(f"tcp://{address}")
@@ -67,10 +69,22 @@ class ZmqRawPeer(RawPeer):
         return cls(target.address, token)
 
     def send_frame(self, parts: Sequence) -> None:
-        self.socket.send_multipart(list(parts))
+        """Queue ``parts`` as one message; :class:`ConnectionRefusedError` when there is no connection
+        to queue it on (ZeroMQ drops the queue of a connection the server refused, then retries)."""
+        self._sending(self.socket.send_multipart, list(parts))
 
     def send_raw(self, data: bytes) -> None:
-        self.socket.send(data)
+        self._sending(self.socket.send, data)
+
+    def _sending(self, send, what) -> None:
+        import zmq
+
+        try:
+            send(what)
+        except zmq.Again:
+            raise ConnectionRefusedError(
+                f"this DEALER had no connection to queue on for {self._send_timeout:g} s: "
+                "the server refused its connection") from None
 
     def recv_frame(self, timeout: float) -> wire.Frame | None:
         if not self.socket.poll(timeout * 1000):
