@@ -1,0 +1,125 @@
+"""One TCP stream one way, then one each way at once, through an emulated link (issue 22, 5f).
+
+A ring all-reduce keeps both directions of every host's link busy at once; `stratagem advise --hosts`
+models each direction at the link's payload rate. This measures what plain sockets get on the
+emulated hosts (`stratagem.testing.hosts`), each stream timed at its receiver from the first byte to
+the last, for each TCP congestion control asked for (set per socket, ``TCP_CONGESTION``; the
+namespaces inherit this machine's default), with the token buckets' drop counters::
+
+    python3 benchmarks/link_duplex.py --link 100mbit --size 16M --rounds 3 --cc bbr,reno
+
+Needs what emulated hosts need (root, iproute2); prints one line per round and a summary per
+congestion control: each direction as a fraction of the link's payload rate
+(``stratagem.advise.hosts.PAYLOAD``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+
+from stratagem.advise.hosts import PAYLOAD
+from stratagem.launch.hosts import parse_rate
+from stratagem.testing.hosts import emulated_hosts, why_no_hosts
+
+TIMEOUT = 120.0
+
+_SINK = """
+import socket, sys, time
+s = socket.socket()
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.listen(1)
+s.settimeout(float(sys.argv[3]))
+print("listening", flush=True)
+c, _ = s.accept()
+c.settimeout(float(sys.argv[3]))
+buf, total, first = bytearray(1 << 20), 0, None
+while True:
+    n = c.recv_into(buf)
+    if not n:
+        break
+    first = first or time.perf_counter()
+    total += n
+print(total, time.perf_counter() - first, flush=True)
+"""
+
+_SOURCE = """
+import socket, sys
+c = socket.socket()
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, sys.argv[4].encode())
+c.settimeout(float(sys.argv[5]))
+c.connect((sys.argv[1], int(sys.argv[2])))
+c.sendall(bytes(int(sys.argv[3])))
+c.close()
+"""
+
+
+def streams(hosts, pairs, nbytes: int, cc: str, port: int) -> list[float]:
+    """Bytes per second of one stream per (src, dst) in ``pairs``, all at once."""
+    sinks = [hosts.popen(dst, [sys.executable, "-c", _SINK, hosts.addresses[dst], str(port + i), str(TIMEOUT)],
+                         stdout=subprocess.PIPE, text=True) for i, (_, dst) in enumerate(pairs)]
+    for sink in sinks:
+        if sink.stdout.readline().strip() != "listening":
+            raise RuntimeError("a receiver did not start")
+    sources = [hosts.popen(src, [sys.executable, "-c", _SOURCE, hosts.addresses[dst], str(port + i), str(nbytes), cc,
+                                 str(TIMEOUT)]) for i, (src, dst) in enumerate(pairs)]
+    for source in sources:
+        if source.wait(TIMEOUT) != 0:
+            raise RuntimeError(f"a sender failed (congestion control {cc!r} allowed here?)")
+    rates = []
+    for sink in sinks:
+        total, seconds = sink.stdout.readline().split()
+        sink.wait(TIMEOUT)
+        if int(total) != nbytes:
+            raise RuntimeError(f"a receiver got {total} of {nbytes} bytes")
+        rates.append(int(total) / float(seconds))
+    return rates
+
+
+def drops(hosts) -> list[int]:
+    """Packets each host's token bucket (its ``eth0`` egress) dropped so far."""
+    out = []
+    for host in range(len(hosts.names)):
+        text = hosts.run(host, ["tc", "-s", "qdisc", "show", "dev", "eth0"]).stdout
+        out.append(sum(int(n) for n in re.findall(r"dropped (\d+)", text)))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--link", default="100mbit")
+    parser.add_argument("--size", default="16M", help="bytes per stream (K/M suffixes)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cc", default="bbr,reno", help="TCP congestion controls, comma-separated")
+    args = parser.parse_args(argv)
+    if why_no_hosts():
+        print(why_no_hosts(), file=sys.stderr)
+        return 2
+    scale = {"K": 1 << 10, "M": 1 << 20}
+    nbytes = int(args.size[:-1]) * scale[args.size[-1]] if args.size[-1] in scale else int(args.size)
+    wire = parse_rate(args.link) / 8 * PAYLOAD
+    with emulated_hosts(2, link=args.link) as hosts:
+        cc_default = hosts.run(0, ["sysctl", "-n", "net.ipv4.tcp_congestion_control"]).stdout.strip()
+        print(f"{args.link}, {nbytes} bytes a stream, payload rate {wire / 1e6:.2f} MB/s; "
+              f"the hosts' default congestion control: {cc_default}")
+        for cc in args.cc.split(","):
+            one, slower = [], []
+            for r in range(args.rounds):
+                before = drops(hosts)
+                (a,) = streams(hosts, [(0, 1)], nbytes, cc, 5300)
+                b = streams(hosts, [(0, 1), (1, 0)], nbytes, cc, 5310)
+                after = drops(hosts)
+                one.append(a / wire)
+                slower.append(min(b) / wire)
+                print(f"  {cc} round {r + 1}: one way {a / wire:.3f}; both ways {b[0] / wire:.3f} and "
+                      f"{b[1] / wire:.3f}; token-bucket drops {[y - x for x, y in zip(before, after)]}", flush=True)
+            print(f"{cc}: one way {statistics.median(one):.3f} of the payload rate, the slower of two ways at once "
+                  f"{statistics.median(slower):.3f} (median of {args.rounds}; min {min(slower):.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
