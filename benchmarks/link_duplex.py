@@ -2,8 +2,8 @@
 
 A ring all-reduce keeps both directions of every host's link busy at once; `stratagem advise --hosts`
 models each direction at the link's payload rate. This measures what plain sockets get on the
-emulated hosts (`stratagem.testing.hosts`), each stream timed at its receiver from the first byte to
-the last, for each TCP congestion control asked for (set per socket, ``TCP_CONGESTION``; the
+emulated hosts (``Hosts.streams`` of `stratagem.testing.hosts`: each stream timed at its receiver from
+its first byte to its last), for each TCP congestion control asked for (set per socket, ``TCP_CONGESTION``; the
 namespaces inherit this machine's default), with the token buckets' drop counters::
 
     python3 benchmarks/link_duplex.py --link 100mbit --size 16M --rounds 3 --cc bbr,reno
@@ -18,65 +18,11 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import subprocess
 import sys
 
 from stratagem.advise.hosts import PAYLOAD
 from stratagem.launch.hosts import parse_rate
 from stratagem.testing.hosts import emulated_hosts, why_no_hosts
-
-TIMEOUT = 120.0
-
-_SINK = """
-import socket, sys, time
-s = socket.socket()
-s.bind((sys.argv[1], int(sys.argv[2])))
-s.listen(1)
-s.settimeout(float(sys.argv[3]))
-print("listening", flush=True)
-c, _ = s.accept()
-c.settimeout(float(sys.argv[3]))
-buf, total, first = bytearray(1 << 20), 0, None
-while True:
-    n = c.recv_into(buf)
-    if not n:
-        break
-    first = first or time.perf_counter()
-    total += n
-print(total, time.perf_counter() - first, flush=True)
-"""
-
-_SOURCE = """
-import socket, sys
-c = socket.socket()
-c.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, sys.argv[4].encode())
-c.settimeout(float(sys.argv[5]))
-c.connect((sys.argv[1], int(sys.argv[2])))
-c.sendall(bytes(int(sys.argv[3])))
-c.close()
-"""
-
-
-def streams(hosts, pairs, nbytes: int, cc: str, port: int) -> list[float]:
-    """Bytes per second of one stream per (src, dst) in ``pairs``, all at once."""
-    sinks = [hosts.popen(dst, [sys.executable, "-c", _SINK, hosts.addresses[dst], str(port + i), str(TIMEOUT)],
-                         stdout=subprocess.PIPE, text=True) for i, (_, dst) in enumerate(pairs)]
-    for sink in sinks:
-        if sink.stdout.readline().strip() != "listening":
-            raise RuntimeError("a receiver did not start")
-    sources = [hosts.popen(src, [sys.executable, "-c", _SOURCE, hosts.addresses[dst], str(port + i), str(nbytes), cc,
-                                 str(TIMEOUT)]) for i, (src, dst) in enumerate(pairs)]
-    for source in sources:
-        if source.wait(TIMEOUT) != 0:
-            raise RuntimeError(f"a sender failed (congestion control {cc!r} allowed here?)")
-    rates = []
-    for sink in sinks:
-        total, seconds = sink.stdout.readline().split()
-        sink.wait(TIMEOUT)
-        if int(total) != nbytes:
-            raise RuntimeError(f"a receiver got {total} of {nbytes} bytes")
-        rates.append(int(total) / float(seconds))
-    return rates
 
 
 def drops(hosts) -> list[int]:
@@ -100,17 +46,17 @@ def main(argv=None) -> int:
         return 2
     scale = {"K": 1 << 10, "M": 1 << 20}
     nbytes = int(args.size[:-1]) * scale[args.size[-1]] if args.size[-1] in scale else int(args.size)
-    wire = parse_rate(args.link) / 8 * PAYLOAD
+    wire = parse_rate(args.link) * PAYLOAD   # bits/s of payload, as Hosts.streams counts
     with emulated_hosts(2, link=args.link) as hosts:
         cc_default = hosts.run(0, ["sysctl", "-n", "net.ipv4.tcp_congestion_control"]).stdout.strip()
-        print(f"{args.link}, {nbytes} bytes a stream, payload rate {wire / 1e6:.2f} MB/s; "
+        print(f"{args.link}, {nbytes} bytes a stream, payload rate {wire / 8e6:.2f} MB/s; "
               f"the hosts' default congestion control: {cc_default}")
         for cc in args.cc.split(","):
             one, slower = [], []
             for r in range(args.rounds):
                 before = drops(hosts)
-                (a,) = streams(hosts, [(0, 1)], nbytes, cc, 5300)
-                b = streams(hosts, [(0, 1), (1, 0)], nbytes, cc, 5310)
+                (a,) = hosts.streams([(0, 1)], nbytes, port=5300, congestion=cc)
+                b = hosts.streams([(0, 1), (1, 0)], nbytes, port=5310, congestion=cc)
                 after = drops(hosts)
                 one.append(a / wire)
                 slower.append(min(b) / wire)

@@ -62,7 +62,15 @@ print(total, time.perf_counter() - first, flush=True)
 
 _SOURCE = """
 import socket, sys
-conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[4]))
+conn = socket.socket()
+if sys.argv[5]:
+    try:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, sys.argv[5].encode())
+    except OSError as exc:
+        sys.exit(f"TCP congestion control {sys.argv[5]!r} not available here ({exc.strerror}); "
+                 "/proc/sys/net/ipv4/tcp_available_congestion_control lists those that are")
+conn.settimeout(float(sys.argv[4]))
+conn.connect((sys.argv[1], int(sys.argv[2])))
 conn.sendall(bytes(int(sys.argv[3])))
 conn.close()
 """
@@ -129,22 +137,39 @@ class Hosts:
     def throughput(self, src: int, dst: int, nbytes: int, port: int = 5201, timeout: float = WAIT) -> float:
         """Bits per second of one TCP stream of ``nbytes`` from host ``src`` to host ``dst``, timed at
         the receiver from its first byte to the end (payload only: headers are not counted)."""
-        sink = self.popen(dst, [sys.executable, "-c", _SINK, self.addresses[dst], str(port), str(timeout)],
-                          stdout=subprocess.PIPE, text=True)
+        return self.streams([(src, dst)], nbytes, port=port, timeout=timeout)[0]
+
+    def streams(self, pairs: Sequence[tuple[int, int]], nbytes: int, port: int = 5201, timeout: float = WAIT,
+                congestion: str | None = None) -> list[float]:
+        """Bits per second of one TCP stream of ``nbytes`` for each ``(src, dst)`` host pair, all at
+        once (the i-th on ``port + i``), each timed at its receiver as :meth:`throughput` times one.
+        ``congestion``: the TCP congestion control each sender asks for (``"reno"``, ``"bbr"``; set
+        per socket), else the host's default. ``hosts.streams([(0, 1), (1, 0)], 8 << 20)``: a link
+        busy both ways at once, as a ring all-reduce keeps it."""
+        sinks = [self.popen(dst, [sys.executable, "-c", _SINK, self.addresses[dst], str(port + i), str(timeout)],
+                            stdout=subprocess.PIPE, text=True) for i, (_, dst) in enumerate(pairs)]
         try:
-            if sink.stdout.readline().strip() != "listening":
-                raise RuntimeError(f"the receiver on {self.names[dst]} did not start (exit {sink.wait(timeout)})")
-            source = self.run(src, [sys.executable, "-c", _SOURCE, self.addresses[dst], str(port), str(nbytes),
-                                    str(timeout)], timeout=timeout)
-            if source.returncode != 0:
-                raise RuntimeError(f"the sender on {self.names[src]} failed: {source.stderr.strip()}")
-            total, seconds = sink.stdout.readline().split()
-            sink.wait(timeout)
+            for (_, dst), sink in zip(pairs, sinks):
+                if sink.stdout.readline().strip() != "listening":
+                    raise RuntimeError(f"the receiver on {self.names[dst]} did not start (exit {sink.wait(timeout)})")
+            sources = [self.popen(src, [sys.executable, "-c", _SOURCE, self.addresses[dst], str(port + i),
+                                        str(nbytes), str(timeout), congestion or ""],
+                                  stderr=subprocess.PIPE, text=True) for i, (src, dst) in enumerate(pairs)]
+            for (src, _), source in zip(pairs, sources):
+                _, err = source.communicate(timeout=timeout)
+                if source.returncode != 0:
+                    raise RuntimeError(f"the sender on {self.names[src]} failed: {err.strip()}")
+            rates = []
+            for (_, dst), sink in zip(pairs, sinks):
+                total, seconds = sink.stdout.readline().split()
+                sink.wait(timeout)
+                if int(total) != nbytes:
+                    raise RuntimeError(f"{self.names[dst]} received {total} of {nbytes} bytes")
+                rates.append(int(total) * 8 / float(seconds))
+            return rates
         finally:
-            _kill(sink)
-        if int(total) != nbytes:
-            raise RuntimeError(f"{self.names[dst]} received {total} of {nbytes} bytes")
-        return int(total) * 8 / float(seconds)
+            for sink in sinks:
+                _kill(sink)
 
     def stop_processes(self) -> None:
         """SIGKILL every process started with :meth:`popen` (its whole group) and reap it."""
