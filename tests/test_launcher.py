@@ -408,10 +408,11 @@ def test_bad_invocations_are_usage_errors_naming_the_fix(launcher, args, message
 # -- the Python API --------------------------------------------------------------------------------
 
 
-def test_launch_returns_each_tasks_exit_code():
+def test_launch_returns_each_tasks_exit_code(tmp_path):
     out, err = io.StringIO(), io.StringIO()
-    result = launch([*BEHAVE, "worker:1=exit:3", "*=forever"], workers=2, chief=True, env={"EXTRA": "1"},
-                    output=out, error_output=err, grace=2)
+    # worker:1 fails once the other two run: a task the launcher stops before it started prints nothing.
+    result = launch([*BEHAVE, f"worker:1=await:2:{tmp_path},exit:3", f"*=mark:{tmp_path},forever"], workers=2,
+                    chief=True, env={"EXTRA": "1"}, output=out, error_output=err, grace=2)
     assert isinstance(result, LaunchResult) and not result.ok and result.exit_code == 1
     assert result.failed_task == TaskId("worker", 1)
     assert result.returncodes == {"chief:0": -signal.SIGTERM, "worker:0": -signal.SIGTERM, "worker:1": 3}

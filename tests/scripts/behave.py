@@ -8,6 +8,9 @@ TASK is ``worker:1`` or ``*`` (every task not named). Actions run in order:
 - ``exit:N``       exit with code N
 - ``kill:SIG``     kill itself with signal SIG (e.g. ``kill:SIGKILL``)
 - ``forever``      sleep until killed
+- ``mark:DIR``     create the file DIR/TASK (the others' ``await`` sees it)
+- ``await:N:DIR``  wait until N files are in DIR (so a task fails only once the others run); exit 99
+                   after 60 s
 
 The task always starts by printing ``pid <pid>`` and, before blocking forever, ``ready``; with no
 ending action it exits 0.
@@ -38,6 +41,15 @@ for action in filter(None, actions):
         sys.exit(int(value))
     elif verb == "kill":
         os.kill(os.getpid(), signal.Signals[value])
+    elif verb == "mark":
+        open(os.path.join(value, name), "w").close()
+    elif verb == "await":
+        count, _, folder = value.partition(":")
+        deadline = time.monotonic() + 60
+        while len(os.listdir(folder)) < int(count):
+            if time.monotonic() > deadline:
+                sys.exit(99)
+            time.sleep(0.01)
     elif verb == "forever":
         print("ready")
         while True:
