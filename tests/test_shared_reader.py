@@ -59,20 +59,23 @@ def wait_for(condition, timeout=10.0):
 
 def test_a_waiting_recv_reads_itself_and_the_background_reads_when_nobody_waits(source):
     crashes = []
-    reader = SharedReader("reader-under-test", source.pump, source.wake, lambda: crashes.append(1), grace=0.02)
+    # A grace far longer than the loop below, however the scheduler runs it: with the transports'
+    # 20 ms, a waiter descheduled for longer lets the background read in between (12 of 20 under load).
+    reader = SharedReader("reader-under-test", source.pump, source.wake, lambda: crashes.append(1), grace=5.0)
     reader.start()
     try:
         os.write(source.w, b"\1")
         wait_for(lambda: source.readers)                  # nobody waits: the background thread read it
         assert source.readers == ["reader-under-test"]
         # A waiter keeps reading itself (its grace keeps the background away): everything it sends
-        # itself comes back through its own reads.
+        # itself comes back through its own reads, but the first, which the background may read
+        # before the waiter's first turn has told it to stay away.
         mine = threading.current_thread().name
         for _ in range(20):
             os.write(source.w, b"\1")
             while not reader.for_waiter(1.0):
                 pass
-        assert source.readers.count(mine) >= 15, source.readers
+        assert source.readers.count(mine) >= 19, source.readers
         assert crashes == []
     finally:
         reader.stop()
