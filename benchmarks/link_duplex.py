@@ -21,6 +21,7 @@ import statistics
 import sys
 
 from stratagem.advise.hosts import PAYLOAD
+from stratagem.bench.units import parse_size
 from stratagem.launch.hosts import parse_rate
 from stratagem.testing.hosts import emulated_hosts, why_no_hosts
 
@@ -37,15 +38,14 @@ def drops(hosts) -> list[int]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--link", default="100mbit")
-    parser.add_argument("--size", default="16M", help="bytes per stream (K/M suffixes)")
+    parser.add_argument("--size", type=parse_size, default="16M", help="bytes per stream (4096, 4K, 16M)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cc", default="bbr,reno", help="TCP congestion controls, comma-separated")
     args = parser.parse_args(argv)
     if why_no_hosts():
         print(why_no_hosts(), file=sys.stderr)
         return 2
-    scale = {"K": 1 << 10, "M": 1 << 20}
-    nbytes = int(args.size[:-1]) * scale[args.size[-1]] if args.size[-1] in scale else int(args.size)
+    nbytes = args.size
     wire = parse_rate(args.link) * PAYLOAD   # bits/s of payload, as Hosts.streams counts
     with emulated_hosts(2, link=args.link) as hosts:
         cc_default = hosts.run(0, ["sysctl", "-n", "net.ipv4.tcp_congestion_control"]).stdout.strip()

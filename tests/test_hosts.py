@@ -185,7 +185,8 @@ def test_shaped_links_carry_their_rate():
 def test_streams_both_ways_at_once_are_each_shaped_and_take_the_congestion_control_asked_for():
     with emulated_hosts(2, link="100mbit") as hosts:
         both = hosts.streams([(0, 1), (1, 0)], 2 << 20, congestion="reno")
-        with pytest.raises(RuntimeError, match="the sender on host0 failed: TCP congestion control 'no-such-control' not available here"):
+        with pytest.raises(RuntimeError, match="the sender on host0 failed: TCP congestion control "
+                                               "'no-such-control' not available here"):
             hosts.streams([(0, 1)], 1 << 20, port=5301, congestion="no-such-control")
     assert len(both) == 2 and all(0 < rate <= 1.05 * 100e6 for rate in both), both
 
