@@ -111,10 +111,12 @@ def test_a_task_raising_on_its_host_fails_the_job():
     assert "RuntimeError: worker:1 failed on purpose" in done.stderr
     # worker:1 exits 1, unless worker:0 (which lost it at once) exits first and the launcher's stop
     # reaches worker:1 while its interpreter is still ending: it reported its error, so it is named
-    # all the same, with that error.
+    # all the same, with that error, and its row says it was stopped, with how it ended: by the
+    # SIGTERM, or with its own exit 1 when it exited between the launcher's look (still running) and
+    # its signal (seen once in a suite run under CPU hogs). test_multinode accepts the same.
     assert re.search(r"FAILED: worker:1 (exited with code 1|failed \(RuntimeError: worker:1 failed on purpose\)); "
                      r"stopped the other tasks", done.stderr), done.stderr
-    assert re.search(r"^  worker:1\s+\d+\s+(exit 1|stopped by launcher \(SIGTERM\))  <- first failure$",
+    assert re.search(r"^  worker:1\s+\d+\s+(exit 1|stopped by launcher \((SIGTERM|exit 1)\))  <- first failure$",
                      done.stderr, re.M), done.stderr
 
 
