@@ -228,13 +228,19 @@ def test_launch_mpi_ranks_die_with_a_launcher_killed_outright(tmp_path):
                                      "--timeout", "120", "--", sys.executable, "-c", "import time; time.sleep(600)",
                                      marker], stdout=subprocess.DEVNULL, stderr=stderr, env=_env(),
                                     start_new_session=True)
+    rank = f"{sys.executable} -c import time; time.sleep(600) {marker}"
+
+    def ranks() -> list[str]:
+        # The ranks' own programs: the launcher, mpiexec and the wrappers carry the marker too (counting
+        # them let the wait end as mpiexec's wrapper started, before any rank, and failed the test when
+        # the next look missed that wrapper in the middle of its exec).
+        return [p for p in _processes_with(marker) if p.split(": ", 1)[1].strip() == rank]
+
     try:
         deadline = time.monotonic() + 60
-        while len(_processes_with(marker)) < 2 and time.monotonic() < deadline:
+        while len(ranks()) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        # (Once in three suite runs with two CPU hogs, 2026-11-29, the ranks had not started after 60 s
-        # while the launcher lived; a normal start takes about a second. What it was doing is kept here.)
-        assert len(_processes_with(marker)) >= 2, (
+        assert len(ranks()) == 2, (
             f"the ranks never started; the launcher's session:\n{_session_processes(launcher.pid)}"
             f"its stderr:\n{log.read_text(errors='replace')[-4000:]}")
         launcher.kill()
