@@ -26,7 +26,8 @@ import stratagem
 from stratagem.bench.units import parse_size
 
 args = sys.argv[1:]
-count = parse_size(args[0] if args else "4K") // 4
+nbytes = parse_size(args[0] if args else "4K")
+count = nbytes // 4
 calls = int(args[1]) if len(args) > 1 else 3000
 rounds = int(args[2]) if len(args) > 2 else 5
 plain = MPI.COMM_WORLD
@@ -71,7 +72,7 @@ for _ in range(rounds):
             raise SystemExit(f"{name}: wrong sum {out[:4]}, expected {expected}")
         results[name].append((plain.allreduce(wall, op=MPI.MAX) * 1e6, cpu * 1e6))
 if plain.rank == 0:
-    print(f"{parse_size(args[0] if args else '4K')} bytes, np={plain.size}, {calls} calls per round; "
+    print(f"{nbytes} bytes, np={plain.size}, {calls} calls per round; "
           f"us per call (slowest rank) / rank 0's CPU us per call, round by round")
     for name, values in results.items():
         print(f"{name:32s} " + ", ".join(f"{w:.1f}/{c:.1f}" for w, c in values), flush=True)
